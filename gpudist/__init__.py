@@ -1,0 +1,35 @@
+"""gpudist: data-, model- and pipeline-parallel training for PyTorch.
+
+Triton kernels feed NCCL through CuPy on GPUs; the same strategy classes run on CPU over Gloo, MPI or an
+in-memory backend. See README.md for the strategy guide and DESIGN.md for the architecture.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .comm import (
+    CollectiveMismatchError,
+    CommunicationBackend,
+    CommunicationError,
+    CommunicationTimeoutError,
+    GlooCommunicationBackend,
+    InMemoryCommunicationBackend,
+    ReductionOperation,
+)
+from .launch import init
+
+try:
+    __version__ = version("gpudist")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+source"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CommunicationBackend",
+    "CommunicationError",
+    "CommunicationTimeoutError",
+    "GlooCommunicationBackend",
+    "InMemoryCommunicationBackend",
+    "ReductionOperation",
+    "__version__",
+    "init",
+]

@@ -1,0 +1,590 @@
+"""The communication contract every gpudist backend implements.
+
+One contract, four transports. Every public method of :class:`CommunicationBackend` validates its
+arguments locally (device, contiguity, dtype, sizes, rank range) *before* anything is sent, counts the
+bytes it moves in :attr:`CommunicationBackend.stats`, and turns transport failures into
+:class:`CommunicationError` naming the op, the group and the rank. Backends only implement the
+transport (``_all_reduce`` and friends) and a cross-rank consistency check of the call signature.
+
+Uneven sizes (``reduce_scatter`` / ``all_gather``): a flat buffer of ``n`` elements is split over
+``N`` ranks into contiguous ranges in rank order; the first ``n % N`` ranks get ``n // N + 1``
+elements, the rest ``n // N`` (the ``numpy.array_split`` rule). :func:`split_sizes` and
+:func:`shard_range` are the single definition of that rule; ``gpudist.flat`` reuses them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CollectiveMismatchError",
+    "CommStats",
+    "CommunicationBackend",
+    "CommunicationError",
+    "CommunicationTimeoutError",
+    "OpStats",
+    "ReductionOperation",
+    "Work",
+    "shard_range",
+    "split_sizes",
+]
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a collective may wait for its peers before raising :class:`CommunicationTimeoutError`."""
+
+
+class CommunicationError(RuntimeError):
+    """A collective or point-to-point op could not complete. Names the op, the group and the rank."""
+
+    def __init__(self, message: str, *, op: str = "", group: str = "", rank: int = -1):
+        super().__init__(message)
+        self.op, self.group, self.rank = op, group, rank
+
+
+class CommunicationTimeoutError(CommunicationError):
+    """A peer did not take part in an op within the backend's timeout (it never joined, hangs, or died)."""
+
+
+class CollectiveMismatchError(CommunicationError):
+    """Ranks called an op with different names, shapes, dtypes or roots. Raised before anything was sent, so the
+    group stays usable."""
+
+
+class ReductionOperation(enum.Enum):
+    """How ``all_reduce`` and ``reduce_scatter`` combine the ranks' values."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MAX = "max"
+    MIN = "min"
+    PRODUCT = "product"
+
+    @classmethod
+    def parse(cls, op: ReductionOperation | str) -> ReductionOperation:
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str):
+            key = op.strip().upper()
+            key = {"AVG": "AVERAGE", "MEAN": "AVERAGE", "PROD": "PRODUCT"}.get(key, key)
+            if key in cls.__members__:
+                return cls[key]
+        raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(cls.__members__)}")
+
+
+def split_sizes(numel: int, world_size: int) -> list[int]:
+    """Element counts of each rank's contiguous range when ``numel`` elements are split over ``world_size``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    base, extra = divmod(numel, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(start, end)`` of ``rank``'s range of a flat buffer of ``numel`` elements (see :func:`split_sizes`)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    base, extra = divmod(numel, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommStats:
+    """Per-op call and byte counters of one backend (one rank of one group).
+
+    ``bytes`` is the op's payload as nccl-tests counts "size": the tensor for ``all_reduce``, ``broadcast``,
+    ``send`` and ``recv``; the input of ``reduce_scatter`` and ``all_to_all``; the output of ``all_gather``.
+    The consistency checks gpudist runs before ops are counted apart, in ``check_calls``/``check_bytes``.
+    """
+
+    ops: dict[str, OpStats] = field(default_factory=dict)
+    check_calls: int = 0
+    check_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            entry = self.ops.setdefault(op, OpStats())
+            entry.calls += 1
+            entry.bytes += nbytes
+
+    def record_check(self, nbytes: int) -> None:
+        with self._lock:
+            self.check_calls += 1
+            self.check_bytes += nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.ops.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(s.calls for s in self.ops.values())
+
+    def bytes_of(self, op: str) -> int:
+        return self.ops[op].bytes if op in self.ops else 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.ops.clear()
+            self.check_calls = self.check_bytes = 0
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {
+                "ops": {k: {"calls": v.calls, "bytes": v.bytes} for k, v in sorted(self.ops.items())},
+                "total_bytes": sum(s.bytes for s in self.ops.values()),
+                "check_calls": self.check_calls,
+                "check_bytes": self.check_bytes,
+            }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Async handles
+
+
+class Work:
+    """Handle of an op started with ``async_op=True``: ``wait()`` blocks until it completes (or raises its error)."""
+
+    def __init__(self, wait_fn: Callable[[], None] | None = None, done_fn: Callable[[], bool] | None = None):
+        self._wait_fn = wait_fn
+        self._done_fn = done_fn
+        self._finished = wait_fn is None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            return
+        try:
+            self._wait_fn()
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._finished = True
+
+    def is_completed(self) -> bool:
+        if self._finished:
+            return True
+        return bool(self._done_fn()) if self._done_fn is not None else False
+
+
+COMPLETED = Work()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Call signatures: what every rank must agree on
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.int8: 7,
+    torch.uint8: 8,
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_OP_CODES = {
+    name: i + 1
+    for i, name in enumerate(
+        ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "barrier", "new_group"]
+    )
+}
+_CODE_OPS = {v: k for k, v in _OP_CODES.items()}
+_RED_CODES = {op: i + 1 for i, op in enumerate(ReductionOperation)}
+_CODE_REDS = {v: k for k, v in _RED_CODES.items()}
+_MAX_DIMS = 8
+SIGNATURE_LEN = 5 + _MAX_DIMS + 1  # op, dtype, reduction, root, ndim, dims..., extra
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What every rank of a group must agree on for one op: name, dtype, shape, reduction and root/peer.
+
+    ``extra`` carries op-specific agreement data (a hash of the rank list for ``new_group``). Encoded as
+    ``SIGNATURE_LEN`` int64 values so transports can exchange it in one small collective.
+    """
+
+    op: str
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    reduction: ReductionOperation | None = None
+    root: int = -1
+    extra: int = 0
+
+    def encode(self) -> list[int]:
+        dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
+        if len(self.shape) > _MAX_DIMS:  # fold the tail into the last slot so different tails still differ
+            dims[-1] = hash(tuple(self.shape[_MAX_DIMS - 1 :])) & ((1 << 62) - 1)
+        return [
+            _OP_CODES[self.op],
+            _DTYPE_CODES.get(self.dtype, 0) if self.dtype is not None else 0,
+            _RED_CODES[self.reduction] if self.reduction is not None else 0,
+            self.root,
+            len(self.shape),
+            *dims,
+            self.extra,
+        ]
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> Signature:
+        values = [int(v) for v in values]
+        ndim = values[4]
+        dims = values[5 : 5 + min(ndim, _MAX_DIMS)]
+        return cls(
+            op=_CODE_OPS.get(values[0], f"op#{values[0]}"),
+            dtype=_CODE_DTYPES.get(values[1]),
+            shape=tuple(dims) if ndim <= _MAX_DIMS else (*dims[:-1], -1),
+            reduction=_CODE_REDS.get(values[2]),
+            root=values[3],
+            extra=values[-1],
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.dtype is not None:
+            parts += [f"shape={tuple(self.shape)}", f"dtype={str(self.dtype).removeprefix('torch.')}"]
+        if self.reduction is not None:
+            parts.append(f"op={self.reduction.name}")
+        if self.root >= 0:
+            parts.append(f"{'peer' if self.op == 'send' else 'root'}={self.root}")
+        if self.op == "new_group":
+            parts.append(f"ranks_hash={self.extra}")
+        return f"{self.op}({', '.join(parts)})"
+
+
+def mismatch_error(signatures: Sequence[Signature], *, group: str, rank: int) -> CollectiveMismatchError | None:
+    """The error every rank raises when the ranks' signatures differ, or None when they agree."""
+    reference = signatures[0]
+    for other_rank, sig in enumerate(signatures):
+        if sig != reference:
+            return CollectiveMismatchError(
+                f"{reference.op} mismatch on group '{group}': rank 0 called {reference.describe()} but rank "
+                f"{other_rank} called {sig.describe()}; every rank must call the same op with the same shape, "
+                f"dtype and root (raised on rank {rank}, before anything was sent)",
+                op=reference.op,
+                group=group,
+                rank=rank,
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The contract
+
+
+class CommunicationBackend(ABC):
+    """A group of ``world_size`` ranks that exchange torch tensors; this object is one rank's view of it.
+
+    Every op takes contiguous tensors on the backend's device. Collective ops (all but ``send``/``recv``) must
+    be called by every rank of the group in the same order with the same shape, dtype and root: a backend
+    checks this and raises :class:`CommunicationError` on every rank, naming the rank that differed, before
+    anything is sent. With ``async_op=True`` an op returns a :class:`Work` whose ``wait()`` completes it; the
+    input must not be changed and the output not read before then. Without it, ops return ``None`` once done.
+    """
+
+    #: Name of the transport ("inmemory", "gloo", "nccl", "mpi").
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, group: str, timeout: float):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}; ranks are 0..{world_size - 1}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.timeout = float(timeout)
+        self.stats = CommStats()
+        self._broken: CommunicationError | None = None
+
+    # -- what a transport provides ---------------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device type the tensors of this backend live on (``cpu`` or ``cuda``)."""
+
+    @abstractmethod
+    def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+        ...
+
+    @abstractmethod
+    def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work: ...
+
+    @abstractmethod
+    def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work: ...
+
+    @abstractmethod
+    def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work: ...
+
+    @abstractmethod
+    def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work: ...
+
+    @abstractmethod
+    def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work: ...
+
+    @abstractmethod
+    def _barrier(self, sig: Signature) -> Work: ...
+
+    @abstractmethod
+    def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None: ...
+
+    def _translate(self, error: BaseException, op: str) -> CommunicationError:
+        """Map a transport's native exception to a CommunicationError (backends refine this)."""
+        return self._error(f"{type(error).__name__}: {error}", op)
+
+    # -- the public ops ----------------------------------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReductionOperation | str = ReductionOperation.SUM, *, async_op: bool = False
+    ) -> Work | None:
+        """Combine ``tensor`` over all ranks with ``op``, in place, on every rank."""
+        op = ReductionOperation.parse(op)
+        self._check_tensor("all_reduce", tensor)
+        self._check_reduction("all_reduce", op, tensor.dtype)
+        sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
+        return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._all_reduce(sig, tensor, op))
+
+    def reduce_scatter(
+        self,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        op: ReductionOperation | str = ReductionOperation.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Combine ``inp`` over all ranks; rank r receives range r of the result (see :func:`split_sizes`) in ``out``."""
+        op = ReductionOperation.parse(op)
+        self._check_pair("reduce_scatter", inp, out)
+        self._check_reduction("reduce_scatter", op, inp.dtype)
+        expected = split_sizes(inp.numel(), self.world_size)[self.rank]
+        if out.numel() != expected:
+            raise ValueError(
+                f"reduce_scatter: out has {out.numel()} elements but rank {self.rank}'s share of {inp.numel()} "
+                f"over {self.world_size} ranks is {expected} (first numel % world_size ranks get one more); "
+                f"size out with gpudist.comm.split_sizes(inp.numel(), world_size)[rank]"
+            )
+        sig = Signature("reduce_scatter", inp.dtype, tuple(inp.shape), op)
+        nbytes = inp.numel() * inp.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._reduce_scatter(sig, inp, out, op))
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
+        """Concatenate every rank's ``inp`` in rank order into ``out`` (flat; uneven shares per :func:`split_sizes`)."""
+        self._check_pair("all_gather", inp, out)
+        expected = split_sizes(out.numel(), self.world_size)[self.rank]
+        if inp.numel() != expected:
+            raise ValueError(
+                f"all_gather: inp has {inp.numel()} elements but rank {self.rank}'s share of out ({out.numel()} "
+                f"elements over {self.world_size} ranks) is {expected}; size inp with "
+                f"gpudist.comm.split_sizes(out.numel(), world_size)[rank]"
+            )
+        sig = Signature("all_gather", out.dtype, tuple(out.shape))
+        nbytes = out.numel() * out.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        self._check_tensor("broadcast", tensor)
+        self._check_peer("broadcast", src, "src", allow_self=True)
+        sig = Signature("broadcast", tensor.dtype, tuple(tensor.shape), root=src)
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._broadcast(sig, tensor, src))
+
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Work | None:
+        """Send ``tensor`` to rank ``dst``, which must post a ``recv`` of the same shape and dtype."""
+        self._check_tensor("send", tensor)
+        self._check_peer("send", dst, "dst")
+        sig = Signature("send", tensor.dtype, tuple(tensor.shape), root=dst)
+        return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._send(sig, tensor, dst))
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Work | None:
+        """Receive into ``tensor`` what rank ``src`` sends; a shape or dtype that differs from the send raises here."""
+        self._check_tensor("recv", tensor)
+        self._check_peer("recv", src, "src")
+        # The signature is the one the matching send carries, so the two compare directly.
+        sig = Signature("send", tensor.dtype, tuple(tensor.shape), root=self.rank)
+        return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._recv(sig, tensor, src),
+                         stat_name="recv")
+
+    def all_to_all(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
+        """Chunk ``inp`` into ``world_size`` equal parts; part j goes to rank j, and ``out``'s part i comes from rank i."""
+        self._check_pair("all_to_all", inp, out)
+        if inp.numel() != out.numel() or inp.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all: inp ({inp.numel()} elements) and out ({out.numel()}) must have the same size, "
+                f"divisible by world_size {self.world_size}; pad both to a multiple of the world size"
+            )
+        sig = Signature("all_to_all", inp.dtype, tuple(inp.shape))
+        nbytes = inp.numel() * inp.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._all_to_all(sig, inp, out))
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has entered the barrier."""
+        sig = Signature("barrier")
+        self._run(sig, 0, False, lambda: self._barrier(sig))
+
+    def new_group(self, ranks: Sequence[int]) -> CommunicationBackend | None:
+        """A backend for the sub-group ``ranks`` (ranks of this group; rank i of the new group is ``ranks[i]``).
+
+        Collective: every rank of this group calls it with the same list. Members get the sub-group's backend,
+        the other ranks ``None``.
+        """
+        ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError("new_group: ranks is empty; pass the ranks of this group that form the sub-group")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        for r in ranks:
+            self._check_peer("new_group", r, "ranks", allow_self=True)
+        sig = Signature("new_group", extra=_stable_hash(ranks))
+        self._raise_if_broken("new_group")
+        try:
+            return self._new_group(sig, ranks)
+        except CommunicationError as e:
+            self._mark_broken(e)
+            raise
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, "new_group")) from e
+
+    # -- state -------------------------------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """False once an op failed in a way that leaves the group unusable (timeout, dead peer)."""
+        return self._broken is None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, group={self.group!r}, "
+            f"timeout={self.timeout:g})"
+        )
+
+    # -- helpers shared by all backends ------------------------------------------------------------------------------
+
+    def _error(self, detail: str, op: str, cls: type[CommunicationError] = CommunicationError) -> CommunicationError:
+        return cls(f"{op} on group '{self.group}' failed on rank {self.rank}: {detail}", op=op, group=self.group,
+                   rank=self.rank)
+
+    def _mark_broken(self, error: CommunicationError) -> CommunicationError:
+        if self._broken is None and not isinstance(error, CollectiveMismatchError):
+            self._broken = error
+        return error
+
+    def _raise_if_broken(self, op: str) -> None:
+        if self._broken is not None:
+            raise self._error(
+                f"the group is unusable since an earlier failure ({self._broken}); create a new backend/process group",
+                op,
+            )
+
+    def _run(
+        self, sig: Signature, nbytes: int, async_op: bool, start: Callable[[], Work], stat_name: str | None = None
+    ) -> Work | None:
+        op = stat_name or sig.op
+        self._raise_if_broken(op)
+        self.stats.record(op, nbytes)
+        try:
+            work = start()
+        except CommunicationError as e:
+            raise self._mark_broken(e) from None
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, op)) from e
+        if async_op:
+            return Work(lambda: self._wait(work, op), work.is_completed)
+        self._wait(work, op)
+        return None
+
+    def _wait(self, work: Work, op: str) -> None:
+        try:
+            work.wait()
+        except CommunicationError as e:
+            raise self._mark_broken(e) from None
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, op)) from e
+
+    def _check_tensor(self, op: str, tensor: torch.Tensor, what: str = "tensor") -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != self.device.type:
+            fix = (
+                "move it to CPU (tensor.cpu()) or use NCCLCommunicationBackend"
+                if tensor.device.type == "cuda"
+                else f"move it to {self.device.type} (tensor.to('{self.device.type}'))"
+            )
+            raise ValueError(
+                f"{op}: {what} on {tensor.device} but backend {type(self).__name__} works on {self.device.type} "
+                f"tensors; {fix}"
+            )
+        if tensor.dtype not in _DTYPE_CODES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in _DTYPE_CODES)
+            raise TypeError(f"{op}: dtype {tensor.dtype} is not supported; use one of {supported}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{op}: {what} (shape {tuple(tensor.shape)}) is not contiguous; pass tensor.contiguous()")
+
+    def _check_pair(self, op: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self._check_tensor(op, inp, "inp")
+        self._check_tensor(op, out, "out")
+        if inp.dtype != out.dtype:
+            raise TypeError(f"{op}: inp is {inp.dtype} but out is {out.dtype}; both must have the same dtype")
+        if inp.device != out.device:
+            raise ValueError(f"{op}: inp is on {inp.device} but out on {out.device}; put both on one device")
+
+    def _check_reduction(self, op_name: str, op: ReductionOperation, dtype: torch.dtype) -> None:
+        if op is ReductionOperation.AVERAGE and not dtype.is_floating_point:
+            raise TypeError(
+                f"{op_name}: AVERAGE of {dtype} is not defined (integer division would truncate); "
+                f"use SUM and divide, or a floating-point tensor"
+            )
+
+    def _check_peer(self, op: str, peer: int, what: str, allow_self: bool = False) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise TypeError(f"{op}: {what} must be an int rank, got {peer!r}")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(
+                f"{op}: {what}={peer} is out of range for group '{self.group}' of {self.world_size} ranks "
+                f"(valid: 0..{self.world_size - 1})"
+            )
+        if peer == self.rank and not allow_self:
+            raise ValueError(f"{op}: {what}={peer} is this rank itself; a rank cannot {op} to/from itself")
+
+
+def _stable_hash(values: Sequence[int]) -> int:
+    h = 1469598103934665603
+    for v in values:
+        h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)
+    return h
+
+
+def deadline_after(seconds: float) -> float:
+    return time.monotonic() + seconds

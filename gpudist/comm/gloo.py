@@ -1,0 +1,362 @@
+"""Gloo backend: CPU tensors between processes (one machine or many), over ``torch.distributed``'s Gloo.
+
+gpudist calls the ``ProcessGroupGloo`` object directly (no ``torch.distributed`` wrapper per call) and gives
+every op an explicit timeout, so a peer that hangs or dies raises :class:`CommunicationError` within
+``timeout`` seconds.
+
+Consistency check: Gloo aborts the whole process (SIGABRT from its I/O thread, not an exception) when ranks
+pass different sizes or dtypes to a collective, and a ``recv`` larger than the matching ``send`` silently
+receives a short message (both seen with torch 2.13). With ``validate=True`` (the default) every collective
+first exchanges a 14-int64 signature among the ranks (one small all-gather) and raises
+:class:`CollectiveMismatchError` on every rank before the real op is sent; ``send`` prepends its signature and
+``recv`` compares it before posting the payload. The check costs one small-message latency per op (measured
+in ``benchmarks/collectives.py``); ``validate=False`` removes it once a program is known to be consistent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    DEFAULT_TIMEOUT,
+    SIGNATURE_LEN,
+    CollectiveMismatchError,
+    CommunicationBackend,
+    CommunicationError,
+    CommunicationTimeoutError,
+    ReductionOperation,
+    Signature,
+    Work,
+    mismatch_error,
+    shard_range,
+    split_sizes,
+)
+
+try:  # the option structs moved between modules across torch releases; both names exist in 2.11-2.13
+    from torch.distributed.distributed_c10d import (
+        AllgatherOptions,
+        AllreduceOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
+except ImportError:  # pragma: no cover
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        AllreduceOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
+
+__all__ = ["GlooCommunicationBackend", "create_store", "is_loopback"]
+
+_TORCH_OPS = {
+    ReductionOperation.SUM: dist.ReduceOp.SUM,
+    ReductionOperation.AVERAGE: dist.ReduceOp.AVG,
+    ReductionOperation.MAX: dist.ReduceOp.MAX,
+    ReductionOperation.MIN: dist.ReduceOp.MIN,
+    ReductionOperation.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+_PEER_GONE = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Read error",
+              "Write error", "closed by peer", "Socket closed")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def create_store(
+    master_addr: str, master_port: int, rank: int, world_size: int, timeout: float
+) -> dist.Store:
+    """The rendezvous store: in-process for one rank, else a TCPStore hosted by rank 0.
+
+    Rank 0 binds the listening socket itself, to ``master_addr`` only (TCPStore's own server listens on every
+    interface), so a loopback ``MASTER_ADDR`` keeps the store off the network.
+    """
+    if world_size == 1:
+        return dist.HashStore()
+    delta = datetime.timedelta(seconds=timeout)
+    try:
+        if rank == 0:
+            listener = socket.create_server((master_addr, master_port), backlog=max(128, world_size))
+            fd = listener.detach()  # owned by the store from here on
+            return dist.TCPStore(master_addr, master_port, world_size, True, delta, wait_for_workers=True,
+                                 master_listen_fd=fd, use_libuv=False)
+        return dist.TCPStore(master_addr, master_port, world_size, False, delta)
+    except OSError as e:
+        raise CommunicationError(
+            f"rank {rank} could not open the rendezvous store at {master_addr}:{master_port}: {e}; "
+            f"set MASTER_PORT to a free port", op="init", group="world", rank=rank,
+        ) from e
+    except RuntimeError as e:  # DistStoreError: peers did not show up in time
+        raise CommunicationTimeoutError(
+            f"rank {rank} of {world_size}: rendezvous at {master_addr}:{master_port} did not complete within "
+            f"{timeout:g}s ({e}); a rank never joined (check that all {world_size} processes started and "
+            f"agree on MASTER_ADDR/MASTER_PORT)", op="init", group="world", rank=rank,
+        ) from e
+
+
+class GlooCommunicationBackend(CommunicationBackend):
+    """One rank of a Gloo process group: the CPU multi-process and multi-machine path.
+
+    Wraps an existing ``torch.distributed`` process group (default: the initialized default group), or joins
+    one from the environment with :meth:`from_env` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE``, as torchrun sets them). Every op is given ``timeout`` seconds.
+    """
+
+    name = "gloo"
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        _gloo: object | None = None,
+        _store: dist.Store | None = None,
+        _rank_world: tuple[int, int] | None = None,
+        _group_name: str = "world",
+    ):
+        if _gloo is None:
+            if process_group is None:
+                if not dist.is_initialized():
+                    raise CommunicationError(
+                        "torch.distributed is not initialized; use GlooCommunicationBackend.from_env() or "
+                        "gpudist.init(), or pass an initialized process group", op="init", group="world",
+                    )
+                process_group = dist.group.WORLD
+            try:
+                _gloo = process_group._get_backend(torch.device("cpu"))
+            except RuntimeError as e:
+                raise ValueError(
+                    f"process group has no Gloo backend for CPU tensors ({e}); create it with backend='gloo'"
+                ) from e
+            if type(_gloo).__name__ != "ProcessGroupGloo":
+                raise ValueError(f"process group's CPU backend is {type(_gloo).__name__}, not Gloo")
+            _rank_world = (process_group.rank(), process_group.size())
+            _group_name = "world" if process_group is dist.group.WORLD else (process_group.group_name or "pg")
+            if _store is None and dist.is_initialized():
+                _store = dist.distributed_c10d._get_default_store()
+        super().__init__(*_rank_world, _group_name, timeout)
+        self._gloo = _gloo
+        self._store = _store
+        self.validate = validate
+        self._delta = datetime.timedelta(seconds=self.timeout)
+        self._subgroups = 0
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True) -> GlooCommunicationBackend:
+        """Join (and initialize ``torch.distributed`` with) the Gloo group described by torchrun's variables."""
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
+        if missing:
+            raise CommunicationError(
+                f"environment lacks {', '.join(missing)}; launch with torchrun or mpirun, or use gpudist.init(), "
+                f"which also reads Open MPI's and MPICH's variables", op="init", group="world",
+            )
+        return cls.create(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", "29500")),
+            timeout=timeout,
+            validate=validate,
+        )
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        store: dist.Store | None = None,
+    ) -> GlooCommunicationBackend:
+        """Initialize ``torch.distributed``'s default group with Gloo and return this rank's backend."""
+        if dist.is_initialized():
+            raise CommunicationError(
+                "torch.distributed is already initialized; wrap the existing group with "
+                "GlooCommunicationBackend(process_group) instead", op="init", group="world", rank=rank,
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
+        if is_loopback(master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep Gloo's own sockets on loopback too
+        if store is None:
+            store = create_store(master_addr, master_port, rank, world_size, timeout)
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise CommunicationTimeoutError(
+                f"rank {rank}: Gloo process group did not form within {timeout:g}s: {e}",
+                op="init", group="world", rank=rank,
+            ) from e
+        return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # -- machinery ---------------------------------------------------------------------------------------------------
+
+    def _translate(self, error: BaseException, op: str) -> CommunicationError:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+            return self._error(
+                f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died ({text})",
+                op, CommunicationTimeoutError,
+            )
+        if any(s in text for s in _PEER_GONE):
+            return self._error(f"a peer process closed its connection (it died or was killed): {text}", op)
+        return self._error(text, op)
+
+    def _check(self, sig: Signature) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same signature."""
+        if not self.validate or self.world_size == 1:
+            return
+        mine = torch.tensor(sig.encode(), dtype=torch.int64)
+        everyone = torch.empty(self.world_size * SIGNATURE_LEN, dtype=torch.int64)
+        self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions)).wait()
+        self.stats.record_check(everyone.numel() * 8)
+        rows = everyone.view(self.world_size, SIGNATURE_LEN)
+        if not bool((rows == mine).all()):
+            raise mismatch_error([Signature.decode(r) for r in rows.tolist()], group=self.group, rank=self.rank)
+
+    def _opts(self, cls, **fields):
+        opts = cls()
+        opts.timeout = self._delta
+        for k, v in fields.items():
+            setattr(opts, k, v)
+        return opts
+
+    @staticmethod
+    def _work(*works, then=None) -> Work:
+        def wait() -> None:
+            for w in works:
+                w.wait()
+            if then is not None:
+                then()
+
+        return Work(wait, lambda: all(w.is_completed() for w in works))
+
+    # -- the ops -----------------------------------------------------------------------------------------------------
+
+    def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        return self._work(self._gloo.allreduce([tensor], self._opts(AllreduceOptions, reduceOp=_TORCH_OPS[op])))
+
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        opts = self._opts(ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        n, world = inp.numel(), self.world_size
+        if n % world == 0:
+            return self._work(self._gloo._reduce_scatter_base(out.view(-1), inp.view(-1), opts))
+        # Uneven: pad each rank's range to the largest share so Gloo sees equal chunks.
+        chunk = -(-n // world)
+        padded = inp.new_zeros(world * chunk)
+        flat = inp.view(-1)
+        for r in range(world):
+            start, end = shard_range(n, world, r)
+            padded[r * chunk : r * chunk + end - start] = flat[start:end]
+        received = inp.new_empty(chunk)
+        work = self._gloo._reduce_scatter_base(received, padded, opts)
+        return self._work(work, then=lambda: out.view(-1).copy_(received[: out.numel()]))
+
+    def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        n, world = out.numel(), self.world_size
+        opts = self._opts(AllgatherOptions)
+        if n % world == 0:
+            return self._work(self._gloo._allgather_base(out.view(-1), inp.view(-1), opts))
+        chunk = -(-n // world)
+        mine = inp.new_zeros(chunk)
+        mine[: inp.numel()] = inp.view(-1)
+        gathered = inp.new_empty(world * chunk)
+
+        def compact() -> None:
+            flat = out.view(-1)
+            for r, size in enumerate(split_sizes(n, world)):
+                start = shard_range(n, world, r)[0]
+                flat[start : start + size] = gathered[r * chunk : r * chunk + size]
+
+        return self._work(self._gloo._allgather_base(gathered, mine, opts), then=compact)
+
+    def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        self._check(sig)
+        return self._work(self._gloo.broadcast([tensor], self._opts(BroadcastOptions, rootRank=src, rootTensor=0)))
+
+    def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        return self._work(self._gloo.alltoall_base(out.view(-1), inp.view(-1), [], [], self._opts(AllToAllOptions)))
+
+    def _barrier(self, sig: Signature) -> Work:
+        self._check(sig)
+        return self._work(self._gloo.barrier(self._opts(BarrierOptions)))
+
+    def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
+        if not self.validate:
+            return self._work(self._gloo.send([tensor], dst, 0))
+        header = torch.tensor(sig.encode(), dtype=torch.int64)
+        return self._work(self._gloo.send([header], dst, 0), self._gloo.send([tensor], dst, 0))
+
+    def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        if not self.validate:
+            return self._work(self._gloo.recv([tensor], src, 0))
+        header = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
+        header_work = self._gloo.recv([header], src, 0)
+
+        def wait() -> None:
+            header_work.wait()
+            sent = Signature.decode(header.tolist())
+            if (sent.dtype, sent.shape) == (sig.dtype, sig.shape):
+                self._gloo.recv([tensor], src, 0).wait()
+                return
+            if sent.dtype is not None and all(d >= 0 for d in sent.shape):  # drain, so the stream stays aligned
+                self._gloo.recv([torch.empty(sent.shape, dtype=sent.dtype)], src, 0).wait()
+            raise CollectiveMismatchError(
+                f"recv mismatch on group '{self.group}': rank {self.rank} posted recv(shape={tuple(sig.shape)}, "
+                f"dtype={sig.dtype}) from rank {src}, but rank {src} sent shape={tuple(sent.shape)}, "
+                f"dtype={sent.dtype}; size the receive buffer like the sent tensor",
+                op="recv", group=self.group, rank=self.rank,
+            )
+
+        return Work(wait, header_work.is_completed)
+
+    def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
+        self._check(sig)
+        self._subgroups += 1
+        if self.rank not in ranks:
+            return None
+        if self._store is None:
+            raise CommunicationError(
+                "this backend wraps a process group without a known store; create it with "
+                "GlooCommunicationBackend.create()/from_env() or gpudist.init() to use new_group",
+                op="new_group", group=self.group, rank=self.rank,
+            )
+        name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
+        store = dist.PrefixStore(f"gpudist:{name}/", self._store)
+        pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), self._delta)
+        return GlooCommunicationBackend(
+            timeout=self.timeout, validate=self.validate, _gloo=pg, _store=store,
+            _rank_world=(ranks.index(self.rank), len(ranks)), _group_name=name,
+        )
+
+    def shutdown(self) -> None:
+        """Tear down the default process group if this backend created it."""
+        if self.group == "world" and dist.is_initialized():
+            dist.destroy_process_group()
+

@@ -1,0 +1,342 @@
+"""Starting gpudist: join a group from the launcher's environment, or spawn local ranks.
+
+- :func:`init` reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``), Open MPI's (``OMPI_COMM_WORLD_*``), MPICH/Intel MPI's (``PMI_RANK``, ``PMI_SIZE``,
+  ``MPI_LOCALRANKID``) or Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``) and returns this rank's backend.
+- :class:`WorkerPool` keeps ``world_size`` spawned processes joined in one group and runs functions on all of
+  them, returning each rank's result; :func:`spawn` is its one-shot form. ``gpudist.testing.run_ranks`` and the
+  benchmarks are built on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import importlib.util
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+import torch
+
+from .comm import (
+    DEFAULT_TIMEOUT,
+    CommunicationBackend,
+    CommunicationError,
+    GlooCommunicationBackend,
+    InMemoryCommunicationBackend,
+)
+
+__all__ = [
+    "LaunchEnvironment",
+    "RanksFailedError",
+    "WorkerPool",
+    "available_backends",
+    "detect_environment",
+    "init",
+    "spawn",
+]
+
+BACKENDS = ("inmemory", "gloo", "nccl", "mpi")
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Where this process sits in the job, as its launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "openmpi", "mpich", "slurm" or "none"
+
+
+def _int_env(env: dict[str, str], *names: str) -> int | None:
+    for name in names:
+        if name in env and env[name].strip():
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+    return None
+
+
+def detect_environment(environ: dict[str, str] | None = None) -> LaunchEnvironment:
+    """Rank, world size and rendezvous address from torchrun's, mpirun's or Slurm's variables (rank 0 of 1 if none)."""
+    env = dict(os.environ if environ is None else environ)
+    launchers = [
+        ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",)),
+        ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",)),
+        ("mpich", ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")),
+        ("slurm", ("SLURM_PROCID",), ("SLURM_NTASKS",), ("SLURM_LOCALID",)),
+    ]
+    rank, world, local, launcher = 0, 1, 0, "none"
+    for name, rank_vars, world_vars, local_vars in launchers:
+        r, w = _int_env(env, *rank_vars), _int_env(env, *world_vars)
+        if r is not None and w is not None:
+            rank, world, launcher = r, w, name
+            local = _int_env(env, *local_vars)
+            local = rank if local is None else local
+            break
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"{launcher} environment gives rank {rank} of world size {world}; rank must be in 0..world-1")
+    port = _int_env(env, "MASTER_PORT")
+    return LaunchEnvironment(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"),
+                             29500 if port is None else port, launcher)
+
+
+def available_backends() -> dict[str, str]:
+    """Each backend name mapped to "available" or the reason it is not."""
+    out = {"inmemory": "available", "gloo": "available" if torch.distributed.is_available() else "torch.distributed missing"}
+    if importlib.util.find_spec("gpudist.comm.nccl") is None:
+        out["nccl"] = "not in this gpudist version yet"
+    elif not torch.cuda.is_available():
+        out["nccl"] = "no CUDA device"
+    elif importlib.util.find_spec("cupy") is None:
+        out["nccl"] = "cupy missing: pip install 'gpudist[cuda12]' or 'gpudist[cuda13]'"
+    else:
+        out["nccl"] = "available"
+    if importlib.util.find_spec("gpudist.comm.mpi") is None:
+        out["mpi"] = "not in this gpudist version yet"
+    elif importlib.util.find_spec("mpi4py") is None:
+        out["mpi"] = "mpi4py missing: pip install 'gpudist[mpi]'"
+    else:
+        out["mpi"] = "available"
+    return out
+
+
+def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True) -> CommunicationBackend:
+    """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
+
+    ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo. The rendezvous
+    store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set).
+    ``timeout`` bounds every op in seconds; ``validate`` turns on the cross-rank consistency check.
+    """
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")
+    env = detect_environment()
+    available = available_backends()
+    if backend == "auto":
+        backend = "nccl" if available["nccl"] == "available" else "gloo"
+    if available[backend] != "available":
+        raise CommunicationError(f"backend '{backend}' is unavailable: {available[backend]}", op="init", group="world",
+                                 rank=env.rank)
+    if backend == "inmemory":
+        if env.world_size != 1:
+            raise ValueError(
+                f"the in-memory backend runs ranks as threads of one process, but the launcher started "
+                f"{env.world_size} processes; use backend='gloo', or gpudist.testing.run_ranks for threads"
+            )
+        return InMemoryCommunicationBackend(0, 1, group=f"init-{os.getpid()}", timeout=timeout)
+    if torch.distributed.is_initialized():
+        return GlooCommunicationBackend(timeout=timeout, validate=validate)
+    return GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,
+                                           validate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Local multi-process execution
+
+
+class RanksFailedError(RuntimeError):
+    """One or more ranks raised, died or hung. ``failures`` maps rank -> traceback/reason; ``results`` holds
+    the return values of the ranks that finished (None elsewhere)."""
+
+    def __init__(self, failures: dict[int, str], results: list[Any]):
+        self.failures = dict(sorted(failures.items()))
+        self.results = results
+        # Root causes first: a rank that raised something other than a communication error, or died.
+        order = sorted(self.failures, key=lambda r: ("CommunicationError" in self.failures[r]
+                                                    or "CommunicationTimeoutError" in self.failures[r], r))
+        body = "\n".join(f"--- rank {r} ---\n{self.failures[r].rstrip()}" for r in order)
+        super().__init__(f"{len(self.failures)} of {len(results)} ranks failed (ranks {order}):\n{body}")
+
+
+def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate: bool, conn) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each avoids oversubscription
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, False, datetime.timedelta(seconds=timeout))
+        comm = GlooCommunicationBackend.create(rank, world_size, "127.0.0.1", port, timeout, validate, store=store)
+        conn.send_bytes(pickle.dumps(("ready", None, True)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
+        os._exit(1)
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not message:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(message)
+            reply = ("ok", fn(comm, *args, **kwargs), comm.healthy)
+        except BaseException:
+            reply = ("error", traceback.format_exc(), comm.healthy)
+        try:
+            data = pickle.dumps(reply)
+        except Exception:
+            data = pickle.dumps(("error", "result could not be pickled:\n" + traceback.format_exc(), comm.healthy))
+        conn.send_bytes(data)
+    # Skip interpreter teardown: Gloo's destructors abort the process when a peer already vanished.
+    os._exit(0)
+
+
+def _listen_loopback() -> tuple[int, int]:
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    return listener.getsockname()[1], listener.detach()
+
+
+class WorkerPool:
+    """``world_size`` spawned processes joined in one Gloo group, kept alive to run many functions.
+
+    ``run(fn, *args, **kwargs)`` calls ``fn(comm, *args, **kwargs)`` on every rank (``fn`` and its arguments must
+    pickle: define it at module level) and returns the results in rank order. A rank that raises, dies or does
+    not return within ``call_timeout`` makes ``run`` raise :class:`RanksFailedError` with every rank's story; the
+    pool then closes itself (its group may be inconsistent), and ``broken`` tells callers to make a new one.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
+                 start_timeout: float = 180.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout, self.validate = world_size, timeout, validate
+        self.broken = False
+        port, fd = _listen_loopback()
+        # The parent hosts the rendezvous store (bound to loopback) so no rank races for a port.
+        self._store = torch.distributed.TCPStore("127.0.0.1", port, world_size, True,
+                                                 datetime.timedelta(seconds=start_timeout), wait_for_workers=False,
+                                                 master_listen_fd=fd, use_libuv=False)
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, timeout, validate, child),
+                               daemon=True, name=f"gpudist-rank{rank}")
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        _, failures = self._collect(start_timeout, grace=start_timeout)
+        if failures:
+            self.close()
+            raise RanksFailedError(failures, [None] * world_size)
+
+    def run(self, fn: Callable[..., Any], *args: Any, call_timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        if self.broken:
+            raise RuntimeError("this WorkerPool was closed after a failure; create a new one")
+        payload = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(payload)
+        results, failures = self._collect(call_timeout or self.timeout + 60.0, grace=self.timeout + 10.0)
+        if failures:
+            self.close()
+            raise RanksFailedError(failures, results)
+        return results
+
+    def _collect(self, limit: float, grace: float) -> tuple[list[Any], dict[int, str]]:
+        """Gather one reply per rank. After the first failure the others get ``grace`` seconds to report theirs."""
+        results: list[Any] = [None] * self.world_size
+        failures: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + limit
+        unhealthy = False
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for r in pending:
+                    failures[r] = f"rank {r} did not return within {limit:g}s (hung or deadlocked)"
+                break
+            waitables = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            for ready in wait_any(list(waitables), timeout=remaining):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                conn = self._conns[rank]
+                if ready is conn or conn.poll():
+                    try:
+                        status, value, healthy = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        status, value, healthy = "error", None, False
+                    unhealthy |= not healthy
+                    if status == "ok" or status == "ready":
+                        results[rank] = value
+                    else:
+                        failures[rank] = value or self._death(rank)
+                else:
+                    failures[rank] = self._death(rank)
+                pending.discard(rank)
+            if failures:
+                deadline = min(deadline, time.monotonic() + grace)
+        if unhealthy and not failures:
+            self.close()  # results are fine, but the group is not reusable
+        return results, failures
+
+    def _death(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"rank {rank} (pid {proc.pid}) died ({how}) without returning a result"
+
+    def close(self) -> None:
+        self.broken = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+          validate: bool = True, **kwargs: Any) -> list[Any]:
+    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` fresh Gloo processes; results in rank order."""
+    with WorkerPool(world_size, timeout=timeout, validate=validate) as pool:
+        return pool.run(fn, *args, **kwargs)
+
+
+_POOLS: dict[tuple, WorkerPool] = {}
+
+
+def shared_pool(world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
+                max_pools: int = 6) -> WorkerPool:
+    """A process-wide pool for these settings, reused across calls (respawned after a failure)."""
+    key = (world_size, float(timeout), validate)
+    pool = _POOLS.get(key)
+    if pool is not None and not pool.broken:
+        _POOLS[key] = _POOLS.pop(key)  # most recently used last
+        return pool
+    _POOLS.pop(key, None)
+    while len(_POOLS) >= max_pools:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    pool = _POOLS[key] = WorkerPool(world_size, timeout=timeout, validate=validate)
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
