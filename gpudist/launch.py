@@ -95,7 +95,8 @@ def detect_environment(environ: dict[str, str] | None = None) -> LaunchEnvironme
 
 def available_backends() -> dict[str, str]:
     """Each backend name mapped to "available" or the reason it is not."""
-    out = {"inmemory": "available", "gloo": "available" if torch.distributed.is_available() else "torch.distributed missing"}
+    gloo = "available" if torch.distributed.is_available() else "torch.distributed is not built in this torch"
+    out = {"inmemory": "available", "gloo": gloo}
     if importlib.util.find_spec("gpudist.comm.nccl") is None:
         out["nccl"] = "not in this gpudist version yet"
     elif not torch.cuda.is_available():

@@ -294,6 +294,19 @@ def mismatch_error(signatures: Sequence[Signature], *, group: str, rank: int) ->
     return None
 
 
+def p2p_mismatch_error(
+    group: str, rank: int, peer: int, *, sent: Signature, posted: Signature, side: str
+) -> CollectiveMismatchError:
+    """The error both ends of a send/recv raise when the sent tensor and the posted buffer differ."""
+    sender, receiver = (rank, peer) if side == "send" else (peer, rank)
+    return CollectiveMismatchError(
+        f"{side} mismatch on group '{group}': rank {sender} sent shape={tuple(sent.shape)}, dtype={sent.dtype} but "
+        f"rank {receiver} posted recv(shape={tuple(posted.shape)}, dtype={posted.dtype}); size the receive buffer "
+        f"like the sent tensor (raised on rank {rank}; the payload was not delivered)",
+        op=side, group=group, rank=rank,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The contract
 
@@ -374,7 +387,8 @@ class CommunicationBackend(ABC):
         self._check_tensor("all_reduce", tensor)
         self._check_reduction("all_reduce", op, tensor.dtype)
         sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
-        return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._all_reduce(sig, tensor, op))
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._all_reduce(sig, tensor, op))
 
     def reduce_scatter(
         self,
@@ -384,7 +398,7 @@ class CommunicationBackend(ABC):
         *,
         async_op: bool = False,
     ) -> Work | None:
-        """Combine ``inp`` over all ranks; rank r receives range r of the result (see :func:`split_sizes`) in ``out``."""
+        """Combine ``inp`` over all ranks; rank r gets range r of the result (:func:`split_sizes`) in ``out``."""
         op = ReductionOperation.parse(op)
         self._check_pair("reduce_scatter", inp, out)
         self._check_reduction("reduce_scatter", op, inp.dtype)
@@ -438,7 +452,7 @@ class CommunicationBackend(ABC):
                          stat_name="recv")
 
     def all_to_all(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
-        """Chunk ``inp`` into ``world_size`` equal parts; part j goes to rank j, and ``out``'s part i comes from rank i."""
+        """Split ``inp`` into ``world_size`` equal parts; part j goes to rank j; ``out``'s part i comes from rank i."""
         self._check_pair("all_to_all", inp, out)
         if inp.numel() != out.numel() or inp.numel() % self.world_size:
             raise ValueError(

@@ -8,8 +8,9 @@ Consistency check: Gloo aborts the whole process (SIGABRT from its I/O thread, n
 pass different sizes or dtypes to a collective, and a ``recv`` larger than the matching ``send`` silently
 receives a short message (both seen with torch 2.13). With ``validate=True`` (the default) every collective
 first exchanges a 14-int64 signature among the ranks (one small all-gather) and raises
-:class:`CollectiveMismatchError` on every rank before the real op is sent; ``send`` prepends its signature and
-``recv`` compares it before posting the payload. The check costs one small-message latency per op (measured
+:class:`CollectiveMismatchError` on every rank before the real op is sent; point-to-point ops exchange the
+receiver's expected shape before the payload (see ``_send``), and a mismatch raises on both ranks. The check
+costs one small-message latency per op (measured
 in ``benchmarks/collectives.py``); ``validate=False`` removes it once a program is known to be consistent.
 """
 
@@ -19,6 +20,7 @@ import datetime
 import ipaddress
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,6 @@ import torch.distributed as dist
 from .base import (
     DEFAULT_TIMEOUT,
     SIGNATURE_LEN,
-    CollectiveMismatchError,
     CommunicationBackend,
     CommunicationError,
     CommunicationTimeoutError,
@@ -34,6 +35,7 @@ from .base import (
     Signature,
     Work,
     mismatch_error,
+    p2p_mismatch_error,
     shard_range,
     split_sizes,
 )
@@ -155,6 +157,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         self.validate = validate
         self._delta = datetime.timedelta(seconds=self.timeout)
         self._subgroups = 0
+        self._sender: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True) -> GlooCommunicationBackend:
@@ -307,34 +310,51 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._check(sig)
         return self._work(self._gloo.barrier(self._opts(BarrierOptions)))
 
+    # Point-to-point with validation. Gloo completes a send only once the receiver posted its recv, and aborts
+    # on a message longer than the posted buffer, so the sender must learn the receiver's shape first:
+    #   recv():  posts isend(expected signature, tag 1), irecv(status, tag 0), irecv(payload, tag 0), all at once;
+    #   send():  recv(expected signature, tag 1); on a match send(status = own signature) + send(payload), else a
+    #            receiver-sized dummy, and both ranks raise. Handshakes and payloads use separate tags so a pair
+    #            can exchange in both directions. Sends run in order on one background thread so that
+    #            ``isend(); recv(); wait()`` patterns never deadlock.
+    _HANDSHAKE_TAG = 1
+
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         if not self.validate:
             return self._work(self._gloo.send([tensor], dst, 0))
-        header = torch.tensor(sig.encode(), dtype=torch.int64)
-        return self._work(self._gloo.send([header], dst, 0), self._gloo.send([tensor], dst, 0))
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-send-r{self.rank}")
+        future = self._sender.submit(self._send_checked, sig, tensor, dst)
+        return Work(future.result, future.done)
+
+    def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
+        expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
+        self._gloo.recv([expected], dst, self._HANDSHAKE_TAG).wait()
+        wanted = Signature.decode(expected.tolist())
+        status = self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], dst, 0)
+        matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
+        payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
+        self._gloo.send([payload], dst, 0).wait()
+        status.wait()
+        if not matches:
+            raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         if not self.validate:
             return self._work(self._gloo.recv([tensor], src, 0))
-        header = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        header_work = self._gloo.recv([header], src, 0)
+        status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
+        works = (
+            self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], src, self._HANDSHAKE_TAG),
+            self._gloo.recv([status], src, 0),
+            self._gloo.recv([tensor], src, 0),
+        )
 
-        def wait() -> None:
-            header_work.wait()
-            sent = Signature.decode(header.tolist())
-            if (sent.dtype, sent.shape) == (sig.dtype, sig.shape):
-                self._gloo.recv([tensor], src, 0).wait()
-                return
-            if sent.dtype is not None and all(d >= 0 for d in sent.shape):  # drain, so the stream stays aligned
-                self._gloo.recv([torch.empty(sent.shape, dtype=sent.dtype)], src, 0).wait()
-            raise CollectiveMismatchError(
-                f"recv mismatch on group '{self.group}': rank {self.rank} posted recv(shape={tuple(sig.shape)}, "
-                f"dtype={sig.dtype}) from rank {src}, but rank {src} sent shape={tuple(sent.shape)}, "
-                f"dtype={sent.dtype}; size the receive buffer like the sent tensor",
-                op="recv", group=self.group, rank=self.rank,
-            )
+        def check() -> None:
+            sent = Signature.decode(status.tolist())
+            if (sent.dtype, sent.shape) != (sig.dtype, sig.shape):
+                raise p2p_mismatch_error(self.group, self.rank, src, sent=sent, posted=sig, side="recv")
 
-        return Work(wait, header_work.is_completed)
+        return self._work(*works, then=check)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
         self._check(sig)
@@ -356,7 +376,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         )
 
     def shutdown(self) -> None:
-        """Tear down the default process group if this backend created it."""
+        """Stop the send thread and tear down the default process group if this backend wraps it."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)
         if self.group == "world" and dist.is_initialized():
             dist.destroy_process_group()
-

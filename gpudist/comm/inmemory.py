@@ -8,9 +8,9 @@ rank's input after that rank returned), and wakes the others, who copy their par
 Reductions of float16/bfloat16 accumulate in float32 and round once (Gloo rounds after every addition,
 so results may differ from Gloo's in the last bit).
 
-Point-to-point: ``send`` is buffered (it copies the tensor and returns); the k-th ``recv`` from a rank
-matches that rank's k-th ``send`` to this rank, in posting order. A shape/dtype mismatch raises
-:class:`CollectiveMismatchError` on the receiving rank, which names both sides.
+Point-to-point: the k-th ``recv`` from a rank matches that rank's k-th ``send`` to this rank, in posting
+order; as on Gloo, a send completes once the matching recv is posted. A shape/dtype mismatch raises
+:class:`CollectiveMismatchError` on both ranks, naming both sides.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from typing import Any
 import torch
 
 from .base import (
-    COMPLETED,
     DEFAULT_TIMEOUT,
-    CollectiveMismatchError,
     CommunicationBackend,
     CommunicationError,
     CommunicationTimeoutError,
@@ -33,6 +31,7 @@ from .base import (
     Signature,
     Work,
     mismatch_error,
+    p2p_mismatch_error,
     shard_range,
 )
 
@@ -59,7 +58,7 @@ class _GroupState:
         self.world_size = world_size
         self.cond = threading.Condition()
         self.slots: dict[int, _Slot] = {}
-        self.mail: dict[tuple[int, int, int], tuple[Signature, torch.Tensor]] = {}
+        self.mail: dict[tuple[int, int, int], dict[str, tuple[Signature, torch.Tensor | None]]] = {}
         self.sent: dict[tuple[int, int], int] = {}
         self.posted: dict[tuple[int, int], int] = {}
         self.joined: set[int] = set()
@@ -253,43 +252,46 @@ class InMemoryCommunicationBackend(CommunicationBackend):
         )
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
-        state = self._state
-        with state.cond:
-            if state.broken is not None:
-                raise self._group_failed("send")
-            index = state.sent.get((self.rank, dst), 0)
-            state.sent[(self.rank, dst)] = index + 1
-            state.mail[(self.rank, dst, index)] = (sig, tensor.detach().clone())
-            state.cond.notify_all()
-        return COMPLETED
+        return self._p2p(sig, tensor, self.rank, dst, "send")
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        return self._p2p(sig, tensor, src, self.rank, "recv")
+
+    def _p2p(self, sig: Signature, tensor: torch.Tensor, src: int, dst: int, side: str) -> Work:
+        """Match the k-th send from src to dst with the k-th recv posted by dst from src.
+
+        Like Gloo, a send completes only once the matching recv is posted, so a program that would deadlock
+        on Gloo deadlocks (and times out) here too; the payload is copied at post time.
+        """
         state = self._state
         deadline = time.monotonic() + self.timeout
+        peer = dst if side == "send" else src
         with state.cond:
             if state.broken is not None:
-                raise self._group_failed("recv")
-            index = state.posted.get((src, self.rank), 0)
-            state.posted[(src, self.rank)] = index + 1
-        key = (src, self.rank, index)
+                raise self._group_failed(side)
+            counters = state.sent if side == "send" else state.posted
+            index = counters.get((src, dst), 0)
+            counters[(src, dst)] = index + 1
+            slot = state.mail.setdefault((src, dst, index), {})
+            slot[side] = (sig, tensor.detach().clone() if side == "send" else None)
+            state.cond.notify_all()
+        other = "recv" if side == "send" else "send"
 
         def wait() -> None:
             with state.cond:
                 self._wait_until(
-                    "recv", lambda: key in state.mail, deadline,
-                    lambda: f"rank {src} to send message #{index} to rank {self.rank}",
+                    side, lambda: other in slot, deadline,
+                    lambda: f"rank {peer} to post the {other} matching message #{index} from rank {src} to rank {dst}",
                 )
-                sent_sig, data = state.mail.pop(key)
-            if (sent_sig.dtype, sent_sig.shape) != (sig.dtype, sig.shape):
-                raise CollectiveMismatchError(
-                    f"recv mismatch on group '{self.group}': rank {self.rank} posted recv(shape={tuple(sig.shape)}, "
-                    f"dtype={sig.dtype}) from rank {src}, but rank {src} sent shape={tuple(sent_sig.shape)}, "
-                    f"dtype={sent_sig.dtype}; size the receive buffer like the sent tensor",
-                    op="recv", group=self.group, rank=self.rank,
-                )
-            tensor.copy_(data)
+                (sent, data), (posted, _) = slot["send"], slot["recv"]
+                if side == "recv":
+                    state.mail.pop((src, dst, index), None)
+            if (sent.dtype, sent.shape) != (posted.dtype, posted.shape):
+                raise p2p_mismatch_error(self.group, self.rank, peer, sent=sent, posted=posted, side=side)
+            if side == "recv":
+                tensor.copy_(data)
 
-        return Work(wait, lambda: key in state.mail)
+        return Work(wait, lambda: other in slot)
 
     def abort(self, reason: str) -> None:
         """Fail the whole group now: every rank waiting in (or later entering) an op raises CommunicationError."""
