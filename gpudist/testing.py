@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import traceback
 import uuid
@@ -11,7 +12,7 @@ from typing import Any
 from .comm import InMemoryCommunicationBackend
 from .launch import RanksFailedError, shared_pool
 
-__all__ = ["RanksFailedError", "run_ranks"]
+__all__ = ["RanksFailedError", "free_port", "run_ranks"]
 
 TEST_TIMEOUT = 60.0
 """Default per-op timeout of run_ranks: long enough for a slow 2-core CI machine, short enough to fail fast."""
@@ -78,3 +79,10 @@ def _run_threads(fn: Callable[..., Any], world_size: int, timeout: float, device
     return results
 
 
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT in tests and examples)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,290 @@
+"""Bad input, cross-rank mismatches, timeouts and dead peers: clear errors, in seconds, never a hang or abort."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from gpudist.comm import (
+    CollectiveMismatchError,
+    CommunicationError,
+    CommunicationTimeoutError,
+    GlooCommunicationBackend,
+    InMemoryCommunicationBackend,
+    ReductionOperation,
+)
+from gpudist.testing import RanksFailedError, free_port, run_ranks
+
+BACKENDS = ["inmemory", "gloo"]
+SHORT = 2.0  # per-op timeout for the timeout cases, seconds
+NO_HANG = 30.0  # a failure must surface well within this (the timeout is SHORT)
+
+
+def solo() -> InMemoryCommunicationBackend:
+    return InMemoryCommunicationBackend(0, 1, group=f"solo-{uuid.uuid4().hex}")
+
+
+def _local_errors(comm) -> list[str]:
+    """Every bad call raises before anything is sent; returns the messages and checks nothing was counted."""
+    bad_calls = [
+        lambda: comm.all_reduce(torch.ones(4, 4).t()),  # not contiguous
+        lambda: comm.all_reduce(torch.ones(3, device="meta")),  # wrong device
+        lambda: comm.all_reduce(torch.ones(3, dtype=torch.complex64)),  # unsupported dtype
+        lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), "average"),  # AVERAGE of ints
+        lambda: comm.all_reduce(torch.ones(3), "median"),  # unknown reduction
+        lambda: comm.send(torch.ones(3), 5),  # rank out of range
+        lambda: comm.send(torch.ones(3), comm.rank),  # to itself
+        lambda: comm.broadcast(torch.ones(3), src=-1),
+        lambda: comm.reduce_scatter(torch.ones(10), torch.ones(10)),  # out not the rank's share
+        lambda: comm.all_gather(torch.ones(3), torch.ones(10)),  # inp not the rank's share
+        lambda: comm.all_gather(torch.ones(5), torch.ones(10, dtype=torch.float64)),  # dtypes differ
+        lambda: comm.all_to_all(torch.ones(5), torch.ones(5)),  # not divisible by world size
+        lambda: comm.all_reduce([1.0, 2.0]),  # not a tensor
+        lambda: comm.new_group([0, 0]),
+    ]
+    messages = []
+    for call in bad_calls:
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        messages.append(str(info.value))
+    assert comm.stats.total_calls == 0 and comm.stats.check_calls == 0, "an invalid call reached the transport"
+    comm.all_reduce(torch.ones(2))  # and the group is still fine
+    return messages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_rejected_before_sending(backend):
+    """Catches validation that runs after the transport started (which Gloo answers with SIGABRT) and errors that
+    do not say what is wrong and how to fix it."""
+    messages = run_ranks(_local_errors, 2, backend)[0]
+    expected_fragments = ["contiguous", "meta", "complex64", "AVERAGE", "median", "dst=5 is out of range",
+                          "itself", "src=-1", "split_sizes", "split_sizes", "same dtype", "divisible",
+                          "torch.Tensor", "duplicates"]
+    for message, fragment in zip(messages, expected_fragments, strict=True):
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_cuda_tensor_error_names_the_fix():
+    """The wrong-device message names the device and the way out (move to CPU or use NCCL)."""
+    comm = solo()
+    fake_cuda = torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match=r"meta.*cpu"):
+        comm.all_reduce(fake_cuda)
+    if torch.cuda.is_available():  # pragma: no cover - GPU tier
+        with pytest.raises(ValueError, match="NCCLCommunicationBackend"):
+            comm.all_reduce(torch.ones(2, device="cuda"))
+
+
+# -- mismatches ------------------------------------------------------------------------------------------------------
+
+MISMATCHES = {
+    "shape": lambda c: c.all_reduce(torch.ones(4 + (c.rank == 1))),
+    "dtype": lambda c: c.all_reduce(torch.ones(4, dtype=torch.float64 if c.rank == 1 else torch.float32)),
+    "op": lambda c: (c.all_gather(torch.ones(2), torch.ones(2 * c.world_size)) if c.rank == 1
+                     else c.all_reduce(torch.ones(2 * c.world_size))),
+    "reduction": lambda c: c.all_reduce(torch.ones(3), "max" if c.rank == 1 else "sum"),
+    "root": lambda c: c.broadcast(torch.ones(3), src=1 if c.rank == 1 else 0),
+}
+
+
+def _mismatch(comm, kind: str) -> dict:
+    try:
+        MISMATCHES[kind](comm)
+        raised = None
+    except CollectiveMismatchError as e:
+        raised = str(e)
+    t = torch.ones(3)
+    comm.all_reduce(t)  # nothing was sent, so the group is still usable
+    return {"error": raised, "after": t.tolist(), "healthy": comm.healthy}
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatch_raises_on_every_rank(backend, kind):
+    """All three ranks raise, naming the op and rank 1 (the one that differed), and the group stays usable.
+    Catches the Gloo SIGABRT on size/dtype mismatch, and errors raised on only some ranks (the rest would hang)."""
+    results = run_ranks(_mismatch, 3, backend, kind=kind)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, f"rank {rank} did not raise"
+        assert "mismatch" in res["error"] and "rank 1 called" in res["error"], res["error"]
+        assert f"raised on rank {rank}" in res["error"]
+        assert res["after"] == [3.0, 3.0, 3.0] and res["healthy"]
+
+
+def _p2p_mismatch(comm) -> dict:
+    try:
+        if comm.rank == 0:
+            comm.send(torch.ones(5), 1)
+        else:
+            comm.recv(torch.zeros(4), 0)
+        error = None
+    except CollectiveMismatchError as e:
+        error = str(e)
+    ok = torch.zeros(2)  # the pair still works afterwards
+    if comm.rank == 0:
+        comm.send(torch.full((2,), 7.0), 1)
+    else:
+        comm.recv(ok, 0)
+    return {"error": error, "ok": ok.tolist()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_send_recv_mismatch_raises_on_both_sides(backend):
+    """A recv buffer of another size than the send raises on sender and receiver. Catches Gloo's silent short
+    receive (recv larger than send) and its abort (recv smaller than send)."""
+    sender, receiver = run_ranks(_p2p_mismatch, 2, backend)
+    for res in (sender, receiver):
+        assert res["error"] is not None and "rank 0 sent shape=(5,)" in res["error"]
+        assert "rank 1 posted recv(shape=(4,)" in res["error"]
+    assert receiver["ok"] == [7.0, 7.0]
+
+
+# -- timeouts, missing and dead ranks --------------------------------------------------------------------------------
+
+
+def _absent_rank(comm) -> dict:
+    if comm.rank == comm.world_size - 1:
+        return {"skipped": True}
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(3))
+        return {"error": None}
+    except CommunicationTimeoutError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    try:  # the group is now unusable and says so at once
+        comm.all_reduce(torch.ones(3))
+        again = None
+    except CommunicationError as e:
+        again = str(e)
+    return {"error": error, "elapsed": elapsed, "again": again, "healthy": comm.healthy}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_never_calls_times_out(backend):
+    """Two ranks call all_reduce, the third never does: both raise CommunicationTimeoutError within the timeout,
+    naming op, group and rank, and later ops fail at once. Catches collectives that wait forever."""
+    results = run_ranks(_absent_rank, 3, backend, timeout=SHORT)
+    for rank, res in enumerate(results[:2]):
+        assert res["error"] is not None, f"rank {rank} returned from an all_reduce that rank 2 never joined"
+        assert "all_reduce" in res["error"] and f"rank {rank}" in res["error"] and "group '" in res["error"]
+        assert SHORT * 0.5 <= res["elapsed"] < NO_HANG
+        assert "unusable" in res["again"] and not res["healthy"]
+    if backend == "inmemory":
+        assert "ranks [2]" in results[0]["error"]  # the in-memory backend knows exactly who is missing
+
+
+def test_inmemory_rank_that_never_joins():
+    """Only 2 of 3 ranks construct their backend; the others raise naming the absent rank within the timeout."""
+    group, errors = f"never-{uuid.uuid4().hex}", {}
+
+    def rank_main(rank):
+        comm = InMemoryCommunicationBackend(rank, 3, group=group, timeout=SHORT)
+        try:
+            comm.barrier()
+        except CommunicationTimeoutError as e:
+            errors[rank] = str(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(NO_HANG)
+    assert time.monotonic() - start < NO_HANG
+    assert sorted(errors) == [0, 1] and all("ranks [2]" in e and "barrier" in e for e in errors.values())
+    # The failed formation does not poison the name: a new world with the same name forms and works.
+    res = []
+    threads = [threading.Thread(target=lambda r=r: res.append(
+        InMemoryCommunicationBackend(r, 2, group=group, timeout=SHORT).barrier())) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(NO_HANG)
+    assert len(res) == 2
+
+
+def test_gloo_rank_that_never_joins():
+    """Rank 0 of a 2-rank Gloo job whose rank 1 never starts raises CommunicationTimeoutError within the timeout.
+    Catches a rendezvous that waits forever."""
+    start = time.monotonic()
+    with pytest.raises(CommunicationTimeoutError, match=r"never joined"):
+        GlooCommunicationBackend.create(0, 2, "127.0.0.1", free_port(), timeout=SHORT)
+    assert time.monotonic() - start < NO_HANG
+
+
+def _one_rank_dies(comm) -> dict:
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1000))
+        return {"error": None}
+    except CommunicationError as e:
+        return {"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start}
+
+
+def test_killed_gloo_rank():
+    """Rank 1 is SIGKILLed; rank 0's next all_reduce raises CommunicationError (not a hang, not an abort) and the
+    harness reports rank 1's death. Uses a long op timeout to show the error comes from the dead socket, not the
+    clock."""
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks(_one_rank_dies, 2, "gloo", timeout=120.0)
+    failures, results = info.value.failures, info.value.results
+    assert list(failures) == [1] and "killed by signal 9" in failures[1]
+    assert results[0]["error"] is not None and "all_reduce" in results[0]["error"], results[0]
+    assert results[0]["elapsed"] < NO_HANG
+    # The harness replaces the broken pool: the next call works.
+    assert run_ranks(_sum_ranks, 2, "gloo", timeout=120.0) == [1.0, 1.0]
+
+
+def _sum_ranks(comm) -> float:
+    t = torch.tensor([float(comm.rank)])
+    comm.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank_2(comm):
+    if comm.rank == 2:
+        raise KeyError("boom on rank 2")
+    comm.all_reduce(torch.ones(2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exception_on_one_rank_fails_run_ranks_with_its_traceback(backend):
+    """The root cause (rank 2's KeyError) is reported first, with its traceback; the other ranks are released
+    instead of waiting out the timeout."""
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks(_raise_on_rank_2, 3, backend, timeout=SHORT if backend == "gloo" else 60.0)
+    message = str(info.value)
+    assert 2 in info.value.failures and "KeyError: 'boom on rank 2'" in info.value.failures[2]
+    assert message.index("--- rank 2 ---") < min(message.find(f"--- rank {r} ---") % len(message) for r in (0, 1))
+    assert time.monotonic() - start < NO_HANG
+
+
+def test_inmemory_rejects_inconsistent_construction():
+    """Two ranks claiming the same slot, or disagreeing on world size, are told so."""
+    group = f"dup-{uuid.uuid4().hex}"
+    InMemoryCommunicationBackend(0, 3, group=group)
+    with pytest.raises(ValueError, match="already joined"):
+        InMemoryCommunicationBackend(0, 3, group=group)
+    with pytest.raises(ValueError, match="world_size 3"):
+        InMemoryCommunicationBackend(1, 4, group=group)
+    with pytest.raises(ValueError, match="out of range"):
+        InMemoryCommunicationBackend(3, 3, group="x")
+
+
+def test_reduction_parsing():
+    assert ReductionOperation.parse("avg") is ReductionOperation.AVERAGE
+    assert ReductionOperation.parse(ReductionOperation.MAX) is ReductionOperation.MAX
+    with pytest.raises(ValueError, match="SUM, AVERAGE, MAX, MIN, PRODUCT"):
+        ReductionOperation.parse("xor")
