@@ -179,6 +179,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate
             break
         try:
             fn, args, kwargs = pickle.loads(message)
+            comm.stats.reset()  # each run starts from zero, as on a fresh backend
             reply = ("ok", fn(comm, *args, **kwargs), comm.healthy)
         except BaseException:
             reply = ("error", traceback.format_exc(), comm.healthy)

@@ -33,7 +33,8 @@ def run_ranks(
     ``backend="inmemory"`` runs the ranks as threads of this process (``device`` picks where tensors live);
     ``backend="gloo"`` runs them in spawned processes that are kept and reused by later calls with the same
     ``world_size``/``timeout``/``validate`` (``fn`` and ``kwargs`` must then pickle: define ``fn`` at module
-    level). ``timeout`` bounds every communication op in seconds. An exception, death or hang on any rank
+    level); each call starts with zeroed ``comm.stats``. ``timeout`` bounds every communication op in seconds.
+    An exception, death or hang on any rank
     raises :class:`RanksFailedError` carrying that rank's traceback (root causes listed first).
     """
     if world_size < 1:

@@ -14,11 +14,12 @@ elements, the rest ``n // N`` (the ``numpy.array_split`` rule). :func:`split_siz
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -492,6 +493,23 @@ class CommunicationBackend(ABC):
             raise self._mark_broken(self._translate(e, "new_group")) from e
 
     # -- state -------------------------------------------------------------------------------------------------------
+
+    #: Whether collectives first check across ranks that all called the same op with the same shape/dtype/root.
+    #: Backends where the check costs a round trip (Gloo) honour it; the in-memory backend checks for free always.
+    validate: bool = True
+
+    @contextlib.contextmanager
+    def unchecked(self) -> Iterator[CommunicationBackend]:
+        """Skip the cross-rank consistency check for ops issued inside the block.
+
+        For code whose shapes agree on every rank by construction (gradient buckets laid out from the same model
+        and checked once): saves one small-message round trip per op. A mismatch inside the block is not caught.
+        """
+        previous, self.validate = self.validate, False
+        try:
+            yield self
+        finally:
+            self.validate = previous
 
     @property
     def healthy(self) -> bool:

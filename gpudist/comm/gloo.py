@@ -10,8 +10,8 @@ receives a short message (both seen with torch 2.13). With ``validate=True`` (th
 first exchanges a 14-int64 signature among the ranks (one small all-gather) and raises
 :class:`CollectiveMismatchError` on every rank before the real op is sent; point-to-point ops exchange the
 receiver's expected shape before the payload (see ``_send``), and a mismatch raises on both ranks. The check
-costs one small-message latency per op (measured
-in ``benchmarks/collectives.py``); ``validate=False`` removes it once a program is known to be consistent.
+costs one small-message latency per op (measured in ``benchmarks/collectives.py``); ``validate=False``, or
+``with comm.unchecked():`` around ops whose shapes agree by construction, removes it.
 """
 
 from __future__ import annotations

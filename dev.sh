@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's two commands:
+#   bash dev.sh run  [args]   install what is missing, then run the main job (examples/comm_demo.py)
+#   bash dev.sh test [args]   install what is missing, then run the test suite (pytest)
+# Installs into the active Python (set PYTHON=... to pick another). When torch is absent it installs
+# torch==2.13.0: an unpinned `pip install torch` would pull several GB of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+install() {
+    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        echo "dev.sh: torch not found; installing torch==2.13.0 (CPU build)"
+        "$PY" -m pip install --quiet "torch==2.13.0"
+    fi
+    # Re-install gpudist (editable, with test extras) when pyproject.toml changed or it is not importable.
+    local stamp=".dev-installed" want
+    want="$("$PY" -c 'import sys; print(sys.executable)') $(cksum < pyproject.toml)"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import gpudist, pytest_timeout" >/dev/null 2>&1; then
+        echo "dev.sh: installing gpudist (editable) with its test extras"
+        "$PY" -m pip install --quiet -e ".[test]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    run)  install; exec "$PY" examples/comm_demo.py "$@" ;;
+    test) install; exec "$PY" -m pytest "$@" ;;
+    *)    echo "usage: bash dev.sh run|test [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,232 @@
+"""Collective benchmarks: an nccl-tests-style sweep, with torch.distributed measured beside gpudist in one run.
+
+algbw = size / time; busbw = algbw x the ring factor (all_reduce 2(n-1)/n, reduce_scatter and all_gather
+(n-1)/n), as nccl-tests defines them, so numbers compare across world sizes. "size" is the all_reduce
+tensor, the reduce_scatter input and the all_gather output.
+
+On Gloo three variants run interleaved round by round on the same process group and buffers, so machine
+noise hits all of them alike: raw ``torch.distributed`` calls, gpudist with the cross-rank consistency check
+(the default) and gpudist with ``validate=False``. Each time is the median over rounds of the slowest rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .comm import CommunicationBackend, split_sizes
+
+__all__ = ["BUS_FACTORS", "environment", "format_table", "parse_size", "run_collectives", "sweep"]
+
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+}
+
+
+def parse_size(text: str) -> int:
+    """'64M', '1KiB', '4096' -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 1K, 64M or 4096") from None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    """Versions and hardware, recorded beside every benchmark number."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpudist": ver("gpudist"),
+        "torch": torch.__version__,
+        "triton": ver("triton"),
+        "numpy": ver("numpy"),
+        "cupy": ver("cupy-cuda12x") or ver("cupy-cuda13x"),
+        "mpi4py": ver("mpi4py"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return env
+
+
+def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch.Tensor, baseline: bool):
+    """name -> zero-argument callable running one op."""
+    if op == "all_reduce":
+        ours = lambda: comm.all_reduce(inp)
+    elif op == "reduce_scatter":
+        ours = lambda: comm.reduce_scatter(inp, out)
+    else:
+        ours = lambda: comm.all_gather(inp, out)
+    variants: dict[str, Callable[[], None]] = {}
+    if baseline and comm.name == "gloo":
+        import torch.distributed as dist
+
+        # torch 2.13 renamed the tensor forms (*_single) and warns on the old names; 2.11 has only the old ones.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        torch_op = {
+            "all_reduce": lambda: dist.all_reduce(inp),
+            "reduce_scatter": lambda: reduce_scatter(out, inp),
+            "all_gather": lambda: all_gather(out, inp),
+        }[op]
+        variants["torch"] = torch_op
+
+        def unchecked() -> None:
+            with comm.unchecked():
+                ours()
+
+        variants["gpudist_nocheck"] = unchecked
+    variants["gpudist"] = ours
+    return variants
+
+
+def _slowest(comm: CommunicationBackend, seconds: list[float]) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64)
+    comm.all_reduce(t, "max")
+    return t.tolist()
+
+
+def sweep(
+    comm: CommunicationBackend,
+    ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather"),
+    min_bytes: int = 1 << 10,
+    max_bytes: int = 64 << 20,
+    factor: int = 4,
+    rounds: int = 5,
+    target_seconds: float = 0.05,
+    baseline: bool = True,
+) -> list[dict]:
+    """Run on every rank; returns one row per (op, size) with times (seconds per op) per variant."""
+    n = comm.world_size
+    dtype = torch.float32
+    rows = []
+    size = min_bytes
+    while size <= max_bytes:
+        for op in ops:
+            count = max(n, size // 4 // n * n)  # elements, a multiple of the world size
+            if op == "all_reduce":
+                inp = torch.ones(count, dtype=dtype)
+                out = inp
+            elif op == "reduce_scatter":
+                inp = torch.ones(count, dtype=dtype)
+                out = torch.empty(split_sizes(count, n)[comm.rank], dtype=dtype)
+            else:
+                out = torch.empty(count, dtype=dtype)
+                inp = torch.ones(split_sizes(count, n)[comm.rank], dtype=dtype)
+            variants = _variants(comm, op, inp, out, baseline)
+            for fn in variants.values():  # warm up every variant
+                fn()
+            # Calibrate the number of iterations per round so one round of a variant takes ~target_seconds.
+            start = time.perf_counter()
+            variants["gpudist"]()
+            once = _slowest(comm, [time.perf_counter() - start])[0]
+            iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
+            per_round: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(rounds):
+                for name, fn in variants.items():
+                    comm.barrier()
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    per_round[name].append((time.perf_counter() - start) / iters)
+            row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters,
+                   "rounds": rounds}
+            for name, times in per_round.items():
+                slowest = _slowest(comm, times)
+                row[f"{name}_s"] = statistics.median(slowest)
+            rows.append(row)
+        size *= factor
+    for row in rows:
+        bus = BUS_FACTORS[row["op"]](n)
+        for key in [k for k in row if k.endswith("_s")]:
+            name = key[:-2]
+            t = row[key]
+            row[f"{name}_algbw_GBps"] = row["bytes"] / t / 1e9
+            row[f"{name}_busbw_GBps"] = row["bytes"] / t / 1e9 * bus
+        if "torch_s" in row:
+            row["ratio_busbw_vs_torch"] = row["torch_s"] / row["gpudist_s"]
+            row["ratio_busbw_nocheck_vs_torch"] = row["torch_s"] / row["gpudist_nocheck_s"]
+    return rows
+
+
+def format_table(rows: list[dict], world_size: int, backend: str) -> str:
+    has_torch = any("torch_s" in r for r in rows)
+    head = f"# gpudist collectives: backend={backend} world_size={world_size} dtype=float32 (times: median of rounds)\n"
+    cols = f"{'op':>15} {'size(B)':>11} {'count':>10} {'time(us)':>10} {'algbw':>8} {'busbw':>8}"
+    if has_torch:
+        cols += f" {'torch(us)':>10} {'busbw':>8} {'ratio':>6} {'nocheck':>8} {'ratio':>6}"
+    lines = [head + cols]
+    for r in rows:
+        line = (f"{r['op']:>15} {r['bytes']:>11} {r['count']:>10} {r['gpudist_s'] * 1e6:>10.1f} "
+                f"{r['gpudist_algbw_GBps']:>8.3f} {r['gpudist_busbw_GBps']:>8.3f}")
+        if has_torch:
+            line += (f" {r['torch_s'] * 1e6:>10.1f} {r['torch_busbw_GBps']:>8.3f} {r['ratio_busbw_vs_torch']:>6.2f}"
+                     f" {r['gpudist_nocheck_s'] * 1e6:>8.1f} {r['ratio_busbw_nocheck_vs_torch']:>6.2f}")
+        lines.append(line)
+    if has_torch:
+        lines.append("# ratio = gpudist busbw / torch.distributed busbw on the same group (1.00 = no overhead); "
+                     "nocheck = validate=False")
+    return "\n".join(lines)
+
+
+def _sweep_rank(comm: CommunicationBackend, **kwargs) -> list[dict]:
+    torch.manual_seed(0)
+    return sweep(comm, **kwargs)
+
+
+def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None,
+                    **kwargs) -> dict:
+    """Spawn ``world_size`` ranks, sweep, print the table, optionally write JSON; returns the result document."""
+    from .launch import available_backends, spawn
+    from .testing import run_ranks
+
+    if backend == "inmemory":
+        rows = run_ranks(_sweep_rank, world_size, "inmemory", timeout=600.0, **kwargs)[0]
+    elif backend == "gloo":
+        rows = spawn(_sweep_rank, world_size, timeout=600.0, **kwargs)[0]
+    else:
+        reason = available_backends().get(backend, "unknown backend")
+        raise SystemExit(f"gpudist bench collectives: backend '{backend}' is unavailable here: {reason}")
+    doc = {"benchmark": "collectives", "backend": backend, "world_size": world_size, "environment": environment(),
+           "settings": {k: v for k, v in kwargs.items()}, "rows": rows}
+    print(format_table(rows, world_size, backend))
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+        print(f"# wrote {path}")
+    return doc

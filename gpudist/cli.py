@@ -1,0 +1,85 @@
+"""The ``gpudist`` command: ``gpudist info`` and ``gpudist bench collectives``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _info(_: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import environment
+    from .launch import available_backends, detect_environment
+
+    env = environment()
+    print("gpudist", env["gpudist"])
+    for key in ("torch", "triton", "numpy", "cupy", "mpi4py", "python", "platform", "cpu", "cpu_count", "cuda"):
+        print(f"  {key:<10} {env[key] if env[key] is not None else '-'}")
+    print("devices:")
+    print(f"  cpu        {env['cpu_count']} cores")
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        print(f"  cuda:{i}     {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    if not torch.cuda.is_available():
+        print("  cuda       none")
+    print("backends:")
+    for name, state in available_backends().items():
+        print(f"  {name:<10} {state}")
+    launch = detect_environment()
+    print(f"launcher:    {launch.launcher} (rank {launch.rank} of {launch.world_size}, "
+          f"store {launch.master_addr}:{launch.master_port})")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import parse_size, run_collectives
+
+    if args.name != "collectives":
+        print(f"gpudist bench: unknown benchmark {args.name!r}; available: collectives", file=sys.stderr)
+        return 2
+    ops = tuple(args.ops.split(","))
+    unknown = [o for o in ops if o not in ("all_reduce", "reduce_scatter", "all_gather")]
+    if unknown:
+        print(f"gpudist bench: unknown op(s) {unknown}; use all_reduce, reduce_scatter, all_gather", file=sys.stderr)
+        return 2
+    run_collectives(
+        backend=args.backend, world_size=args.world_size, json_path=args.json, ops=ops,
+        min_bytes=parse_size(args.min_bytes), max_bytes=parse_size(args.max_bytes), factor=args.factor,
+        rounds=args.rounds, baseline=not args.no_baseline,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpudist", description="gpudist: distributed training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, devices and available backends")
+    info.set_defaults(func=_info)
+    bench = sub.add_parser("bench", help="run a benchmark and print an nccl-tests-style table")
+    bench.add_argument("name", help="benchmark name: collectives")
+    bench.add_argument("--backend", default="gloo", help="gloo (default), inmemory, nccl, mpi")
+    bench.add_argument("--world-size", type=int, default=2)
+    bench.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather")
+    bench.add_argument("--min-bytes", default="1K")
+    bench.add_argument("--max-bytes", default="64M")
+    bench.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
+    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size; the median is reported")
+    bench.add_argument("--no-baseline", action="store_true", help="skip the torch.distributed comparison")
+    bench.add_argument("--json", default=None, help="also write the results to this JSON file")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "world_size", 1) < 1:
+        print("gpudist: --world-size must be >= 1", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
