@@ -34,8 +34,8 @@ def run_ranks(
     ``backend="gloo"`` runs them in spawned processes that are kept and reused by later calls with the same
     ``world_size``/``timeout``/``validate`` (``fn`` and ``kwargs`` must then pickle: define ``fn`` at module
     level); each call starts with zeroed ``comm.stats``. ``timeout`` bounds every communication op in seconds.
-    An exception, death or hang on any rank
-    raises :class:`RanksFailedError` carrying that rank's traceback (root causes listed first).
+    An exception, death or hang on any rank raises :class:`RanksFailedError` carrying that rank's traceback
+    (root causes listed first).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

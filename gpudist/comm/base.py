@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -191,8 +190,6 @@ class Work:
             return True
         return bool(self._done_fn()) if self._done_fn is not None else False
 
-
-COMPLETED = Work()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -616,7 +613,3 @@ def _stable_hash(values: Sequence[int]) -> int:
     for v in values:
         h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)
     return h
-
-
-def deadline_after(seconds: float) -> float:
-    return time.monotonic() + seconds
