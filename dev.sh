@@ -16,7 +16,10 @@ install() {
     # Re-install gpudist (editable, with test extras) when pyproject.toml changed or it is not importable.
     local stamp=".dev-installed" want
     want="$("$PY" -c 'import sys; print(sys.executable)') $(cksum < pyproject.toml)"
-    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import gpudist, pytest_timeout" >/dev/null 2>&1; then
+    # (also when the gpudist that imports is another checkout's)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "
+import os, sys, gpudist, pytest_timeout
+sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('gpudist/__init__.py'))" >/dev/null 2>&1; then
         echo "dev.sh: installing gpudist (editable) with its test extras"
         "$PY" -m pip install --quiet -e ".[test]"
         echo "$want" > "$stamp"
