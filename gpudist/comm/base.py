@@ -481,13 +481,8 @@ class CommunicationBackend(ABC):
             self._check_peer("new_group", r, "ranks", allow_self=True)
         sig = Signature("new_group", extra=_stable_hash(ranks))
         self._raise_if_broken("new_group")
-        try:
+        with self._failures("new_group"):
             return self._new_group(sig, ranks)
-        except CommunicationError as e:
-            self._mark_broken(e)
-            raise
-        except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, "new_group")) from e
 
     # -- state -------------------------------------------------------------------------------------------------------
 
@@ -543,20 +538,22 @@ class CommunicationBackend(ABC):
         op = stat_name or sig.op
         self._raise_if_broken(op)
         self.stats.record(op, nbytes)
-        try:
+        with self._failures(op):
             work = start()
-        except CommunicationError as e:
-            raise self._mark_broken(e) from None
-        except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, op)) from e
         if async_op:
             return Work(lambda: self._wait(work, op), work.is_completed)
         self._wait(work, op)
         return None
 
     def _wait(self, work: Work, op: str) -> None:
-        try:
+        with self._failures(op):
             work.wait()
+
+    @contextlib.contextmanager
+    def _failures(self, op: str) -> Iterator[None]:
+        """Turn transport exceptions into CommunicationError and remember failures that break the group."""
+        try:
+            yield
         except CommunicationError as e:
             raise self._mark_broken(e) from None
         except RuntimeError as e:

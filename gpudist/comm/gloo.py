@@ -37,7 +37,6 @@ from .base import (
     mismatch_error,
     p2p_mismatch_error,
     shard_range,
-    split_sizes,
 )
 
 try:  # the option structs moved between modules across torch releases; both names exist in 2.11-2.13
@@ -292,9 +291,9 @@ class GlooCommunicationBackend(CommunicationBackend):
 
         def compact() -> None:
             flat = out.view(-1)
-            for r, size in enumerate(split_sizes(n, world)):
-                start = shard_range(n, world, r)[0]
-                flat[start : start + size] = gathered[r * chunk : r * chunk + size]
+            for r in range(world):
+                start, end = shard_range(n, world, r)
+                flat[start:end] = gathered[r * chunk : r * chunk + end - start]
 
         return self._work(self._gloo._allgather_base(gathered, mine, opts), then=compact)
 
