@@ -14,12 +14,13 @@ install() {
         "$PY" -m pip install --quiet "torch==2.13.0"
     fi
     # Re-install gpudist (editable, with test extras) when pyproject.toml changed or it is not importable.
-    local stamp=".dev-installed" want
+    local stamp=".dev-installed" here="$PWD" want
     want="$("$PY" -c 'import sys; print(sys.executable)') $(cksum < pyproject.toml)"
-    # (also when the gpudist that imports is another checkout's)
-    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "
+    # Also when the gpudist that imports belongs to another checkout (checked from / so that this folder's own
+    # gpudist/ does not shadow the installed one).
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! (cd / && "$PY" -c "
 import os, sys, gpudist, pytest_timeout
-sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('gpudist/__init__.py'))" >/dev/null 2>&1; then
+sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('$here/gpudist/__init__.py'))") >/dev/null 2>&1; then
         echo "dev.sh: installing gpudist (editable) with its test extras"
         "$PY" -m pip install --quiet -e ".[test]"
         echo "$want" > "$stamp"
