@@ -1,0 +1,179 @@
+"""Bucketing: many tensors <-> one flat buffer, with the dtype cast and a scale fused into the copy.
+
+``pack`` fills a communication bucket from a list of gradients (e.g. fp32 grads into a bf16 bucket,
+multiplied by 1/world on the way); ``unpack`` writes a reduced bucket back. Each is one kernel
+launch for the whole list (one per distinct dtype in the list), driven by a per-chunk table from
+the list's ``FlatLayout``: program ``p`` copies one chunk of one tensor, located through a table
+of data pointers, so a list of 300 small gradients costs one launch instead of 300 copies plus 300
+multiplies (the ``torch.cat`` + ``mul`` baseline of ``benchmarks/kernels.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._triton import cast_rne, tl, triton
+from .dispatch import use_triton
+from .layout import FlatLayout
+
+__all__ = ["pack", "pack_reference", "pack_triton", "unpack", "unpack_reference", "unpack_triton"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Elements per program. One program moves one chunk of one tensor; 4096 elements x 4 warps keeps
+# each thread on 32 elements, enough loads in flight to stream at copy bandwidth, while a
+# 1000-element gradient still costs a single program. (Tuned on GPU by benchmarks/kernels.py.)
+BLOCK = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _bucket_copy_kernel(
+    tensor_ptrs_ptr,  # int64[len]: data pointer of each listed tensor
+    flat_ptr,
+    chunk_tensor_ptr,  # int64[chunks]: which listed tensor program p copies
+    chunk_start_ptr,  # int64[chunks]: first element of its chunk inside that tensor
+    offsets_ptr,  # int64[len]: where each listed tensor starts in the flat buffer
+    numels_ptr,  # int64[len]
+    scale,
+    TENSOR_DTYPE: tl.constexpr,
+    PACK: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    index = tl.load(chunk_tensor_ptr + pid)
+    start = tl.load(chunk_start_ptr + pid)
+    numel = tl.load(numels_ptr + index)
+    flat_start = tl.load(offsets_ptr + index)
+    tensor_ptr = tl.load(tensor_ptrs_ptr + index).to(tl.pointer_type(TENSOR_DTYPE))
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if PACK:
+        x = tl.load(tensor_ptr + offs, mask=mask).to(tl.float32) * scale
+        tl.store(flat_ptr + flat_start + offs, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(flat_ptr + flat_start + offs, mask=mask).to(tl.float32) * scale
+        tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
+
+
+_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The data pointers of ``tensors`` as an int64 tensor on ``device``.
+
+    Cached by the pointer values: a bucket whose gradients keep their storage between steps pays
+    the host-to-device copy once. A stale entry cannot be wrong, since it holds only the addresses.
+    """
+    key = (str(device), tuple(t.data_ptr() for t in tensors))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) >= 256:
+            _POINTER_TABLES.pop(next(iter(_POINTER_TABLES)))
+        table = _POINTER_TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
+    return table
+
+
+def _launch(tensors, flat, scale, layout, pack_direction):
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        select = None if len(members) == len(tensors) else tuple(members)
+        chunk_tensor, chunk_start, offsets, numels = layout.chunk_table(BLOCK, flat.device, select)
+        pointers = _pointer_table([tensors[i] for i in members], flat.device)
+        _bucket_copy_kernel[(chunk_tensor.numel(),)](
+            pointers, flat, chunk_tensor, chunk_start, offsets, numels, float(scale),
+            TENSOR_DTYPE=getattr(tl, _TL_DTYPES[dtype]), PACK=pack_direction, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def pack_triton(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, *, layout=None) -> torch.Tensor:
+    """Triton launcher of :func:`pack` (inputs already validated and contiguous)."""
+    _launch(tensors, out, scale, layout or FlatLayout.of(tensors), pack_direction=True)
+    return out
+
+
+def pack_reference(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, *, layout=None
+) -> torch.Tensor:
+    """torch reference of :func:`pack`: the same arithmetic (fp32 multiply, round to nearest even)."""
+    layout = layout or FlatLayout.of(tensors)
+    for i, t in enumerate(tensors):
+        if t.numel():
+            src = t.reshape(-1)
+            out[layout.slice(i)].copy_(src if scale == 1.0 else src.float() * scale)
+    return out
+
+
+def unpack_triton(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, *, layout=None):
+    """Triton launcher of :func:`unpack` (inputs already validated and contiguous)."""
+    _launch(tensors, flat, scale, layout or FlatLayout.of(tensors), pack_direction=False)
+    return tensors
+
+
+def unpack_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, *, layout=None):
+    """torch reference of :func:`unpack`."""
+    layout = layout or FlatLayout.of(tensors)
+    for i, t in enumerate(tensors):
+        if t.numel():
+            src = flat[layout.slice(i)]
+            t.view(-1).copy_(src if scale == 1.0 else src.float() * scale)
+    return tensors
+
+
+def _validate(tensors, flat, scale, layout, flat_name):
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError("tensors must be a list of tensors, got a single tensor; wrap it in a list")
+    tensors = list(tensors)
+    if layout is None:
+        layout = FlatLayout.of(tensors)
+    elif not isinstance(layout, FlatLayout):
+        raise TypeError(f"layout must be a FlatLayout, got {type(layout).__name__}")
+    layout.check_buffer(flat, flat_name)
+    layout.check_tensors(tensors)
+    if flat.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{flat_name} has dtype {flat.dtype}; buckets are float32, bfloat16 or float16")
+    for i, t in enumerate(tensors):
+        if t.device != flat.device:
+            raise ValueError(f"tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}; move them together")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"tensors[{i}] has dtype {t.dtype}; pack/unpack move float32, bfloat16 or float16")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
+    return tensors, layout
+
+
+def pack(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, *, layout: FlatLayout | None = None
+) -> torch.Tensor:
+    """Write ``tensors`` (any shapes, empty ones allowed) into the flat buffer ``out``, times ``scale``.
+
+    Casts to ``out.dtype`` in the same pass (fp32 <-> bf16/fp16, rounding to nearest even). Offsets
+    come from ``layout`` (default: ``FlatLayout.of(tensors)``, packed back to back). Returns ``out``.
+    """
+    tensors, layout = _validate(tensors, out, scale, layout, "out")
+    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    impl = pack_triton if use_triton(out) else pack_reference
+    return impl(tensors, out, scale, layout=layout)
+
+
+def unpack(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, *, layout: FlatLayout | None = None
+) -> list[torch.Tensor]:
+    """Write the flat buffer ``flat``, times ``scale``, back into ``tensors`` in place (casting to each one's dtype).
+
+    The reverse of :func:`pack` with the same layout. Returns ``tensors``.
+    """
+    tensors, layout = _validate(tensors, flat, scale, layout, "flat")
+    targets = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    impl = unpack_triton if use_triton(flat) else unpack_reference
+    impl(flat, targets, scale, layout=layout)
+    for t, target in zip(tensors, targets, strict=True):
+        if target is not t:
+            t.copy_(target)
+    return tensors

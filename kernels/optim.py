@@ -1,0 +1,365 @@
+"""Fused optimizer steps on a flat shard: Adam, AdamW and SGD (momentum, Nesterov) in one pass.
+
+The ZeRO/FSDP optimizers keep each rank's slice of the parameters, gradients and optimizer state
+as flat buffers; one kernel launch then updates the whole slice, reading each element of
+param/grad/state once and writing param/state (and, optionally, a bf16 copy of the new
+parameters for the next all-gather) once.
+
+Every step takes:
+- ``grad_scale`` (a number) and ``grad_scale_tensor`` (an optional 1-element device tensor, e.g.
+  a clipping coefficient computed on the device, so clipping needs no host sync); the gradient is
+  multiplied by both before use: 1/world, an inverse loss scale, a clip coefficient.
+- ``found_inf``: an optional 1-element tensor, nonzero means "skip this step" (typically the
+  non-finite flag all-reduced across ranks so that every rank skips together). When it is None and
+  ``check_finite`` is True the step computes it from ``squared_norm(grad)`` (one extra read of the
+  gradient). A skipped step writes nothing.
+The return value is that flag as an fp32 0-dim tensor (1.0 = skipped). Reading it with
+``.item()`` synchronizes with the device; the kernel itself never does. The caller owns the step
+count: increment it only for steps that were applied.
+
+The arithmetic follows ``torch.optim.Adam/AdamW/SGD`` (single-tensor path) operation for
+operation, with IEEE division and square root, so results agree with torch to a few fp32 ulps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import cast_rne, tl, triton
+from .dispatch import use_triton
+from .norm import squared_norm
+
+__all__ = [
+    "adam_step",
+    "adam_step_reference",
+    "adam_step_triton",
+    "sgd_step",
+    "sgd_step_reference",
+    "sgd_step_triton",
+]
+
+# Memory-bound: 1024 elements x 4 warps = 8 fp32 per thread per buffer, five buffers in flight.
+# (Tuned on GPU by benchmarks/kernels.py.)
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
+    if HAS_SCALE_TENSOR:
+        g = g * tl.load(scale_ptr).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def _step_mask(pid, n, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_SKIP:
+        # A skipped step masks every load and store: nothing is read or written.
+        n = tl.where(tl.load(skip_ptr) == 0, n, 0)
+    return offs, offs < n
+
+
+@triton.jit
+def _adam_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, skip_ptr, n,
+    grad_scale, weight_decay, decay, beta1_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps,
+    DECOUPLED: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_SCALE_TENSOR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
+    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        if DECOUPLED:
+            p = p * decay  # AdamW: param.mul_(1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p  # Adam: grad.add(param, alpha=weight_decay)
+    m = m + beta1_weight * (g - m)  # exp_avg.lerp_(grad, 1 - beta1), torch's formula for weight < 0.5
+    v = v * beta2
+    v = v + one_minus_beta2 * g * g  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
+    tl.store(p_ptr + offs, cast_rne(p, p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, cast_rne(m, m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, cast_rne(v, v_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, cast_rne(p, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sgd_kernel(
+    p_ptr, g_ptr, buf_ptr, out_ptr, scale_ptr, skip_ptr, n,
+    grad_scale, weight_decay, momentum, one_minus_dampening, neg_lr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_SCALE_TENSOR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
+    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        g = g + weight_decay * p  # grad.add(param, alpha=weight_decay)
+    if HAS_MOMENTUM:
+        if FIRST:
+            buf = g  # torch.clone(grad) on the first step
+        else:
+            buf = tl.load(buf_ptr + offs, mask=mask).to(tl.float32) * momentum
+            buf = buf + one_minus_dampening * g  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        tl.store(buf_ptr + offs, cast_rne(buf, buf_ptr.dtype.element_ty), mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    p = p + neg_lr * g  # param.add_(grad, alpha=-lr)
+    tl.store(p_ptr + offs, cast_rne(p, p_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, cast_rne(p, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _skip_flag(grad, found_inf, check_finite) -> torch.Tensor | None:
+    if found_inf is not None:
+        return found_inf
+    if check_finite:
+        return (~torch.isfinite(squared_norm(grad))).float()
+    return None
+
+
+def _result(flag: torch.Tensor | None, device) -> torch.Tensor:
+    if flag is None:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (flag.reshape(()) != 0).float()
+
+
+def _adam_scalars(step, lr, beta1, beta2, weight_decay):
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return {
+        "decay": 1 - lr * weight_decay,
+        "beta1_weight": 1 - beta1,
+        "one_minus_beta2": 1 - beta2,
+        "neg_step_size": -(lr / bias_correction1),
+        "bias_correction2_sqrt": math.sqrt(bias_correction2),
+    }
+
+
+def adam_step_triton(
+    param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
+    maximize, grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
+):  # fmt: skip
+    """Triton launcher of :func:`adam_step` (inputs already validated)."""
+    skip = _skip_flag(grad, found_inf, check_finite)
+    n = param.numel()
+    if n:
+        s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+        _adam_kernel[(triton.cdiv(n, BLOCK),)](
+            param, grad, exp_avg, exp_avg_sq,
+            param_out if param_out is not None else param,
+            grad_scale_tensor if grad_scale_tensor is not None else param,
+            skip if skip is not None else param, n,
+            float(grad_scale), weight_decay, s["decay"], s["beta1_weight"], beta2, s["one_minus_beta2"],
+            s["neg_step_size"], s["bias_correction2_sqrt"], eps,
+            DECOUPLED=decoupled_weight_decay, HAS_WEIGHT_DECAY=weight_decay != 0, MAXIMIZE=maximize,
+            HAS_SCALE_TENSOR=grad_scale_tensor is not None, HAS_SKIP=skip is not None, HAS_OUT=param_out is not None,
+            BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return _result(skip, param.device)
+
+
+def adam_step_reference(
+    param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
+    maximize, grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
+):  # fmt: skip
+    """torch reference of :func:`adam_step`: torch.optim.Adam's single-tensor arithmetic on fp32 copies."""
+    skip = _skip_flag(grad, found_inf, check_finite)
+    if skip is not None and bool(skip.reshape(()) != 0):
+        return _result(skip, param.device)
+    s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize)
+    p, m, v = param.float(), exp_avg.float(), exp_avg_sq.float()
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            p = p * s["decay"]
+        else:
+            g = g + weight_decay * p
+    m = m + s["beta1_weight"] * (g - m)
+    v = v * beta2 + s["one_minus_beta2"] * g * g
+    denom = v.sqrt() / s["bias_correction2_sqrt"] + eps
+    p = p + s["neg_step_size"] * m / denom
+    for dst, src in ((param, p), (exp_avg, m), (exp_avg_sq, v), (param_out, p)):
+        if dst is not None:
+            dst.copy_(src)
+    return _result(skip, param.device)
+
+
+def sgd_step_triton(
+    param, grad, momentum_buffer, *, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step,
+    grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
+):  # fmt: skip
+    """Triton launcher of :func:`sgd_step` (inputs already validated)."""
+    skip = _skip_flag(grad, found_inf, check_finite)
+    n = param.numel()
+    if n:
+        _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+            param, grad, momentum_buffer if momentum_buffer is not None else param,
+            param_out if param_out is not None else param,
+            grad_scale_tensor if grad_scale_tensor is not None else param,
+            skip if skip is not None else param, n,
+            float(grad_scale), weight_decay, momentum, 1 - dampening, -lr,
+            HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, FIRST=first_step, NESTEROV=nesterov,
+            MAXIMIZE=maximize, HAS_SCALE_TENSOR=grad_scale_tensor is not None, HAS_SKIP=skip is not None,
+            HAS_OUT=param_out is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return _result(skip, param.device)
+
+
+def sgd_step_reference(
+    param, grad, momentum_buffer, *, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step,
+    grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
+):  # fmt: skip
+    """torch reference of :func:`sgd_step`: torch.optim.SGD's single-tensor arithmetic on fp32 copies."""
+    skip = _skip_flag(grad, found_inf, check_finite)
+    if skip is not None and bool(skip.reshape(()) != 0):
+        return _result(skip, param.device)
+    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize)
+    p = param.float()
+    if weight_decay != 0:
+        g = g + weight_decay * p
+    if momentum != 0:
+        buf = g if first_step else momentum_buffer.float() * momentum + (1 - dampening) * g
+        momentum_buffer.copy_(buf)
+        g = g + momentum * buf if nesterov else buf
+    p = p + (-lr) * g
+    param.copy_(p)
+    if param_out is not None:
+        param_out.copy_(p)
+    return _result(skip, param.device)
+
+
+def _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize) -> torch.Tensor:
+    g = grad.float() * grad_scale
+    if grad_scale_tensor is not None:
+        g = g * grad_scale_tensor.reshape(()).float()
+    return -g if maximize else g
+
+
+def _check_buffers(param: torch.Tensor, buffers: dict[str, torch.Tensor | None]) -> None:
+    if not isinstance(param, torch.Tensor) or param.dim() != 1 or not param.is_contiguous():
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
+        raise ValueError(f"param must be a 1-D contiguous flat shard, got {shape}; use a FlatLayout buffer")
+    if not param.is_floating_point():
+        raise TypeError(f"param has dtype {param.dtype}; fused steps update float shards")
+    for name, t in buffers.items():
+        if t is None:
+            continue
+        if name in ("grad_scale_tensor", "found_inf"):
+            if t.numel() != 1 or t.device != param.device:
+                raise ValueError(
+                    f"{name} must be a 1-element tensor on {param.device}, got {tuple(t.shape)} on {t.device}"
+                )
+            continue
+        if t.shape != param.shape or not t.is_contiguous():
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} (contiguous={t.is_contiguous()}) "
+                f"but param is {tuple(param.shape)}; "
+                "every buffer of a fused step is a contiguous slice of the same length"
+            )
+        if t.device != param.device:
+            raise ValueError(f"{name} is on {t.device} but param is on {param.device}; keep the shard on one device")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; fused steps take float buffers")
+
+
+def _check_hyper(**values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    grad_scale_tensor: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    check_finite: bool = True,
+    param_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Adam (or, with ``decoupled_weight_decay``, AdamW) step on a flat shard, in place.
+
+    ``step`` is the 1-based number of this step (bias correction). Returns the skip flag (see the
+    module docstring). Matches ``torch.optim.Adam``/``AdamW`` (amsgrad off) stepping the same values.
+    """
+    _check_buffers(param, {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out,
+                           "grad_scale_tensor": grad_scale_tensor, "found_inf": found_inf})  # fmt: skip
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step={step!r} must be the 1-based number of this step (an int >= 1)")
+    _check_hyper(lr=lr, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name}={beta!r} must be in [0, 1)")
+    impl = adam_step_triton if use_triton(param) else adam_step_reference
+    return impl(
+        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+        grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=check_finite,
+        param_out=param_out,
+    )  # fmt: skip
+
+
+def sgd_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    first_step: bool = False,
+    grad_scale: float = 1.0,
+    grad_scale_tensor: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    check_finite: bool = True,
+    param_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One SGD step (momentum, dampening, Nesterov, weight decay) on a flat shard, in place.
+
+    ``first_step`` initializes the momentum buffer from the gradient, as torch.optim.SGD does when
+    a parameter has no buffer yet. Returns the skip flag (see the module docstring).
+    """
+    _check_buffers(param, {"grad": grad, "momentum_buffer": momentum_buffer, "param_out": param_out,
+                           "grad_scale_tensor": grad_scale_tensor, "found_inf": found_inf})  # fmt: skip
+    _check_hyper(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, grad_scale=grad_scale)
+    if momentum != 0 and momentum_buffer is None:
+        raise ValueError(f"momentum={momentum} needs a momentum_buffer of the shard's size (torch.zeros_like(param))")
+    if nesterov and (momentum == 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov needs momentum > 0 and dampening = 0 (got momentum={momentum}, dampening={dampening})"
+        )
+    impl = sgd_step_triton if use_triton(param) else sgd_step_reference
+    return impl(
+        param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+        weight_decay=weight_decay, maximize=maximize, first_step=first_step, grad_scale=grad_scale,
+        grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=check_finite, param_out=param_out,
+    )  # fmt: skip

@@ -1,0 +1,50 @@
+"""Shared test setup.
+
+Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors. ``TRITON_INTERPRET`` is
+read when a kernel is decorated, so it must be set here, before any test imports gpudist.
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpudist.kernels import _triton  # noqa: E402  (after TRITON_INTERPRET is set)
+
+#: Devices the kernel tests run on: CPU always, CUDA when present.
+KERNEL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=["torch", "triton"])
+def kernel_impl(request, monkeypatch):
+    """Run the test once with the torch reference forced and once with the Triton kernels forced."""
+    impl = request.param
+    if impl == "triton" and not _triton.HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("GPUDIST_KERNELS", impl)
+    return impl
+
+
+@pytest.fixture(params=KERNEL_DEVICES)
+def device(request, kernel_impl):
+    """The device kernel inputs live on; Triton on CPU needs the interpreter, CUDA needs a GPU."""
+    dev = request.param
+    if dev == "cuda" and not CUDA:
+        pytest.skip("needs CUDA (GPU tier)")
+    if dev == "cpu" and kernel_impl == "triton" and not _triton.interpreter_active():
+        pytest.skip("Triton kernels are compiled for CUDA in this process; the cuda cases test them")
+    return torch.device(dev)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``gpu`` marker means 'needs CUDA': skip those items with a reason when there is none."""
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (GPU tier); none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,309 @@
+"""Bucketing, squared norm and fused optimizer kernels against their torch references and torch.optim.
+
+Each test runs twice through the ``device`` fixture (tests/conftest.py): with the torch reference
+forced and with the Triton kernels forced (in Triton's interpreter on CPU; compiled on CUDA in the
+GPU tier). Tolerances, per dtype:
+- pack/unpack: exact. Both paths multiply in fp32 and round to nearest even (kernels/_triton.py).
+- squared norm: rtol 1e-5. Both accumulate in fp32 but in a different order (block partials vs
+  torch's dot); the relative error of an n-term fp32 sum of positive terms is about
+  sqrt(n) * 6e-8, 6e-5 worst case at 10^6 terms, 1e-5 in practice for random data.
+- optimizer steps: rtol 1e-5 / atol 1e-6 after 20 steps against torch.optim. Same operations in
+  the same order, but torch's vectorized CPU kernels and the GPU's fused multiply-add round
+  differently by an ulp per step; 20 steps of Adam stay within a few 1e-6 (seen: 3e-6 at most).
+"""
+
+import math
+
+import pytest
+import torch
+from gpudist.kernels import dispatch
+from gpudist.kernels.bucket import pack, pack_reference, unpack
+from gpudist.kernels.layout import FlatLayout
+from gpudist.kernels.norm import squared_norm
+from gpudist.kernels.optim import adam_step, sgd_step
+
+from .conftest import CUDA
+
+
+def _sizes():
+    """Odd and tiny sizes, and one past 2^20 (cheap even in the interpreter: ~250 programs of 4096)."""
+    return [0, 1, 7, 1000, 1_000_003]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def test_layout_offsets_alignment_and_views():
+    """Catches off-by-one offsets, padding that overlaps the next tensor, and views of the wrong shape."""
+    layout = FlatLayout([(3, 2), (0,), (5,), (1,)], align=4)
+    assert layout.offsets == (0, 8, 8, 16)
+    assert layout.numels == (6, 0, 5, 1)
+    assert layout.total == 17
+    flat = torch.arange(17.0)
+    views = layout.views(flat)
+    assert [tuple(v.shape) for v in views] == [(3, 2), (0,), (5,), (1,)]
+    views[2].fill_(-1)
+    assert flat[8:13].eq(-1).all() and flat[13:16].eq(torch.arange(13.0, 16.0)).all()
+    assert FlatLayout.of([torch.empty(3, 2), torch.empty(0)]) is FlatLayout.of([torch.empty(3, 2), torch.empty(0)])
+
+
+def test_layout_rejects_bad_buffers_and_lists():
+    """Catches a too-small or 2-D bucket, or a tensor list that does not match the layout, slipping through."""
+    layout = FlatLayout([(4,), (3,)])
+    with pytest.raises(ValueError, match="holds 6 elements but the layout needs 7"):
+        layout.views(torch.empty(6))
+    with pytest.raises(ValueError, match="1-D and contiguous"):
+        layout.views(torch.empty(7, 1))
+    with pytest.raises(ValueError, match=r"tensors\[1\] has 2 elements"):
+        layout.check_tensors([torch.empty(4), torch.empty(2)])
+    with pytest.raises(ValueError, match="align=0"):
+        FlatLayout([(1,)], align=0)
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_env_var(monkeypatch):
+    """Catches the env var being ignored or a typo in it silently meaning 'auto'."""
+    cpu = torch.empty(1)
+    monkeypatch.setenv("GPUDIST_KERNELS", "torch")
+    assert not dispatch.use_triton(cpu)
+    monkeypatch.setenv("GPUDIST_KERNELS", "auto")
+    assert not dispatch.use_triton(cpu)
+    monkeypatch.setenv("GPUDIST_KERNELS", "trition")
+    with pytest.raises(ValueError, match="'trition' is not one of auto, triton, torch"):
+        dispatch.use_triton(cpu)
+
+
+def test_dispatch_forced_triton_on_cpu_without_interpreter(monkeypatch):
+    """Catches a forced Triton run on CPU tensors crashing deep in Triton instead of saying what to set."""
+    monkeypatch.setenv("GPUDIST_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.use_triton(torch.empty(1))
+
+
+# ---------------------------------------------------------------------------------------------- pack / unpack
+
+
+@pytest.mark.parametrize("bucket_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_pack_unpack_match_reference(device, kernel_impl, bucket_dtype, scale):
+    """Catches wrong offsets, a missed tail chunk, a skipped empty tensor shifting the rest, the scale applied
+    twice or not at all, and fp32 -> bf16 truncation instead of round-to-nearest-even."""
+    g = _gen(1)
+    shapes = [(n,) for n in _sizes()] + [(3, 5, 7), (0, 4), (2, 1)]
+    tensors = [torch.randn(s, generator=g).to(device) for s in shapes]
+    tensors[1] = tensors[1].bfloat16()  # a mixed-dtype list: one launch per dtype
+    layout = FlatLayout.of(tensors)
+    out = torch.full((layout.total,), float("nan"), dtype=bucket_dtype, device=device)
+    pack(tensors, out, scale)
+    expected = torch.cat([(t.reshape(-1).float() * scale).to(bucket_dtype) for t in tensors])
+    assert torch.equal(out.cpu(), expected.cpu())
+
+    restored = [torch.full_like(t, float("nan")) for t in tensors]
+    unpack(out, restored, 1 / scale)
+    for t, r, i in zip(tensors, restored, range(len(tensors)), strict=True):
+        exp = (out[layout.slice(i)].float() * (1 / scale)).to(t.dtype).view(t.shape)
+        assert torch.equal(r, exp), f"tensor {i} of shape {tuple(t.shape)}"
+
+
+def test_pack_with_padding_and_noncontiguous(device, kernel_impl):
+    """Catches writes into the padding between aligned tensors and non-contiguous inputs/outputs read as if dense."""
+    g = _gen(2)
+    base = torch.randn(6, 4, generator=g).to(device)
+    tensors = [base.t(), torch.randn(5, generator=g).to(device)]  # the first is a transposed view
+    layout = FlatLayout.of(tensors, align=16)
+    out = torch.full((layout.total,), -7.0, device=device)
+    pack(tensors, out, layout=layout)
+    assert torch.equal(out[:24], base.t().reshape(-1))
+    assert out[24:32].eq(-7.0).all(), "padding was written"
+    assert torch.equal(out[32:37], tensors[1])
+    target = torch.zeros(6, 4, device=device).t()  # non-contiguous destination of shape (4, 6)
+    unpack(out, [target, torch.zeros(5, device=device)], layout=layout)
+    assert torch.equal(target, base.t())
+
+
+def test_pack_rejects_bad_input():
+    """Catches mismatched lists, wrong devices/dtypes and a single tensor passed as the list."""
+    with pytest.raises(ValueError, match="needs 5"):
+        pack([torch.ones(2), torch.ones(3)], torch.empty(4))
+    with pytest.raises(TypeError, match="single tensor"):
+        pack(torch.ones(3), torch.empty(3))
+    with pytest.raises(TypeError, match=r"torch\.int64"):
+        pack([torch.ones(3, dtype=torch.int64)], torch.empty(3))
+    with pytest.raises(TypeError, match="scale must be a Python number"):
+        pack([torch.ones(3)], torch.empty(3), scale=torch.tensor(2.0))
+    if CUDA:
+        with pytest.raises(ValueError, match="is on cuda"):
+            pack([torch.ones(3, device="cuda")], torch.empty(3))
+
+
+def test_pack_reference_signature_matches():
+    """Catches the reference and the dispatching op drifting apart in signature (the reference is the oracle)."""
+    tensors = [torch.arange(3.0), torch.arange(2.0)]
+    a, b = torch.empty(5), torch.empty(5)
+    pack(tensors, a, 2.0)
+    pack_reference(tensors, b, 2.0)
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- squared norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_squared_norm(device, kernel_impl, dtype):
+    """Catches a dropped tail block, bf16 accumulation (loses ~3 digits), and a non-zero norm of an empty buffer."""
+    for n in _sizes():
+        x = torch.randn(n, generator=_gen(n)).to(dtype).to(device)
+        got = squared_norm(x)
+        assert got.dtype == torch.float32 and got.shape == () and got.device == device
+        expected = x.double().pow(2).sum().float()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
+
+
+def test_squared_norm_nonfinite(device, kernel_impl):
+    """Catches a NaN or Inf hidden by a masked load: the optimizer's skip check relies on it."""
+    x = torch.ones(1000, device=device)
+    x[999] = float("inf")
+    assert math.isinf(squared_norm(x).item())
+    x[3] = float("nan")
+    assert math.isnan(squared_norm(x).item())
+
+
+# ---------------------------------------------------------------------------------------------- optimizer steps
+
+ADAM_CASES = [
+    pytest.param({}, id="adam"),
+    pytest.param({"weight_decay": 0.1}, id="adam-l2"),
+    pytest.param({"weight_decay": 0.1, "decoupled_weight_decay": True}, id="adamw"),
+    pytest.param({"betas": (0.8, 0.99), "eps": 1e-6, "maximize": True}, id="adam-maximize"),
+]
+
+
+def _torch_adam(param, kw, lr):
+    kw = dict(kw)
+    cls = torch.optim.AdamW if kw.pop("decoupled_weight_decay", False) else torch.optim.Adam
+    kw.setdefault("weight_decay", 0.0)  # AdamW defaults to 0.01
+    return cls([param], lr=lr, **kw)
+
+
+def _kernel_adam_kw(kw):
+    kw = dict(kw)
+    beta1, beta2 = kw.pop("betas", (0.9, 0.999))
+    return {"beta1": beta1, "beta2": beta2, **kw}
+
+
+@pytest.mark.parametrize("case", ADAM_CASES)
+def test_adam_matches_torch_optim(device, kernel_impl, case):
+    """Catches any slip in the Adam/AdamW arithmetic (bias correction, L2 vs decoupled decay, maximize):
+    20 steps against torch.optim on the same parameters and gradients."""
+    n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 100_003
+    g = _gen(3)
+    ref = torch.randn(n, generator=g).to(device).requires_grad_()
+    opt = _torch_adam(ref, case, lr=1e-2)
+    param, exp_avg, exp_avg_sq = ref.detach().clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    for step in range(1, 21):
+        grad = torch.randn(n, generator=g).to(device)
+        ref.grad = grad.clone()
+        opt.step()
+        skipped = adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-2, **_kernel_adam_kw(case))
+        assert skipped.item() == 0.0
+    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+    state = opt.state[ref]
+    torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+
+
+SGD_CASES = [
+    pytest.param({}, id="plain"),
+    pytest.param({"momentum": 0.9}, id="momentum"),
+    pytest.param({"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, id="dampening-wd"),
+    pytest.param({"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, id="nesterov"),
+    pytest.param({"momentum": 0.5, "maximize": True}, id="maximize"),
+]
+
+
+@pytest.mark.parametrize("case", SGD_CASES)
+def test_sgd_matches_torch_optim(device, kernel_impl, case):
+    """Catches a wrong first momentum step (torch clones the gradient), dampening applied on step 1, and
+    Nesterov using the old buffer: 20 steps against torch.optim.SGD."""
+    n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 100_003
+    g = _gen(4)
+    ref = torch.randn(n, generator=g).to(device).requires_grad_()
+    opt = torch.optim.SGD([ref], lr=1e-2, **case)
+    param, buf = ref.detach().clone(), torch.zeros(n, device=device)
+    for step in range(1, 21):
+        grad = torch.randn(n, generator=g).to(device)
+        ref.grad = grad.clone()
+        opt.step()
+        sgd_step(param, grad, buf if case.get("momentum") else None, lr=1e-2, first_step=step == 1, **case)
+    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_grad_scale_lowp_copy_and_bf16_grad(device, kernel_impl):
+    """Catches the grad scale (number and device tensor) being ignored, the bf16 copy going stale or truncated,
+    and bf16 gradients being read as fp32."""
+    n = 777
+    g = _gen(5)
+    ref = torch.randn(n, generator=g).to(device).requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.05)
+    param, m, v = ref.detach().clone(), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    clip = torch.tensor([0.5], device=device)
+    for step in range(1, 6):
+        grad = torch.randn(n, generator=g).to(device).bfloat16()
+        ref.grad = grad.float() * 0.25 * 0.5
+        opt.step()
+        adam_step(param, grad, m, v, step=step, lr=1e-3, weight_decay=0.05, decoupled_weight_decay=True,
+                  grad_scale=0.25, grad_scale_tensor=clip, param_out=out)  # fmt: skip
+    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out, param.bfloat16())
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_nonfinite_gradient_skips_step(device, kernel_impl, optimizer):
+    """Catches a NaN gradient corrupting parameters or optimizer state, an unreported skip, and an externally
+    supplied found_inf (e.g. all-reduced across ranks) being ignored."""
+    n = 300
+    param = torch.randn(n, generator=_gen(6)).to(device)
+    state = torch.randn(n, generator=_gen(7)).abs().to(device)
+    grad = torch.randn(n, generator=_gen(8)).to(device)
+    bad = grad.clone()
+    bad[17] = float("nan")
+    before = (param.clone(), state.clone())
+
+    def run(gr, **kw):
+        if optimizer == "adam":
+            return adam_step(param, gr, state, state.clone(), step=3, lr=0.1, **kw)
+        return sgd_step(param, gr, state, lr=0.1, momentum=0.9, **kw)
+
+    assert run(bad).item() == 1.0
+    assert torch.equal(param, before[0]) and torch.equal(state, before[1])
+    assert run(grad, found_inf=torch.ones(1, device=device)).item() == 1.0
+    assert torch.equal(param, before[0])
+    assert run(grad).item() == 0.0
+    assert not torch.equal(param, before[0])
+
+
+def test_optimizer_steps_reject_bad_input():
+    """Catches a mis-sized state buffer or nonsense hyper-parameters reaching the kernel."""
+    p = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"exp_avg has shape \(9,\)"):
+        adam_step(p, torch.zeros(10), torch.zeros(9), torch.zeros(10), step=1, lr=0.1)
+    with pytest.raises(ValueError, match="step=0"):
+        adam_step(p, torch.zeros(10), torch.zeros(10), torch.zeros(10), step=0, lr=0.1)
+    with pytest.raises(ValueError, match=r"beta2=1\.0"):
+        adam_step(p, torch.zeros(10), torch.zeros(10), torch.zeros(10), step=1, lr=0.1, beta2=1.0)
+    with pytest.raises(ValueError, match=r"lr=-0\.1"):
+        sgd_step(p, torch.zeros(10), lr=-0.1)
+    with pytest.raises(ValueError, match="needs a momentum_buffer"):
+        sgd_step(p, torch.zeros(10), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov needs"):
+        sgd_step(p, torch.zeros(10), torch.zeros(10), lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="1-D contiguous flat shard"):
+        sgd_step(torch.zeros(2, 5), torch.zeros(2, 5), lr=0.1)
