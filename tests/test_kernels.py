@@ -20,7 +20,7 @@ from gpudist.kernels import dispatch
 from gpudist.kernels.bucket import pack, pack_reference, unpack
 from gpudist.kernels.layout import FlatLayout
 from gpudist.kernels.norm import squared_norm
-from gpudist.kernels.optim import adam_step, sgd_step
+from gpudist.kernels.optim import adam_step, adam_step_reference, sgd_step, sgd_step_reference
 
 from .conftest import CUDA
 
@@ -245,6 +245,33 @@ def test_sgd_matches_torch_optim(device, kernel_impl, case):
     torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_references_match_torch_optim():
+    """Catches the oracle itself drifting from torch.optim (the dispatching op uses torch's fused CPU kernels,
+    so the single-tensor references need their own check)."""
+    n, g = 513, _gen(9)
+    defaults = {"maximize": False, "grad_scale": 1.0, "grad_scale_tensor": None, "found_inf": None,
+                "check_finite": True, "param_out": None}  # fmt: skip
+    for decoupled in (False, True):
+        ref = torch.randn(n, generator=g).requires_grad_()
+        opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([ref], lr=1e-2, weight_decay=0.1)
+        p, m, v = ref.detach().clone(), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 21):
+            ref.grad = torch.randn(n, generator=g)
+            opt.step()
+            adam_step_reference(p, ref.grad, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.1, decoupled_weight_decay=decoupled, **defaults)  # fmt: skip
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
+    ref = torch.randn(n, generator=g).requires_grad_()
+    opt = torch.optim.SGD([ref], lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+    p, buf = ref.detach().clone(), torch.zeros(n)
+    for step in range(1, 21):
+        ref.grad = torch.randn(n, generator=g)
+        opt.step()
+        sgd_step_reference(p, ref.grad, buf, lr=1e-2, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01,
+                           first_step=step == 1, **defaults)  # fmt: skip
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_adam_grad_scale_lowp_copy_and_bf16_grad(device, kernel_impl):
     """Catches the grad scale (number and device tensor) being ignored, the bf16 copy going stale or truncated,
     and bf16 gradients being read as fp32."""
@@ -307,3 +334,25 @@ def test_optimizer_steps_reject_bad_input():
         sgd_step(p, torch.zeros(10), torch.zeros(10), lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="1-D contiguous flat shard"):
         sgd_step(torch.zeros(2, 5), torch.zeros(2, 5), lr=0.1)
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_at_scale(monkeypatch):
+    """Catches int32 offset overflow past 2^31 elements and grid limits that only show at full size (GPU tier)."""
+    monkeypatch.setenv("GPUDIST_KERNELS", "auto")
+    big = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16) if torch.cuda.mem_get_info()[0] > 20e9 else None
+    tensors = [torch.randn(1000, device="cuda"), *([big] if big is not None else []), torch.randn(777, device="cuda")]
+    out = torch.empty(FlatLayout.of(tensors).total, device="cuda", dtype=torch.bfloat16)
+    pack(tensors, out, 0.5)
+    assert torch.equal(out[-777:], (tensors[-1] * 0.5).bfloat16())
+    assert torch.equal(out[:1000], (tensors[0] * 0.5).bfloat16())
+    del big, tensors, out
+    n = 1 << 26
+    p = torch.randn(n, device="cuda")
+    m, v, grad = torch.zeros_like(p), torch.zeros_like(p), torch.randn_like(p)
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    adam_step(p, grad, m, v, step=1, lr=1e-3)
+    monkeypatch.setenv("GPUDIST_KERNELS", "torch")
+    adam_step(p2, grad, m2, v2, step=1, lr=1e-3)
+    torch.testing.assert_close(p, p2, rtol=1e-5, atol=1e-6)
+    assert squared_norm(grad).item() == pytest.approx(grad.double().pow(2).sum().item(), rel=1e-5)
