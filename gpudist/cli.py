@@ -1,4 +1,4 @@
-"""The ``gpudist`` command: ``gpudist info`` and ``gpudist bench collectives``."""
+"""The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives`` and ``gpudist bench kernels``."""
 
 from __future__ import annotations
 
@@ -37,9 +37,21 @@ def _info(_: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import parse_size, run_collectives
 
+    if args.name == "kernels":
+        from .kernel_bench import OPS, run_kernels
+
+        ops = args.ops.split(",") if args.ops else None
+        unknown = [o for o in ops or () if o not in OPS]
+        if unknown:
+            print(f"gpudist bench kernels: unknown op(s) {unknown}; available: {', '.join(OPS)}", file=sys.stderr)
+            return 2
+        elements = parse_size(args.elements) if args.elements else None
+        run_kernels(args.device, elements, ops, args.rounds, json_path=args.json)
+        return 0
     if args.name != "collectives":
-        print(f"gpudist bench: unknown benchmark {args.name!r}; available: collectives", file=sys.stderr)
+        print(f"gpudist bench: unknown benchmark {args.name!r}; available: collectives, kernels", file=sys.stderr)
         return 2
+    args.ops = args.ops or "all_reduce,reduce_scatter,all_gather"
     ops = tuple(args.ops.split(","))
     unknown = [o for o in ops if o not in ("all_reduce", "reduce_scatter", "all_gather")]
     if unknown:
@@ -59,14 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices and available backends")
     info.set_defaults(func=_info)
     bench = sub.add_parser("bench", help="run a benchmark and print an nccl-tests-style table")
-    bench.add_argument("name", help="benchmark name: collectives")
+    bench.add_argument("name", help="benchmark name: collectives or kernels")
     bench.add_argument("--backend", default="gloo", help="gloo (default), inmemory, nccl, mpi")
     bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather")
+    bench.add_argument("--ops", default=None, help="collectives: all_reduce,reduce_scatter,all_gather (default all); "
+                       "kernels: a subset of the kernel ops (default all)")
+    bench.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")
+    bench.add_argument("--elements", default=None, help="kernels: elements per op (default 64M on CUDA, 4M on CPU)")
     bench.add_argument("--min-bytes", default="1K")
     bench.add_argument("--max-bytes", default="64M")
     bench.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
-    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size; the median is reported")
+    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     bench.add_argument("--no-baseline", action="store_true", help="skip the torch.distributed comparison")
     bench.add_argument("--json", default=None, help="also write the results to this JSON file")
     bench.set_defaults(func=_bench)
