@@ -10,14 +10,32 @@ from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import squared_norm
 from .optim import adam_step, sgd_step
+from .quantize import (
+    dequantize_1bit,
+    dequantize_1bit_accumulate,
+    dequantize_int8,
+    dequantize_int8_accumulate,
+    quantize_1bit,
+    quantize_int8,
+)
+from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
     "FlatLayout",
+    "TopKResult",
     "adam_step",
+    "dequantize_1bit",
+    "dequantize_1bit_accumulate",
+    "dequantize_int8",
+    "dequantize_int8_accumulate",
     "implementation",
     "pack",
+    "quantize_1bit",
+    "quantize_int8",
     "sgd_step",
     "squared_norm",
+    "topk_compress",
+    "topk_recall",
     "unpack",
     "use_triton",
 ]

@@ -103,8 +103,16 @@ def pack_reference(
 ) -> torch.Tensor:
     """torch reference of :func:`pack`: the same arithmetic (fp32 multiply, round to nearest even)."""
     layout = layout or FlatLayout.of(tensors)
-    pairs = [(out[layout.slice(i)], t.reshape(-1)) for i, t in enumerate(tensors) if t.numel()]
-    _scaled_copies(pairs, scale)
+    sources = [t.reshape(-1) for t in tensors]
+    if layout.total == sum(layout.numels) and (scale == 1.0 or out.dtype == torch.float32):
+        # Back to back (no padding): one multi-threaded cat and one multiply over the whole bucket, the
+        # baseline's own recipe (1.5 ms at 4M elements in 96 tensors, 2-core CPU) and still one rounding:
+        # cat only widens (exact) or, with scale 1, casts once.
+        dense = torch.cat(sources, out=out[: layout.total])
+        if scale != 1.0:
+            dense.mul_(scale)
+        return out
+    _scaled_copies(layout.views(out), [t.view(shape) for t, shape in zip(tensors, layout.shapes, strict=True)], scale)
     return out
 
 
@@ -117,29 +125,27 @@ def unpack_triton(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: fl
 def unpack_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, *, layout=None):
     """torch reference of :func:`unpack`."""
     layout = layout or FlatLayout.of(tensors)
-    _scaled_copies([(t.view(-1), flat[layout.slice(i)]) for i, t in enumerate(tensors) if t.numel()], scale)
+    targets = [t if t.shape == shape else t.view(shape) for t, shape in zip(tensors, layout.shapes, strict=True)]
+    _scaled_copies(targets, layout.views(flat), scale)
     return tensors
 
 
-def _scaled_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
-    """``dst = src * scale`` for each (dst, src) pair, multiplied in fp32 and rounded once into dst's dtype.
+def _scaled_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scale: float) -> None:
+    """``dst = src * scale`` pairwise (same shapes), multiplied in fp32 and rounded once into dst's dtype.
 
-    Into fp32 destinations a copy (widening is exact) followed by an in-place multiply rounds exactly
-    once, so the two ``_foreach`` calls of the PyTorch baseline give the kernel's bits with one
-    C++ loop over the list instead of a Python call per tensor. Into bf16/fp16 the product must be
-    rounded once from fp32, which ``torch.mul(..., out=)`` does per tensor.
+    Into fp32: ``_foreach_copy_`` (widening is exact) then ``_foreach_mul_``, one C++ loop each: 1.26 ms for
+    4M elements in 96 tensors on the 2-core CPU machine, vs 1.62 ms for a Python loop of copy + mul.
+    Into bf16/fp16 the product must be rounded once from fp32: ``torch.mul(..., out=)`` per tensor.
     """
-    if not pairs:
-        return
-    dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
     if scale == 1.0:
         torch._foreach_copy_(dsts, srcs)
     elif all(d.dtype == torch.float32 for d in dsts):
         torch._foreach_copy_(dsts, srcs)
         torch._foreach_mul_(dsts, scale)
     else:
-        for dst, src in pairs:
-            torch.mul(src if src.dtype == torch.float32 else src.float(), scale, out=dst)
+        for dst, src in zip(dsts, srcs, strict=True):
+            if dst.numel():
+                torch.mul(src if src.dtype == torch.float32 else src.float(), scale, out=dst)
 
 
 def _validate(tensors, flat, scale, layout, flat_name):

@@ -8,6 +8,7 @@ occupies ``flat[offsets[i] : offsets[i] + numels[i]]``; starts are rounded up to
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
@@ -40,6 +41,7 @@ class FlatLayout:
         #: Elements a buffer needs to hold every tensor (padding included, none after the last).
         self.total: int = cursor
         self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], align: int = 1) -> FlatLayout:
@@ -63,9 +65,21 @@ class FlatLayout:
         return slice(self.offsets[index], self.offsets[index] + self.numels[index])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views into ``flat`` shaped like the layout's tensors (writing a view writes the buffer)."""
+        """Views into ``flat`` shaped like the layout's tensors (writing a view writes the buffer).
+
+        The list for the last two buffers is cached (a bucket is viewed every step; building 100 views
+        costs 0.2 ms of Python). Do not modify the returned list.
+        """
         self.check_buffer(flat)
-        return [flat[self.slice(i)].view(shape) for i, shape in enumerate(self.shapes)]
+        key = (flat.data_ptr(), flat.dtype, flat.device, flat.numel())
+        hit = self._views.get(key)
+        if hit is not None and hit[0]() is flat:
+            return hit[1]
+        views = [flat[self.slice(i)].view(shape) for i, shape in enumerate(self.shapes)]
+        if len(self._views) >= 2:
+            self._views.pop(next(iter(self._views)))
+        self._views[key] = (weakref.ref(flat), views)
+        return views
 
     def check_buffer(self, flat: torch.Tensor, name: str = "flat buffer") -> None:
         """Raise a clear error unless ``flat`` is a 1-D contiguous tensor large enough for this layout."""

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+
 from gpudist.kernels import dispatch
 from gpudist.kernels.bucket import pack, pack_reference, unpack
 from gpudist.kernels.layout import FlatLayout

@@ -139,6 +139,26 @@ def test_gpudist_bench_collectives(tmp_path):
     assert bad.returncode != 0 and "unavailable" in (bad.stderr + bad.stdout)
 
 
+def test_gpudist_bench_kernels(tmp_path):
+    """Catches the kernel benchmark breaking (an op builder out of step with the kernels' signatures, a
+    missing baseline) or an unknown op passing silently; no timing is asserted."""
+    path = tmp_path / "k.json"
+    cmd = [sys.executable, "-m", "gpudist.cli", "bench", "kernels", "--device", "cpu", "--elements", "64K",
+           "--rounds", "1", "--json", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    from gpudist.kernel_bench import OPS
+
+    assert [r["op"] for r in doc["rows"]] == list(OPS)
+    assert all(r["gpudist_s"] > 0 and r["torch_s"] > 0 and r["speedup"] > 0 for r in doc["rows"])
+    assert all(r["recall"] == 1.0 for r in doc["rows"] if r["op"].startswith("topk"))
+    assert doc["copy_GBps"] > 0 and doc["environment"]["torch"]
+    bad = subprocess.run([sys.executable, "-m", "gpudist.cli", "bench", "kernels", "--ops", "pack,nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown op(s) ['pack', 'nope']" in bad.stderr
+
+
 def test_main_job_runs():
     """The README's main job (examples/comm_demo.py) runs on 3 spawned ranks and every check passes."""
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "comm_demo.py"), "--world-size", "3",

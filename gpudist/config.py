@@ -1,0 +1,89 @@
+"""ShardingConfiguration: how a strategy communicates, shared by a model wrapper and its optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .comm import CommunicationBackend
+
+__all__ = ["ShardingConfiguration"]
+
+_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class ShardingConfiguration:
+    """Settings a ``ShardedModel`` and its ``ShardedOptimizer`` share. Validated on construction.
+
+    Pass the same object to the model and to the optimizer: that is how the optimizer learns that the
+    model already reduces gradients (and so never reduces them twice).
+    """
+
+    backend: CommunicationBackend
+    """The group every collective of this strategy runs on (``gpudist.init()`` gives the world group)."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB (as torch DDP). Bigger buckets: fewer, more efficient collectives;
+    smaller: communication starts earlier in backward and overlaps more of it."""
+
+    first_bucket_mb: float = 1.0
+    """Size of the first bucket (the last parameters, whose gradients are ready first) in MiB; small so
+    the first collective starts as early as possible."""
+
+    communication_dtype: torch.dtype | None = None
+    """Dtype gradients travel in: None keeps each gradient's dtype; ``torch.bfloat16`` halves the bytes
+    (the reduced values are accumulated back into fp32 gradients)."""
+
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in some steps (branches, frozen heads). Off: a bucket waits
+    for all of its gradients, and a step that leaves one unused raises a clear error at the next step."""
+
+    gradient_as_bucket_view: bool = True
+    """Make ``param.grad`` a view into the flat communication bucket: saves one copy of the gradients
+    each way and their memory. Needs ``communication_dtype`` None or equal to the parameters' dtype."""
+
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each forward."""
+
+    overlap_communication: bool = True
+    """Start each bucket's collective as soon as its gradients are ready during backward. Off: all
+    collectives run after backward (simpler to profile; slower)."""
+
+    max_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm (across all ranks and shards) before each optimizer step."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, CommunicationBackend):
+            raise TypeError(
+                f"backend must be a gpudist CommunicationBackend, got {type(self.backend).__name__}; "
+                "create one with gpudist.init() or InMemoryCommunicationBackend(rank, world_size)"
+            )
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive number of MiB (torch DDP's default is 25)")
+        if self.communication_dtype not in _COMM_DTYPES:
+            raise ValueError(
+                f"communication_dtype={self.communication_dtype!r} must be None, torch.float32, torch.bfloat16 "
+                "or torch.float16"
+            )
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, (int, float))
+            or not self.max_grad_norm > 0
+        ):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    def bucket_cap_bytes(self, first: bool = False) -> int:
+        return int((self.first_bucket_mb if first else self.bucket_cap_mb) * (1 << 20))
