@@ -15,7 +15,10 @@ from .comm import (
     InMemoryCommunicationBackend,
     ReductionOperation,
 )
+from .config import ShardingConfiguration
 from .launch import init
+from .models import DDPModel, ShardedModel
+from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer
 
 try:
     __version__ = version("gpudist")
@@ -27,9 +30,15 @@ __all__ = [
     "CommunicationBackend",
     "CommunicationError",
     "CommunicationTimeoutError",
+    "DDPModel",
+    "DDPOptimizer",
     "GlooCommunicationBackend",
     "InMemoryCommunicationBackend",
+    "OptimizationResult",
     "ReductionOperation",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "ShardingConfiguration",
     "__version__",
     "init",
 ]

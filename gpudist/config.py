@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 
@@ -54,6 +55,9 @@ class ShardingConfiguration:
 
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm (across all ranks and shards) before each optimizer step."""
+
+    _models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
+    """Model wrappers built with this configuration (how an optimizer finds who reduces its gradients)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, CommunicationBackend):

@@ -1,0 +1,88 @@
+"""Flat buffers: a list of parameters (or their gradients) <-> one contiguous buffer, and its shards.
+
+Offsets come from :class:`gpudist.kernels.FlatLayout`, the same object the pack/unpack kernels use, and
+shard ranges from :func:`gpudist.comm.shard_range`, the rule every collective uses (the first
+``numel % N`` ranks hold one element more). Strategies build on these two pieces only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import shard_range
+from .kernels import FlatLayout
+
+__all__ = ["FlatBuffer", "GradientBucket", "assign_buckets", "shard_range"]
+
+
+@dataclass
+class FlatBuffer:
+    """One contiguous buffer holding a list of same-dtype tensors back to back (``layout``), with views."""
+
+    layout: FlatLayout
+    data: torch.Tensor
+
+    @classmethod
+    def empty_like(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, zero: bool = True):
+        layout = FlatLayout.of(list(tensors))
+        first = tensors[0]
+        alloc = torch.zeros if zero else torch.empty
+        return cls(layout, alloc(layout.total, dtype=dtype or first.dtype, device=first.device))
+
+    def views(self) -> list[torch.Tensor]:
+        """Views shaped like the tensors: writing one writes the buffer."""
+        return self.layout.views(self.data)
+
+    def shard(self, world_size: int, rank: int) -> torch.Tensor:
+        """This rank's contiguous range of the buffer (a view), by the collectives' uneven-split rule."""
+        start, end = shard_range(self.layout.total, world_size, rank)
+        return self.data[start:end]
+
+
+@dataclass
+class GradientBucket:
+    """Gradients of a few parameters reduced by one collective.
+
+    ``grads`` holds the gradients in the parameters' dtype (``param.grad`` are views into it when the
+    configuration allows); ``wire`` is what travels (the same tensor, or a bf16/fp16 copy).
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    grads: FlatBuffer
+    wire: torch.Tensor
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+
+def assign_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets, in REVERSE order (gradients of the last layers are ready first).
+
+    A bucket holds one dtype and device and at most ``cap_bytes`` (``first_cap_bytes`` for the first bucket,
+    so the first collective starts early), unless a single parameter is larger. Deterministic: every rank
+    derives the same buckets from the same model.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, key = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        cap = first_cap_bytes if not buckets else cap_bytes
+        if current and ((p.dtype, p.device) != key or size + nbytes > cap):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        key = (p.dtype, p.device)
+    if current:
+        buckets.append(current)
+    return buckets

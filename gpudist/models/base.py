@@ -1,0 +1,275 @@
+"""ShardedModel: the nn.Module wrapper every strategy subclasses (seeds: ShardedModelBase).
+
+A strategy decides where parameters live and how gradients are communicated by implementing
+``initialize_sharding`` and ``synchronize_gradients`` (and, when parameters are sharded,
+``gather_full_parameters``/``set_parameters``/``full_state_dict``). Everything else — the training step,
+prediction, cloning, serialization, files and metadata — is shared here.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from ..config import ShardingConfiguration
+
+__all__ = ["ShardedModel", "model_fingerprint"]
+
+FORMAT = "gpudist.model.v1"
+
+
+def model_fingerprint(module: nn.Module) -> int:
+    """A 62-bit hash of parameter and buffer names, shapes and dtypes: equal on every rank for the same model."""
+    text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in [*module.named_parameters(), *module.named_buffers()])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+class ShardedModel(nn.Module):
+    """Base of all model strategies: wraps ``module`` and communicates through ``config.backend``.
+
+    Subclasses implement :meth:`initialize_sharding` (called once, collectively, from the constructor) and
+    :meth:`synchronize_gradients`. Constructing a wrapper is a collective call: every rank must do it.
+    """
+
+    strategy = "sharded"
+
+    def __init__(self, module: nn.Module, config: ShardingConfiguration):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{type(self).__name__} wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(module, ShardedModel):
+            raise TypeError(f"{type(self).__name__} got an already wrapped {type(module).__name__}; wrap the inner "
+                            "module once")  # fmt: skip
+        if not isinstance(config, ShardingConfiguration):
+            raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
+        self.module = module
+        self.config = config
+        self.last_step_bytes = 0
+        self._bytes_mark = self.comm.stats.total_bytes
+        self.initialize_sharding()
+        config._models.add(self)
+
+    # -- the strategy's part ------------------------------------------------------------------------------------
+
+    def initialize_sharding(self) -> None:
+        """Place parameters and set up communication (collective; called once by the constructor)."""
+        raise NotImplementedError
+
+    def synchronize_gradients(self) -> None:
+        """Make every parameter's ``.grad`` the global average (or this rank's shard of it) now."""
+        raise NotImplementedError
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """True when this wrapper reduces ``param``'s gradient itself (so an optimizer must not)."""
+        return False
+
+    # -- shared ---------------------------------------------------------------------------------------------------
+
+    @property
+    def comm(self):
+        return self.config.backend
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """Forward in eval mode without autograd; restores the previous mode."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self(inputs)
+        finally:
+            self.train(was_training)
+
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
+        """One step on this rank's slice of the batch: forward, loss, backward (gradients synchronized as the
+        strategy does), then ``optimizer.step()`` and ``zero_grad()`` if an optimizer is given.
+
+        Returns this rank's loss as a float.
+        """
+        self.train()
+        loss = loss_fn(self(inputs), targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                             f"{tuple(getattr(loss, 'shape', ()))}")  # fmt: skip
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        return float(loss.detach())
+
+    def _mark_step_bytes(self) -> None:
+        """Record the bytes communicated since the last mark as this step's (called when a step's sync ends)."""
+        total = self.comm.stats.total_bytes
+        self.last_step_bytes, self._bytes_mark = total - self._bytes_mark, total
+
+    # -- parameters as one flat vector ----------------------------------------------------------------------------
+
+    def _module_params(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def gather_full_parameters(self) -> torch.Tensor:
+        """All parameters of the wrapped module, flattened in ``parameters()`` order; identical on every rank."""
+        params = self._module_params()
+        if not params:
+            return torch.empty(0)
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    def get_parameters(self) -> torch.Tensor:
+        """A copy of :meth:`gather_full_parameters`."""
+        return self.gather_full_parameters().clone()
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self._module_params())
+
+    def set_parameters(self, flat: torch.Tensor) -> None:
+        """Overwrite every parameter from a flat vector in ``parameters()`` order (same on every rank)."""
+        params = self._module_params()
+        count = sum(p.numel() for p in params)
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
+            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise ValueError(f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), "
+                             f"got {shape}")  # fmt: skip
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def clone(self) -> ShardedModel:
+        """A new wrapper of the same strategy around a deep copy of the module (collective: every rank calls it)."""
+        return type(self)(copy.deepcopy(self.module), self.config)
+
+    def with_parameters(self, flat: torch.Tensor) -> ShardedModel:
+        """A clone holding ``flat`` as its parameters; this model is unchanged (collective)."""
+        twin = self.clone()
+        twin.set_parameters(flat)
+        return twin
+
+    # -- serialization --------------------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's complete state (parameters and buffers), as a single process would hold it."""
+        return {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    def serialize(self) -> bytes:
+        """The full model state as safetensors bytes (no pickle), with a checksum and the strategy in the header."""
+        state = {k: v.contiguous().cpu() for k, v in self.full_state_dict().items()}
+        meta = {"format": FORMAT, "strategy": self.strategy, "world_size": str(self.world_size),
+                "sha256": _digest(state)}  # fmt: skip
+        return st_save(state, metadata=meta)
+
+    def deserialize(self, data: bytes) -> None:
+        """Load bytes from :meth:`serialize` (any strategy, any world size). Checks everything before changing
+        anything: a damaged or mismatched payload raises and leaves the model as it was."""
+        state, _ = _read(data)
+        own = self.full_state_dict()
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or extra:
+            raise ValueError(f"serialized model does not match: missing {missing[:5]}, unexpected {extra[:5]}")
+        for k, v in own.items():
+            if state[k].shape != v.shape:
+                raise ValueError(f"serialized model does not match: {k} has shape {tuple(state[k].shape)}, "
+                                 f"the model {tuple(v.shape)}")  # fmt: skip
+        self.load_full_state_dict(state)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a complete (unsharded) state into this wrapper; sharded strategies take their slice."""
+        with torch.no_grad():
+            for k, v in self.module.state_dict().items():
+                v.copy_(state[k])
+
+    def save_model(self, path: str | os.PathLike) -> None:
+        """Write the model to ``path`` (safetensors), atomically: rank 0 writes a temporary file and renames it.
+        Collective: every rank calls it and returns once the file is complete."""
+        data = self.serialize()
+        if self.rank == 0:
+            _atomic_write(Path(path), data)
+        self.comm.barrier()
+
+    def load_model(self, path: str | os.PathLike) -> None:
+        """Read a file from :meth:`save_model`; the checksum is verified and nothing changes if it fails."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no model file at {path}")
+        self.deserialize(path.read_bytes())
+
+    # -- reporting ------------------------------------------------------------------------------------------------
+
+    def memory_per_rank(self) -> dict[str, int]:
+        """Bytes this rank holds, by category, measured from live tensors."""
+        params = self._module_params()
+        grads = {id(p.grad): p.grad for p in params if p.grad is not None}
+        return {
+            "parameters": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(g.numel() * g.element_size() for g in grads.values()),
+            "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
+        }
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        """Strategy, world size, parameter count, bytes this rank communicated in the last step, memory by category."""
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "parameter_count": self.parameter_count(),
+            "bytes_per_step": self.last_step_bytes,
+            "memory_per_rank": self.memory_per_rank(),
+        }
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes() if state[k].numel() else b"")
+    return h.hexdigest()
+
+
+def _read(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+        state = st_load(data)
+    except Exception as e:  # safetensors raises several types for truncated or garbled input
+        raise ValueError(f"not a gpudist model payload (truncated or damaged): {e}") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a gpudist model payload: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("sha256") != _digest(state):
+        raise ValueError("model payload checksum mismatch: the data was damaged after it was written")
+    return state, meta
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,247 @@
+"""DDPModel: replicated parameters, gradients averaged in buckets while backward is still running."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .. import kernels
+from ..comm import ReductionOperation
+from ..flat import FlatBuffer, GradientBucket, assign_buckets
+from .base import ShardedModel, model_fingerprint
+
+__all__ = ["DDPModel", "broadcast_tensors"]
+
+
+def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per dtype through a flat buffer."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = FlatBuffer.empty_like(group, zero=False)
+            kernels.pack(group, flat.data)
+            comm.broadcast(flat.data, src)
+            kernels.unpack(flat.data, group)
+
+
+class DDPModel(ShardedModel):
+    """Distributed data parallel: every rank holds the whole model and trains on its slice of the batch.
+
+    Shards: nothing. Communicates: one all-reduce (average) of the gradients per step, ``2 (N-1)/N x P``
+    bytes per rank on a ring, in buckets of ``config.bucket_cap_mb`` launched during backward as soon as
+    each bucket's gradients are ready (the last layers' first), so communication overlaps the rest of
+    backward. ``param.grad`` are views into the flat buckets (no copy); ``no_sync()`` accumulates locally.
+    Use it when the model, its gradients and its optimizer state fit on one device.
+    """
+
+    strategy = "ddp"
+
+    def initialize_sharding(self) -> None:
+        module, comm, config = self.module, self.comm, self.config
+        self._check_same_model()
+        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._param_ids = {id(p) for p in self._params}
+        groups = assign_buckets(self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True))
+        self._buckets: list[GradientBucket] = []
+        self._slot: dict[int, tuple[GradientBucket, int]] = {}
+        for b, indices in enumerate(groups):
+            params = [self._params[i] for i in indices]
+            grads = FlatBuffer.empty_like(params)
+            wire_dtype = config.communication_dtype or grads.data.dtype
+            wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
+            bucket = GradientBucket(b, params, [named[i][0] for i in indices], grads, wire)
+            self._buckets.append(bucket)
+            for j, p in enumerate(params):
+                self._slot[id(p)] = (bucket, j)
+                if config.gradient_as_bucket_view:
+                    p.grad = grads.views()[j]
+        self._sync = True
+        self._next_bucket = 0
+        self._pending: list[tuple[GradientBucket, object]] = []
+        self._callback_queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    def _check_same_model(self) -> None:
+        """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
+        mine = model_fingerprint(self.module)
+        seen = torch.tensor([mine, -mine], dtype=torch.int64)
+        self.comm.all_reduce(seen, ReductionOperation.MAX)
+        if seen[0].item() != mine or -seen[1].item() != mine:
+            raise ValueError(
+                f"DDPModel: rank {self.rank} wraps a module whose parameter names/shapes/dtypes differ from another "
+                "rank's; every rank must build the same model before wrapping it"
+            )
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return id(param) in self._param_ids
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside the block only accumulate locally; the first backward
+        after it reduces the accumulated sum (as torch DDP's ``no_sync``)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def forward(self, *args, **kwargs):
+        if self._pending or self._callback_queued:  # a previous backward failed half way: start clean
+            self._reset_step()
+        if self.config.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with self.comm.unchecked():  # same model on every rank, checked at wrap time
+                    broadcast_tensors(self.comm, buffers)
+        return self.module(*args, **kwargs)
+
+    # -- gradient hooks ---------------------------------------------------------------------------------------------
+
+    def _view(self, bucket: GradientBucket, j: int) -> torch.Tensor:
+        return bucket.grads.views()[j]
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        bucket, j = self._slot[id(param)]
+        if self.config.gradient_as_bucket_view:
+            view = self._view(bucket, j)
+            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+                # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in.
+                view.copy_(param.grad)
+                param.grad = view
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket.ready.add(j)
+        if self.config.overlap_communication:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Buckets start strictly in index order on every rank, whatever order their gradients arrive in, so
+        # all ranks issue the same collectives in the same sequence.
+        while self._next_bucket < len(self._buckets):
+            bucket = self._buckets[self._next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_bucket += 1
+
+    def _launch(self, bucket: GradientBucket) -> None:
+        n = self.world_size
+        if not self.config.gradient_as_bucket_view:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            kernels.pack(grads, bucket.grads.data)
+        if bucket.wire is bucket.grads.data:
+            op, wire = ReductionOperation.AVERAGE, bucket.wire
+        else:  # low-precision wire: cast and pre-divide by N in one pass, sum, widen back after
+            kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
+            op, wire = ReductionOperation.SUM, bucket.wire
+        with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
+            work = self.comm.all_reduce(wire, op, async_op=True)
+        bucket.launched = True
+        self._pending.append((bucket, work))
+
+    def _finish_backward(self) -> None:
+        """Runs once at the end of backward (autograd callback): reduce what is left, wait, write gradients back."""
+        self._callback_queued = False
+        try:
+            self._complete_unused()
+            self._launch_ready_buckets()
+            for bucket, work in self._pending:
+                work.wait()
+                if bucket.wire is not bucket.grads.data:
+                    bucket.grads.data.copy_(bucket.wire)
+                if not self.config.gradient_as_bucket_view:
+                    kernels.unpack(bucket.grads.data, self._grads_of(bucket))
+        finally:
+            self._reset_step()
+        self._mark_step_bytes()
+
+    def _grads_of(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in bucket.params]
+
+    def _complete_unused(self) -> None:
+        missing = [(b, j) for b in self._buckets for j in range(len(b.params)) if j not in b.ready]
+        if not missing:
+            return
+        if not self.config.find_unused_parameters:
+            names = [b.names[j] for b, j in missing]
+            raise RuntimeError(
+                f"DDPModel: {len(names)} parameter(s) got no gradient in this backward ({', '.join(names[:5])}"
+                f"{', ...' if len(names) > 5 else ''}), so their buckets could not be reduced; pass "
+                "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on parameters "
+                "that are never used"
+            )
+        for bucket, j in missing:  # unused here: contribute zeros (other ranks may have used them)
+            view = self._view(bucket, j)
+            view.zero_()
+            param = bucket.params[j]
+            if self.config.gradient_as_bucket_view:
+                param.grad = view
+            elif param.grad is not None:
+                param.grad.zero_()
+            bucket.ready.add(j)
+
+    def _reset_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready.clear()
+            bucket.launched = False
+        self._pending = []
+        self._next_bucket = 0
+        self._callback_queued = False
+
+    def synchronize_gradients(self) -> None:
+        """Average every gradient now. Backward already does it; this is for gradients produced outside a
+        synced backward (e.g. after the last ``no_sync`` micro-batch without a final synced one)."""
+        for p in self._params:
+            bucket, j = self._slot[id(p)]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.config.gradient_as_bucket_view:
+                view = self._view(bucket, j)
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+            bucket.ready.add(j)
+        self._launch_ready_buckets()
+        self._finish_backward()
+
+    def zero_grad_buckets(self) -> None:
+        """Zero all gradients in place, keeping ``param.grad`` as views into the buckets."""
+        for bucket in self._buckets:
+            bucket.grads.data.zero_()
+            if self.config.gradient_as_bucket_view:
+                for p, view in zip(bucket.params, bucket.grads.views(), strict=True):
+                    p.grad = view
+            else:
+                for p in bucket.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes on the wire per bucket, in launch order (for tests and reports)."""
+        return [b.nbytes for b in self._buckets]
+
+    def memory_per_rank(self) -> dict[str, int]:
+        mem = super().memory_per_rank()
+        wires = sum(b.wire.numel() * b.wire.element_size() for b in self._buckets if b.wire is not b.grads.data)
+        buckets = sum(b.grads.data.numel() * b.grads.data.element_size() for b in self._buckets)
+        mem["gradients"] = buckets if self.config.gradient_as_bucket_view else mem["gradients"] + buckets
+        mem["communication_buffers"] = wires
+        return mem
+
+    def extra_repr(self) -> str:
+        return f"world_size={self.world_size}, buckets={len(self._buckets)}"
+
+

@@ -1,0 +1,242 @@
+"""ShardedOptimizer: the torch.optim wrapper every optimizer strategy subclasses (seeds: ShardedOptimizerBase).
+
+A strategy decides where optimizer state lives and how updated parameters are shared by implementing
+``reduce_gradients`` (make the gradients this rank steps on global) and, when state is sharded, ``step``.
+Early stopping, the training loop (``optimize``), state (de)serialization and parameter/state
+synchronization are shared here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..comm import ReductionOperation
+from ..config import ShardingConfiguration
+from ..models.base import ShardedModel
+from ..models.ddp import broadcast_tensors
+
+__all__ = ["OptimizationResult", "ShardedOptimizer"]
+
+STATE_FORMAT = "gpudist.optimizer.v1"
+
+
+@dataclass
+class OptimizationResult:
+    """What :meth:`ShardedOptimizer.optimize` did."""
+
+    steps: int
+    epochs: int
+    losses: list[float] = field(default_factory=list)
+    """Per step, averaged over ranks."""
+    epoch_losses: list[float] = field(default_factory=list)
+    best_loss: float = math.inf
+    final_loss: float = math.nan
+    stopped_early: bool = False
+    seconds: float = 0.0
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of all optimizer strategies: wraps a ``torch.optim.Optimizer`` and shares its param_groups and state.
+
+    It is itself a ``torch.optim.Optimizer`` (LR schedulers and ``GradScaler`` accept it). Used with a
+    plain module, the optimizer does all the communication itself; used with the matching ``ShardedModel``
+    built from the same ``config``, it leaves gradient reduction to the model and never repeats it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
+            raise TypeError(f"{type(self).__name__} wraps a torch.optim.Optimizer instance, got "
+                            f"{type(optimizer).__name__}")  # fmt: skip
+        if not isinstance(config, ShardingConfiguration):
+            raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
+        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], optimizer.defaults)
+        # Share, do not copy: schedulers editing our param_groups edit the wrapped optimizer's.
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.config = config
+        self._model: ShardedModel | None = None
+
+    @property
+    def comm(self):
+        return self.config.backend
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def model(self) -> ShardedModel | None:
+        """The wrapper built with the same config that reduces all of this optimizer's gradients, if any."""
+        if self._model is None:
+            params = [p for p in self._params() if p.requires_grad]
+            self._model = next((m for m in list(self.config._models) if all(m.manages(p) for p in params)), None)
+        return self._model
+
+    # -- the strategy's part ----------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Make the gradients this rank steps on the global average (no-op when a model wrapper did it)."""
+        raise NotImplementedError
+
+    # -- stepping ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_gradients(self) -> float | None:
+        """Clip to ``config.max_grad_norm`` (global L2 norm over every rank's gradients). Returns the norm."""
+        if self.config.max_grad_norm is None:
+            return None
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(grads, self.config.max_grad_norm))
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        self.clip_gradients()
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        model = self.model()
+        if model is not None and hasattr(model, "zero_grad_buckets"):
+            model.zero_grad_buckets()  # keep param.grad as bucket views: no reallocation, no copy next step
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "optimizer"):
+            self.optimizer.add_param_group(param_group)
+            self._model = None
+        else:  # called by torch.optim.Optimizer.__init__ while we are being built
+            super().add_param_group(param_group)
+
+    # -- synchronization ------------------------------------------------------------------------------------------
+
+    def synchronize_parameters(self, src: int = 0) -> None:
+        """Make every rank's parameters equal to ``src``'s (repairs drift; collective)."""
+        broadcast_tensors(self.comm, [p.data for p in self._params()], src)
+
+    def synchronize_optimizer_state(self, src: int = 0) -> None:
+        """Make every rank's optimizer state equal to ``src``'s (replicated state; collective).
+
+        Every rank must already hold state of the same structure (e.g. after the same number of steps)."""
+        tensors = [v for p in self._params() for v in self.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        broadcast_tensors(self.comm, tensors, src)
+
+    def should_early_stop(self, local_flag: bool, require: str = "all") -> bool:
+        """Consensus on stopping: ``require="all"`` stops only when every rank votes to stop, ``"any"`` when one
+        does. Every rank gets the same answer (collective)."""
+        if require not in ("all", "any"):
+            raise ValueError(f"require={require!r} must be 'all' or 'any'")
+        vote = torch.tensor([1 if local_flag else 0], dtype=torch.int64)
+        self.comm.all_reduce(vote, ReductionOperation.MIN if require == "all" else ReductionOperation.MAX)
+        return bool(vote.item())
+
+    # -- the seeds' training loop -----------------------------------------------------------------------------------
+
+    def optimize(
+        self,
+        model: torch.nn.Module,
+        batches: Callable[[int], Iterable[tuple[Any, Any]]] | Iterable[tuple[Any, Any]],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        epochs: int = 1,
+        max_steps: int | None = None,
+        patience: int | None = None,
+        min_delta: float = 0.0,
+    ) -> OptimizationResult:
+        """Train ``model`` for up to ``epochs`` passes over ``batches`` (this rank's (inputs, targets) pairs; a
+        callable ``batches(epoch)`` gives a fresh iterable per epoch) or ``max_steps`` steps.
+
+        Each step's loss is averaged over ranks. With ``patience``, training stops when the epoch loss has not
+        improved by ``min_delta`` for that many epochs (every rank decides alike). Collective.
+        """
+        if epochs < 1 or (max_steps is not None and max_steps < 1) or (patience is not None and patience < 1):
+            raise ValueError(f"epochs={epochs}, max_steps={max_steps}, patience={patience}: each must be >= 1")
+        start = time.perf_counter()
+        result = OptimizationResult(steps=0, epochs=0)
+        stale = 0
+        for epoch in range(epochs):
+            epoch_sum, epoch_steps = 0.0, 0
+            for inputs, targets in batches(epoch) if callable(batches) else batches:
+                if isinstance(model, ShardedModel):
+                    local = model.train_step(inputs, targets, loss_fn, self)
+                else:
+                    loss = loss_fn(model(inputs), targets)
+                    loss.backward()
+                    self.step()
+                    self.zero_grad()
+                    local = float(loss.detach())
+                mean = torch.tensor([local], dtype=torch.float64)
+                self.comm.all_reduce(mean, ReductionOperation.AVERAGE)
+                result.losses.append(mean.item())
+                epoch_sum, epoch_steps = epoch_sum + mean.item(), epoch_steps + 1
+                result.steps += 1
+                if max_steps is not None and result.steps >= max_steps:
+                    break
+            result.epochs = epoch + 1
+            epoch_loss = epoch_sum / max(epoch_steps, 1)
+            result.epoch_losses.append(epoch_loss)
+            improved = epoch_loss < result.best_loss - min_delta
+            result.best_loss = min(result.best_loss, epoch_loss)
+            stale = 0 if improved else stale + 1
+            if max_steps is not None and result.steps >= max_steps:
+                break
+            if patience is not None and self.should_early_stop(stale >= patience):
+                result.stopped_early = True
+                break
+        result.final_loss = result.losses[-1] if result.losses else math.nan
+        result.seconds = time.perf_counter() - start
+        return result
+
+    # -- bytes ------------------------------------------------------------------------------------------------------
+
+    def serialize(self) -> bytes:
+        """The optimizer state as safetensors bytes: tensors by parameter index, the rest as JSON in the header."""
+        sd = self.optimizer.state_dict()
+        tensors, plain = {}, {}
+        for pid, entry in sd["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"state.{pid}.{key}"] = value.detach().contiguous().cpu()
+                else:
+                    plain[f"{pid}.{key}"] = value
+        meta = {"format": STATE_FORMAT, "param_groups": json.dumps(sd["param_groups"]), "plain": json.dumps(plain)}
+        return st_save(tensors, metadata=meta)
+
+    def deserialize(self, data: bytes) -> None:
+        """Load bytes from :meth:`serialize` into the wrapped optimizer (which must hold the same parameters)."""
+        try:
+            header_len = int.from_bytes(data[:8], "little")
+            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+            tensors = st_load(data)
+        except Exception as e:
+            raise ValueError(f"not a gpudist optimizer payload (truncated or damaged): {e}") from None
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gpudist optimizer payload: format {meta.get('format')!r}")
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = value
+        for name, value in json.loads(meta["plain"]).items():
+            pid, key = name.split(".", 1)
+            state.setdefault(int(pid), {})[key] = value
+        self.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})

@@ -1,0 +1,360 @@
+"""DDPModel + DDPOptimizer against single-process training on the global batch, and against torch DDP.
+
+Tolerance for "same parameters": rtol 1e-5 / atol 1e-6 after 10 Adam steps. DDP's only arithmetic
+difference from one process is the order of the gradient sum (per-rank means averaged vs one mean over
+the global batch): a few fp32 ulps per step, which Adam's normalization can amplify to ~1e-6 after 10
+steps on this tiny model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration
+from gpudist.testing import run_ranks
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+STEPS = 10
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class Net(nn.Module):
+    """Odd sizes so buckets split in uneven places; an optional branch that is sometimes unused."""
+
+    def __init__(self, with_branch: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 5)
+        self.norm = nn.LayerNorm(5)
+        self.branch = nn.Linear(7, 5) if with_branch else None
+
+    def forward(self, x, use_branch: bool = False):
+        out = self.norm(self.fc2(torch.tanh(self.fc1(x))))
+        return out + self.branch(x) if use_branch else out
+
+
+def initial_state(with_branch: bool = False) -> dict:
+    torch.manual_seed(0)  # built once, in the test process: threads would race on the global RNG
+    return Net(with_branch).state_dict()
+
+
+def fresh_net(state: dict, with_branch: bool = False) -> Net:
+    net = Net(with_branch)
+    net.load_state_dict(state)
+    return net
+
+
+def batch(step: int, rank: int = 0, world: int = 1, size: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(size, 7, generator=g), torch.randn(size, 5, generator=g)
+    per = size // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def single_process(state: dict, opt_cls=torch.optim.Adam, steps: int = STEPS, **opt_kw) -> torch.Tensor:
+    net = fresh_net(state)
+    opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
+    for step in range(steps):
+        x, y = batch(step)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(net)
+
+
+# ---------------------------------------------------------------------------------------------- rank functions
+
+
+def train_ddp(comm, state, steps=STEPS, opt_name="adam", config_kw=None, wrap_model=True):
+    config = ShardingConfiguration(comm, **(config_kw or {}))
+    net = fresh_net(state)
+    model = DDPModel(net, config) if wrap_model else net
+    inner = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[opt_name](model.parameters())  # fmt: skip
+    opt = DDPOptimizer(inner, config)
+    per_step_bytes = []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        before = comm.stats.total_bytes
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step_bytes.append(comm.stats.total_bytes - before)
+    meta = model.get_model_metadata() if wrap_model else None
+    return {"params": flat(net), "bytes": per_step_bytes, "meta": meta,
+            "buckets": model.bucket_sizes() if wrap_model else None}  # fmt: skip
+
+
+def train_torch_ddp(comm, state, steps=STEPS):
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = fresh_net(state)
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0002)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(net)
+
+
+def accumulate(comm, state, micro_batches=3):
+    config = ShardingConfiguration(comm)
+    model = DDPModel(fresh_net(state), config)
+    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    x, y = batch(0, comm.rank, comm.world_size)
+    chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+    bytes_inside = comm.stats.total_bytes
+    with model.no_sync():
+        for cx, cy in chunks[:-1]:
+            (F.mse_loss(model(cx), cy) / micro_batches).backward()
+    bytes_inside = comm.stats.total_bytes - bytes_inside
+    cx, cy = chunks[-1]
+    (F.mse_loss(model(cx), cy) / micro_batches).backward()
+    opt.step()
+    return flat(model.module), bytes_inside
+
+
+def branch_step(comm, state, find_unused):
+    config = ShardingConfiguration(comm, find_unused_parameters=find_unused, bucket_cap_mb=0.0002)
+    model = DDPModel(fresh_net(state, with_branch=True), config)
+    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    x, y = batch(0, comm.rank, comm.world_size)
+    use_branch = comm.rank == 0  # only rank 0 uses the branch
+    F.mse_loss(model(x, use_branch=use_branch), y).backward()
+    opt.step()
+    return flat(model.module)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
+                                                ("gloo", 2), ("gloo", 3)])  # fmt: skip
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_ddp_matches_single_process(backend, world, opt_name):
+    """Catches a gradient summed instead of averaged (SGD sees it; Adam is nearly scale-invariant), a bucket
+    reduced twice or never, gradients read before their all-reduce finished, and parameters not broadcast at
+    wrap time: 10 steps on N ranks equal one process on the global batch, and every replica is bit-identical."""
+    state = initial_state()
+    config = {"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001}  # ~200 B: several uneven buckets
+    results = run_ranks(train_ddp, world, backend, state=state, config_kw=config, opt_name=opt_name)
+    if opt_name == "adam":
+        expected = single_process(state)
+    else:
+        expected = single_process(state, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for r in results:
+        torch.testing.assert_close(r["params"], expected, **TOL)
+        assert torch.equal(r["params"], results[0]["params"]), "replicas differ"
+    assert len(results[0]["buckets"]) >= 3, "the tiny cap should give several buckets"
+
+
+def test_ddp_matches_torch_ddp_on_gloo():
+    """Catches semantic drift from PyTorch's own DDP (e.g. averaging vs summing, buffer handling): same seeds,
+    same data, same Gloo ranks."""
+    state = initial_state()
+    ours = run_ranks(train_ddp, 2, "gloo", state=state)
+    theirs = run_ranks(train_torch_ddp, 2, "gloo", state=state)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a["params"], b, **TOL)
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_bytes_per_step_and_no_double_reduction(wire):
+    """Catches DDPOptimizer reducing gradients that DDPModel already reduced (2x bytes), and a bf16 wire that
+    still sends fp32: bytes per step equal one all-reduce of the gradients in the wire dtype."""
+    state = initial_state()
+    n_params = sum(t.numel() for k, t in state.items())
+    per_elem = 2 if wire is torch.bfloat16 else 4
+    results = run_ranks(train_ddp, 2, "inmemory", state=state, steps=3, config_kw={"communication_dtype": wire})
+    for r in results:
+        assert r["bytes"] == [n_params * per_elem] * 3
+        assert r["meta"]["bytes_per_step"] == n_params * per_elem
+        assert r["meta"]["parameter_count"] == n_params and r["meta"]["strategy"] == "ddp"
+    if wire is torch.bfloat16:  # bf16 gradients on the wire: close to fp32 training, not equal
+        torch.testing.assert_close(results[0]["params"], single_process(state, steps=3), rtol=0, atol=2e-2)
+
+
+def test_ddp_optimizer_alone_averages_gradients():
+    """Catches DDPOptimizer with a plain module skipping the reduction (replicas diverge) or not averaging."""
+    state = initial_state()
+    results = run_ranks(train_ddp, 3, "inmemory", state=state, wrap_model=False, opt_name="sgd")
+    expected = single_process(state, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for r in results:
+        torch.testing.assert_close(r["params"], expected, **TOL)
+
+
+def test_no_sync_accumulation_equals_one_big_batch():
+    """Catches no_sync communicating anyway, or the final synced backward reducing only its own micro-batch."""
+    state = initial_state()
+    results = run_ranks(accumulate, 2, "inmemory", state=state)
+    expected = single_process(state, torch.optim.SGD, steps=1, lr=0.1)
+    for params, bytes_inside in results:
+        assert bytes_inside == 0
+        torch.testing.assert_close(params, expected, **TOL)
+
+
+def test_unused_parameters():
+    """Catches a hang or silent skip when a parameter gets no gradient: without find_unused_parameters the error
+    names the parameter; with it, the unused rank contributes zeros and the replicas agree."""
+    state = initial_state(with_branch=True)
+    with pytest.raises(Exception, match=r"branch\.weight.*find_unused_parameters=True"):
+        run_ranks(branch_step, 2, "inmemory", state=state, find_unused=False, timeout=5)
+    results = run_ranks(branch_step, 2, "inmemory", state=state, find_unused=True)
+    assert torch.equal(results[0], results[1])
+    # The branch's gradient is rank 0's divided by 2 (rank 1 contributed zeros).
+    net = fresh_net(state, with_branch=True)
+    x, y = batch(0, 0, 2)
+    F.mse_loss(net(x, use_branch=True), y).backward()
+    expected = net.branch.weight.detach() - 0.1 * net.branch.weight.grad / 2
+    offset = sum(p.numel() for n, p in net.named_parameters() if not n.startswith("branch"))
+    got = results[0][offset : offset + expected.numel()].view_as(expected)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def wrap_mismatched(comm):
+    net = Net() if comm.rank == 0 else nn.Sequential(nn.Linear(7, 5))
+    DDPModel(net, ShardingConfiguration(comm))
+
+
+def skip_backward_on_rank1(comm, state):
+    model = DDPModel(fresh_net(state), ShardingConfiguration(comm))
+    x, y = batch(0, comm.rank, comm.world_size)
+    if comm.rank == 0:
+        F.mse_loss(model(x), y).backward()
+
+
+def test_errors_surface_through_the_model():
+    """Catches different models on different ranks slipping through (their buckets would mismatch and Gloo would
+    abort), and a rank that never reduces hanging the others instead of timing out with a named op."""
+    with pytest.raises(Exception, match="differ from another rank's"):
+        run_ranks(wrap_mismatched, 2, "inmemory")
+    with pytest.raises(Exception, match=r"all_reduce.*(timed out|timeout)"):
+        run_ranks(skip_backward_on_rank1, 2, "inmemory", timeout=2, state=initial_state())
+
+
+def test_configuration_validation():
+    """Catches nonsense settings reaching the strategies."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="cfg-test")
+    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
+        ShardingConfiguration(comm, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match=r"communication_dtype=torch\.int8"):
+        ShardingConfiguration(comm, communication_dtype=torch.int8)
+    with pytest.raises(TypeError, match="CommunicationBackend"):
+        ShardingConfiguration("gloo")
+    with pytest.raises(ValueError, match="max_grad_norm=-1"):
+        ShardingConfiguration(comm, max_grad_norm=-1)
+    config = ShardingConfiguration(comm)
+    with pytest.raises(TypeError, match=r"wraps an nn\.Module"):
+        DDPModel("model", config)
+    with pytest.raises(TypeError, match=r"wraps a torch.optim.Optimizer"):
+        DDPOptimizer([1, 2], config)
+
+
+def test_serialize_save_load_and_damage(tmp_path):
+    """Catches a lossy round trip, a non-atomic or unverified file, and a damaged file changing the model."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="ser-test")
+    config = ShardingConfiguration(comm)
+    model = DDPModel(fresh_net(initial_state()), config)
+    data = model.serialize()
+    twin = DDPModel(Net(), config)
+    twin.deserialize(data)
+    assert torch.equal(twin.gather_full_parameters(), model.gather_full_parameters())
+    path = tmp_path / "m.safetensors"
+    model.save_model(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40  # one flipped bit in the last tensor
+    path.write_bytes(bytes(raw))
+    before = twin.get_parameters()
+    twin.set_parameters(before + 1)
+    changed = twin.get_parameters()
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        twin.load_model(path)
+    assert torch.equal(twin.get_parameters(), changed)
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        twin.deserialize(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="1-D tensor of"):
+        twin.set_parameters(torch.zeros(3))
+    other = DDPModel(nn.Linear(2, 2), config)
+    with pytest.raises(ValueError, match="does not match"):
+        other.deserialize(data)
+    clone = model.with_parameters(torch.zeros(model.parameter_count()))
+    assert clone.gather_full_parameters().abs().sum() == 0 and model.gather_full_parameters().abs().sum() > 0
+
+
+def optimize_with_early_stop(comm, state):
+    config = ShardingConfiguration(comm)
+    model = DDPModel(fresh_net(state), config)
+    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), config)  # lr 0: the loss never improves
+    data = [batch(s, comm.rank, comm.world_size) for s in range(2)]
+    result = opt.optimize(model, data, F.mse_loss, epochs=10, patience=2)
+    vote = opt.should_early_stop(comm.rank == 0, require="any"), opt.should_early_stop(comm.rank == 0)
+    return result, vote
+
+
+def test_optimize_loop_and_early_stop_consensus():
+    """Catches ranks stopping at different epochs (a hang at the next collective) and a wrong vote rule."""
+    results = run_ranks(optimize_with_early_stop, 2, "inmemory", state=initial_state())
+    for result, vote in results:
+        assert result.stopped_early and result.epochs == 3 and result.steps == 6
+        assert result.losses == results[0][0].losses
+        assert vote == (True, False)
+
+
+def optimizer_state_roundtrip(comm, state):
+    config = ShardingConfiguration(comm)
+    model = DDPModel(fresh_net(state), config)
+    opt = DDPOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    x, y = batch(0, comm.rank, comm.world_size)
+    model.train_step(x, y, F.mse_loss, opt)
+    twin = DDPOptimizer(torch.optim.Adam(copy.deepcopy(model.module).parameters(), lr=1e-2), config)
+    twin.deserialize(opt.serialize())
+    a, b = opt.state_dict()["state"], twin.state_dict()["state"]
+    return all(torch.equal(a[k]["exp_avg_sq"], b[k]["exp_avg_sq"]) for k in a) and len(a) == len(b)
+
+
+def test_optimizer_serialize_roundtrip():
+    """Catches optimizer state lost or reordered by serialize/deserialize."""
+    assert run_ranks(optimizer_state_roundtrip, 1, "inmemory", state=initial_state()) == [True]
+
+
+def test_lr_scheduler_accepts_the_wrapper():
+    """Catches the wrapper not being a torch Optimizer (schedulers refuse it) or not sharing param_groups."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="sched-test")
+    config = ShardingConfiguration(comm)
+    model = DDPModel(Net(), config)
+    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), config)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = batch(0)
+    model.train_step(x, y, F.mse_loss, opt)
+    sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.5
+
+
+def grads_not_views(comm, state):
+    return train_ddp(comm, state, config_kw={"gradient_as_bucket_view": False, "overlap_communication": False})
+
+
+def test_without_bucket_views_or_overlap():
+    """Catches the pack/unpack path (gradients not views into buckets) or the no-overlap path diverging."""
+    state = initial_state()
+    results = run_ranks(grads_not_views, 2, "inmemory", state=state)
+    for r in results:
+        torch.testing.assert_close(r["params"], single_process(state), **TOL)
+
+
+def test_communication_failure_is_a_communication_error():
+    """The error class users catch: mismatches and timeouts are CommunicationErrors."""
+    assert issubclass(gpudist.CommunicationTimeoutError, CommunicationError)
