@@ -182,6 +182,10 @@ def test_bytes_per_step_and_no_double_reduction(wire):
         assert r["bytes"] == [n_params * per_elem] * 3
         assert r["meta"]["bytes_per_step"] == n_params * per_elem
         assert r["meta"]["parameter_count"] == n_params and r["meta"]["strategy"] == "ddp"
+        memory = r["meta"]["memory_per_rank"]
+        assert memory["parameters"] == memory["gradients"] == n_params * 4  # gradients are the bucket views
+        assert memory["optimizer_state"] >= 2 * n_params * 4  # Adam: exp_avg + exp_avg_sq (+ step scalars)
+        assert memory["communication_buffers"] == (n_params * 2 if wire is torch.bfloat16 else 0)
     if wire is torch.bfloat16:  # bf16 gradients on the wire: close to fp32 training, not equal
         torch.testing.assert_close(results[0]["params"], single_process(state, steps=3), rtol=0, atol=2e-2)
 
@@ -353,6 +357,42 @@ def test_without_bucket_views_or_overlap():
     results = run_ranks(grads_not_views, 2, "inmemory", state=state)
     for r in results:
         torch.testing.assert_close(r["params"], single_process(state), **TOL)
+
+
+def bn_net(state=None) -> nn.Module:
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    if state is not None:
+        net.load_state_dict(state)
+    return net
+
+
+def bn_input(rank: int) -> torch.Tensor:
+    return torch.randn(8, 3, generator=torch.Generator().manual_seed(rank)) + rank  # statistics differ per rank
+
+
+def batchnorm_buffers(comm, state):
+    model = DDPModel(bn_net(state), ShardingConfiguration(comm))
+    x = bn_input(comm.rank)
+    model(x).sum().backward()
+    before = comm.stats.total_bytes
+    model.predict(x)  # eval, no grad: must not communicate
+    predicted_bytes = comm.stats.total_bytes - before
+    model(x)  # the next training forward adopts rank 0's running statistics first
+    return model.module[1].running_mean.clone(), predicted_bytes
+
+
+def test_buffers_follow_rank0_and_predict_is_local():
+    """Catches replicas drifting apart through BatchNorm buffers (each rank keeping its own statistics), and
+    predict() starting a collective (a hang when only one rank evaluates)."""
+    torch.manual_seed(0)
+    state = bn_net().state_dict()
+    (_, bytes0), (mean1, bytes1) = run_ranks(batchnorm_buffers, 2, "inmemory", state=state)
+    assert bytes0 == bytes1 == 0
+    net = bn_net(state)
+    with torch.no_grad():
+        a0, a1 = (net[0](bn_input(r)).mean(0) for r in (0, 1))
+    # After rank 1's second forward: 0.9 x (rank 0's running mean after one step) + 0.1 x rank 1's batch mean.
+    torch.testing.assert_close(mean1, 0.9 * (0.1 * a0) + 0.1 * a1, rtol=1e-5, atol=1e-6)
 
 
 def test_communication_failure_is_a_communication_error():

@@ -225,9 +225,11 @@ class ShardedModel(nn.Module):
         """Bytes this rank holds, by category, measured from live tensors."""
         params = self._module_params()
         grads = {id(p.grad): p.grad for p in params if p.grad is not None}
+        ids = {id(p) for p in params}
         return {
             "parameters": sum(p.numel() * p.element_size() for p in params),
             "gradients": sum(g.numel() * g.element_size() for g in grads.values()),
+            "optimizer_state": sum(opt.state_bytes(ids) for opt in list(self.config._optimizers)),
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
         }
 

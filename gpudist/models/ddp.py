@@ -22,11 +22,17 @@ def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
-        for group in by_dtype.values():
-            flat = FlatBuffer.empty_like(group, zero=False)
-            kernels.pack(group, flat.data)
-            comm.broadcast(flat.data, src)
-            kernels.unpack(flat.data, group)
+        for dtype, group in by_dtype.items():
+            if dtype in kernels.bucket.FLOAT_DTYPES:
+                flat = FlatBuffer.empty_like(group, zero=False)
+                kernels.pack(group, flat.data)
+                comm.broadcast(flat.data, src)
+                kernels.unpack(flat.data, group)
+            else:  # integer buffers (BatchNorm's num_batches_tracked): plain cat and copy back
+                data = torch.cat([t.reshape(-1) for t in group])
+                comm.broadcast(data, src)
+                for t, piece in zip(group, data.split([t.numel() for t in group]), strict=True):
+                    t.copy_(piece.view_as(t))
 
 
 class DDPModel(ShardedModel):
@@ -95,7 +101,9 @@ class DDPModel(ShardedModel):
     def forward(self, *args, **kwargs):
         if self._pending or self._callback_queued:  # a previous backward failed half way: start clean
             self._reset_step()
-        if self.config.broadcast_buffers and self.world_size > 1:
+        # Buffers (e.g. BatchNorm statistics) follow rank 0 in training only, as torch DDP: predict() and
+        # evaluation on a single rank must not start a collective.
+        if self.config.broadcast_buffers and self.world_size > 1 and self.training and torch.is_grad_enabled():
             buffers = list(self.module.buffers())
             if buffers:
                 with self.comm.unchecked():  # same model on every rank, checked at wrap time

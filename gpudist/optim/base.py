@@ -65,6 +65,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.config = config
         self._model: ShardedModel | None = None
+        config._optimizers.add(self)
+
+    def state_bytes(self, params: set[int] | None = None) -> int:
+        """Bytes of optimizer state tensors this rank holds (for the parameters with ids in ``params``, or all)."""
+        return sum(v.numel() * v.element_size() for p, entry in self.state.items()
+                   if params is None or id(p) in params
+                   for v in entry.values() if isinstance(v, torch.Tensor))  # fmt: skip
 
     @property
     def comm(self):
