@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's two commands:
-#   bash dev.sh run  [args]   install what is missing, then run the main job (examples/comm_demo.py)
+#   bash dev.sh run  [args]   install what is missing, then run the main job (examples/train.py)
 #   bash dev.sh test [args]   install what is missing, then run the test suite (pytest)
 # Installs into the active Python (set PYTHON=... to pick another). When torch is absent it installs
 # torch==2.13.0: an unpinned `pip install torch` would pull several GB of CUDA wheels.
@@ -13,16 +13,16 @@ install() {
         echo "dev.sh: torch not found; installing torch==2.13.0 (CPU build)"
         "$PY" -m pip install --quiet "torch==2.13.0"
     fi
-    # Re-install gpudist (editable, with test extras) when pyproject.toml changed or it is not importable.
+    # Re-install gpudist (editable, with test and examples extras) when pyproject.toml changed or it is not importable.
     local stamp=".dev-installed" here="$PWD" want
     want="$("$PY" -c 'import sys; print(sys.executable)') $(cksum < pyproject.toml)"
     # Also when the gpudist that imports belongs to another checkout (checked from / so that this folder's own
     # gpudist/ does not shadow the installed one).
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! (cd / && "$PY" -c "
-import os, sys, gpudist, pytest_timeout
+import os, sys, gpudist, pytest_timeout, matplotlib
 sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('$here/gpudist/__init__.py'))") >/dev/null 2>&1; then
-        echo "dev.sh: installing gpudist (editable) with its test extras"
-        "$PY" -m pip install --quiet -e ".[test]"
+        echo "dev.sh: installing gpudist (editable) with its test and examples extras"
+        "$PY" -m pip install --quiet -e ".[test,examples]"
         echo "$want" > "$stamp"
     fi
 }
@@ -30,7 +30,7 @@ sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('$here/gpudist/_
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    run)  install; exec "$PY" examples/comm_demo.py "$@" ;;
+    run)  install; exec "$PY" examples/train.py "$@" ;;
     test) install; exec "$PY" -m pytest "$@" ;;
     *)    echo "usage: bash dev.sh run|test [args]" >&2; exit 2 ;;
 esac

@@ -43,8 +43,9 @@ class ShardingConfiguration:
     for all of its gradients, and a step that leaves one unused raises a clear error at the next step."""
 
     gradient_as_bucket_view: bool = True
-    """Make ``param.grad`` a view into the flat communication bucket: saves one copy of the gradients
-    each way and their memory. Needs ``communication_dtype`` None or equal to the parameters' dtype."""
+    """Make ``param.grad`` a view into the flat gradient bucket: saves one copy of the gradients each way
+    and their memory. With a low-precision ``communication_dtype`` the bucket stays in the gradients' dtype
+    and one kernel pass casts it to the wire."""
 
     broadcast_buffers: bool = True
     """Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each forward."""

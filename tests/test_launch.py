@@ -139,6 +139,18 @@ def test_gpudist_bench_collectives(tmp_path):
     assert bad.returncode != 0 and "unavailable" in (bad.stderr + bad.stdout)
 
 
+def test_init_under_real_torchrun():
+    """Catches gpudist.init() trying to host its own store on MASTER_PORT, which torchrun's agent already holds
+    ("Address already in use"): under the agent every rank must join the agent's store."""
+    from gpudist.testing import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "examples" / "comm_demo.py"), "--numel", "1001"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "all ranks ok: True" in out.stdout
+
+
 def test_gpudist_bench_kernels(tmp_path):
     """Catches the kernel benchmark breaking (an op builder out of step with the kernels' signatures, a
     missing baseline) or an unknown op passing silently; no timing is asserted."""

@@ -90,6 +90,13 @@ def create_store(
         return dist.HashStore()
     delta = datetime.timedelta(seconds=timeout)
     try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Under torchrun the agent already hosts a store on MASTER_PORT: every rank joins it as a client, in
+            # a namespace per restart attempt (as torch's env:// rendezvous does), so a restarted group never
+            # reads the keys of the attempt before it.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            agent = dist.TCPStore(master_addr, master_port, world_size, False, delta)
+            return dist.PrefixStore(f"/gpudist/attempt_{attempt}", agent)
         if rank == 0:
             listener = socket.create_server((master_addr, master_port), backlog=max(128, world_size))
             fd = listener.detach()  # owned by the store from here on

@@ -1,0 +1,422 @@
+"""Train a small transformer language model with a gpudist strategy, on a corpus this repository generates.
+
+Standalone, it spawns N local Gloo ranks on the CPU:
+
+    python examples/train.py --strategy ddp --world-size 2
+
+Under a launcher each process is one rank (the same code path):
+
+    torchrun --nproc-per-node 2 examples/train.py --strategy ddp
+
+Every rank builds the same model from the seed and trains on its slice of each step's global batch (so N ranks
+together take exactly the steps one process would take on the whole batch). At the end rank 0 checks that all
+replicas hold identical parameters and writes OUT/metrics.json, OUT/loss.png and OUT/model.safetensors. The exit
+code is 0 only if the replicas agree and the loss went down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import io
+import json
+import math
+import os
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm import VOCAB, SyntheticCorpus, TinyLM, lm_loss  # examples/lm.py: a script's own folder is on sys.path
+from safetensors.torch import save as st_save
+
+import gpudist
+from gpudist.bench import environment
+from gpudist.launch import WorkerPool, detect_environment
+
+# Strategy name -> (model class, optimizer class) in gpudist. A strategy is offered once gpudist exports both.
+# FSDP shards like ZeRO-3 (DESIGN.md puts them in one row), so it pairs with ZeRO3Optimizer.
+STRATEGIES: dict[str, tuple[str, str]] = {
+    "ddp": ("DDPModel", "DDPOptimizer"),
+    "zero1": ("ZeRO1Model", "ZeRO1Optimizer"),
+    "zero2": ("ZeRO2Model", "ZeRO2Optimizer"),
+    "zero3": ("ZeRO3Model", "ZeRO3Optimizer"),
+    "fsdp": ("FSDPModel", "ZeRO3Optimizer"),
+}
+COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # None: gradients' own dtype
+LAUNCHER_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+VAL_SEQUENCES = 256
+"""Held-out sequences for the final evaluation; the entropy floor is measured on the same ones."""
+OP_TIMEOUT = 300.0
+"""Seconds a collective waits for a peer before failing the run (a step takes well under a second here)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. The defaults are the README's main job: about 80 s on 2 CPU cores, to within ~0.01 nats
+    of the corpus's entropy floor. lr is 10x the usual 3e-4: right for a model this small and a run this short."""
+
+    strategy: str = "ddp"
+    steps: int = 1500
+    global_batch: int = 32
+    """Sequences per step over all ranks (each rank takes global_batch / world_size of them)."""
+    lr: float = 3e-3
+    seed: int = 0
+    comm_dtype: str = "fp32"
+    out: str = "runs/ddp-w2"
+    log_every: int = 25
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+def available_strategies() -> list[str]:
+    """The strategies this gpudist can run now (the others are planned)."""
+    return [name for name, classes in STRATEGIES.items() if all(hasattr(gpudist, c) for c in classes)]
+
+
+def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
+    """The inner optimizer every strategy wraps (and the single-process reference uses unwrapped)."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def lr_factor(step: int, steps: int, warmup: int = 20) -> float:
+    """Learning-rate multiplier at ``step``: linear warmup, then cosine decay to 10% (lets the loss settle)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_model(cfg: TrainConfig) -> TinyLM:
+    return TinyLM(SyntheticCorpus.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, seed=cfg.seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training run (every rank)
+
+
+def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any]:
+    """Runs ``cfg`` on this rank; rank 0 also evaluates and writes the outputs. Returns this rank's verdict."""
+    rank, world = comm.rank, comm.world_size
+    model_cls, optim_cls = (getattr(gpudist, name) for name in STRATEGIES[cfg.strategy])
+    corpus = SyntheticCorpus(cfg.seed, cfg.seq_len)
+    net = make_model(cfg)
+    comm_dtype = COMM_DTYPES[cfg.comm_dtype]
+    config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
+    model = model_cls(net, config)
+    opt = optim_cls(make_optimizer(model.parameters(), cfg.lr), config)
+    # The wrapper is a torch.optim.Optimizer sharing the inner one's param_groups, so schedulers work unchanged.
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=cfg.steps))
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    progress = Progress(cfg.steps, tokens_per_step) if rank == 0 else None
+
+    losses = torch.zeros(cfg.steps)  # this rank's loss per step; averaged over ranks once, after the loop
+    step_times, comm_bytes = [], []
+    window_start = 0
+    started = time.perf_counter()
+    for step in range(cfg.steps):
+        # Timed end to end as a user waits for it, data included (generating a rank's slice: ~4 ms of ~45 ms).
+        t0, bytes0 = time.perf_counter(), comm.stats.total_bytes
+        x, y = corpus.batches(step, cfg.global_batch, rank, world)
+        loss = lm_loss(model(x), y)  # the idiomatic PyTorch loop, unchanged: the strategy works inside it
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses[step] = loss.item()
+        step_times.append(time.perf_counter() - t0)
+        comm_bytes.append(comm.stats.total_bytes - bytes0)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            # The displayed loss is the global batch's (mean over ranks), as a single process would report it.
+            # This small all-reduce sits outside the timed step, so bytes/step counts the strategy's traffic only.
+            window = losses[window_start : step + 1].mean().reshape(1)
+            comm.all_reduce(window, "average")
+            if progress is not None:
+                progress.update(step + 1, float(window), step_times[window_start:], comm_bytes[window_start:])
+            window_start = step + 1
+    train_seconds = time.perf_counter() - started
+    if progress is not None:
+        progress.close()
+
+    comm.all_reduce(losses, "average")  # equal local batches: the mean of rank means is the global batch's mean
+    flat, identical, max_diff = replicas_identical(comm, model)
+    tail = max(1, cfg.steps // 10)
+    initial, final = float(losses[0]), float(losses[-tail:].mean())
+    verdict = {"rank": rank, "replicas_identical": identical, "loss_decreased": final < initial}
+    verdict["ok"] = identical and verdict["loss_decreased"]
+    if rank != 0:
+        return verdict
+
+    # Rank 0 evaluates a local copy built from the gathered parameters: no collectives (a sharded strategy's
+    # gather is one, and the other ranks have returned), so this works whatever the strategy.
+    trained = make_model(cfg)
+    torch.nn.utils.vector_to_parameters(flat, trained.parameters())
+    val_loss = evaluate(trained, corpus)
+    measured = step_times[1:] or step_times  # step 0 pays for one-time setup (allocations, first bucket build)
+    metrics = {
+        "config": dataclasses.asdict(cfg) | {"world_size": world},
+        "parameter_count": sum(p.numel() for p in trained.parameters()),
+        "tokens_per_step": tokens_per_step,
+        "loss": [round(v, 6) for v in losses.tolist()],
+        "step_time_s": [round(t, 6) for t in step_times],
+        "comm_bytes": comm_bytes,
+        "initial_loss": initial,
+        "final_loss": final,
+        "val_loss": val_loss,
+        "log_vocab": math.log(corpus.vocab_size),
+        "entropy_floor": corpus.entropy_floor(VAL_SEQUENCES, split="val"),
+        "tokens_per_s": tokens_per_step * len(measured) / sum(measured),
+        "comm_bytes_per_step": sorted(comm_bytes)[len(comm_bytes) // 2],
+        "train_seconds": train_seconds,
+        "loss_decreased": verdict["loss_decreased"],
+        "replicas_identical": identical,
+        "replica_max_abs_diff": max_diff,
+        "metadata": model.get_model_metadata(),
+        "comm_stats": comm.stats.as_dict(),
+        "sample": SyntheticCorpus.decode(generate(trained, [VOCAB.index("the")], 40, cfg.seed)),
+        "environment": environment(),
+    }
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "metrics.json", json.dumps(metrics, indent=1, default=str).encode())
+    atomic_write(out / "loss.png", plot_loss(metrics))
+    # Named tensors (the tied head is stored once, as tok.weight); safetensors, never pickle.
+    state = {name: p.detach().contiguous() for name, p in trained.named_parameters()}
+    atomic_write(out / "model.safetensors", st_save(state, metadata={"format": "gpudist-example-tinylm"}))
+    report(metrics, out)
+    return verdict
+
+
+def replicas_identical(comm: gpudist.CommunicationBackend,
+                       model: gpudist.ShardedModel) -> tuple[torch.Tensor, bool, float]:
+    """Gathers the full parameters (collective) and checks bitwise that every rank's equal rank 0's. Returns them,
+    the verdict and the largest difference seen."""
+    flat = model.gather_full_parameters()
+    reference = flat.clone()
+    comm.broadcast(reference, src=0)
+    flags = torch.tensor([float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()])
+    comm.all_reduce(flags, "min")  # min of equal-flags: all equal; min of -diff: -(largest difference)
+    return flat, bool(flags[0] == 1.0), -float(flags[1])
+
+
+@torch.no_grad()
+def evaluate(net: torch.nn.Module, corpus: SyntheticCorpus, batch: int = 32) -> float:
+    """Mean loss on the first VAL_SEQUENCES sequences of the "val" stream, which training never sees."""
+    batches = (corpus.batches(i, batch, split="val") for i in range(VAL_SEQUENCES // batch))
+    losses = [lm_loss(net(x), y).item() for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def generate(net: TinyLM, prompt: list[int], n_tokens: int, seed: int, temperature: float = 0.7) -> list[int]:
+    """Samples a continuation of ``prompt``: what the model learned, in words."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = list(prompt)
+    for _ in range(n_tokens):
+        logits = net(torch.tensor([tokens[-net.seq_len :]]))[0, -1]
+        tokens.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)))
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output: progress, files, summary
+
+
+class Progress:
+    """Rank 0's progress bar: rewritten in place (``\\r``) on a terminal, one line per update otherwise (logs, CI)."""
+
+    def __init__(self, steps: int, tokens_per_step: int, width: int = 24):
+        self.steps, self.tokens_per_step, self.width = steps, tokens_per_step, width
+        self.tty = sys.stdout.isatty()
+        self.started = time.perf_counter()
+        self.last_width = 0  # a shorter line must blank the rest of the longer one it overwrites
+
+    def update(self, step: int, loss: float, step_times: list[float], comm_bytes: list[int]) -> None:
+        done = int(self.width * step / self.steps)
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / step * (self.steps - step)
+        line = (f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (self.width - done)}] "
+                f"loss {loss:.3f} | {self.tokens_per_step * len(step_times) / sum(step_times) / 1e3:5.1f}k tok/s | "
+                f"comm {sum(comm_bytes) / len(comm_bytes) / 2**20:.2f} MiB/step | eta {eta:3.0f}s")
+        if self.tty:
+            print(f"\r{line.ljust(self.last_width)}", end="", flush=True)
+            self.last_width = len(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(flush=True)
+
+
+def report(metrics: dict[str, Any], out: Path) -> None:
+    cfg = metrics["config"]
+    print(f"{cfg['strategy']} on {cfg['world_size']} rank(s), {cfg['steps']} steps of {metrics['tokens_per_step']} "
+          f"tokens, {metrics['train_seconds']:.1f} s")
+    print(f"  loss {metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} (held-out {metrics['val_loss']:.3f}); "
+          f"uniform guess log(vocab) = {metrics['log_vocab']:.3f}, generator's entropy floor = "
+          f"{metrics['entropy_floor']:.3f}")
+    print(f"  {metrics['tokens_per_s'] / 1e3:.1f}k tokens/s, communication "
+          f"{metrics['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
+          f"replicas identical: {metrics['replicas_identical']}")
+    print(f"  sample: {metrics['sample']}")
+    print(f"  wrote {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'model.safetensors'}")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never half of one: write a temporary file, then rename it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def plot_loss(metrics: dict[str, Any]) -> bytes:
+    """The loss curve as PNG bytes: matplotlib when installed, else a plain raster (same lines, no text)."""
+    losses, floor, log_vocab = metrics["loss"], metrics["entropy_floor"], metrics["log_vocab"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return raster_plot(losses, [(log_vocab, (200, 60, 60)), (floor, (40, 150, 40))])
+    cfg = metrics["config"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(range(len(losses)), losses, lw=1.2, label="training loss (global batch)")
+    ax.axhline(log_vocab, color="tab:red", ls="--", lw=1, label=f"log(vocab) = {log_vocab:.2f}")
+    ax.axhline(floor, color="tab:green", ls="--", lw=1, label=f"entropy floor = {floor:.2f}")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", ylim=(0, max(max(losses), log_vocab) * 1.05),
+           title=f"TinyLM, {cfg['strategy']} on {cfg['world_size']} rank(s), comm {cfg['comm_dtype']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def raster_plot(values: list[float], hlines: list[tuple[float, tuple[int, int, int]]], width: int = 640,
+                height: int = 360, margin: int = 30) -> bytes:
+    """A line plot as PNG bytes without matplotlib: y from 0 (bottom) up, a light grid line at every whole
+    number, dashed ``hlines`` in their colours and ``values`` in blue."""
+    pixels = bytearray(b"\xff" * (width * height * 3))
+    top = max([*values, *(v for v, _ in hlines)]) * 1.05 or 1.0
+
+    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
+        if 0 <= x < width and 0 <= y < height:
+            pixels[(y * width + x) * 3 : (y * width + x) * 3 + 3] = bytes(rgb)
+
+    def to_y(v: float) -> int:
+        return round(height - margin - v / top * (height - 2 * margin))
+
+    for whole in range(math.ceil(top)):
+        for x in range(margin, width - margin):
+            put(x, to_y(whole), (225, 225, 225))
+    for value, rgb in hlines:
+        for x in range(margin, width - margin):
+            if (x // 6) % 2 == 0:
+                put(x, to_y(value), rgb)
+    for x in range(margin, width - margin + 1):  # frame
+        put(x, margin, (120, 120, 120))
+        put(x, height - margin, (120, 120, 120))
+    for y in range(margin, height - margin + 1):
+        put(margin, y, (120, 120, 120))
+        put(width - margin, y, (120, 120, 120))
+    points = [(margin + i / max(1, len(values) - 1) * (width - 2 * margin), to_y(v)) for i, v in enumerate(values)]
+    for (x0, y0), (x1, y1) in zip(points, [*points[1:], points[-1]], strict=True):
+        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+        for k in range(n + 1):  # sample the segment densely; 2 px thick
+            x, y = round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n)
+            put(x, y, (30, 90, 200))
+            put(x, y + 1, (30, 90, 200))
+    return encode_png(width, height, bytes(pixels))
+
+
+def encode_png(width: int, height: int, rgb: bytes) -> bytes:
+    """8-bit RGB pixels (row-major) -> PNG bytes: signature, IHDR, one zlib IDAT (filter 0 per row), IEND."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    stride = width * 3
+    raw = b"".join(b"\x00" + rgb[y * stride : (y + 1) * stride] for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default=defaults.strategy,
+                        help=f"one of {', '.join(STRATEGIES)} (those gpudist implements now: "
+                             f"{', '.join(available_strategies()) or 'none'})")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local Gloo ranks to spawn (ignored under torchrun/mpirun, which set the world size)")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--global-batch", type=int, default=defaults.global_batch,
+                        help="sequences per step over all ranks; a multiple of the world size")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="model initialisation and corpus")
+    parser.add_argument("--comm-dtype", choices=list(COMM_DTYPES), default=defaults.comm_dtype,
+                        help="dtype gradients travel in (bf16 halves the bytes)")
+    parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>)")
+    parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
+    args = parser.parse_args(argv)
+
+    if args.strategy not in STRATEGIES:
+        planned = [s for s in STRATEGIES if s not in available_strategies()]
+        parser.error(f"unknown strategy {args.strategy!r}; strategies that work: {', '.join(available_strategies())}"
+                     + (f" (planned: {', '.join(planned)})" if planned else ""))
+    if args.strategy not in available_strategies():
+        model_cls, optim_cls = STRATEGIES[args.strategy]
+        parser.error(f"strategy {args.strategy!r} needs gpudist.{model_cls} and gpudist.{optim_cls}, which gpudist "
+                     f"{gpudist.__version__} does not have yet; strategies that work: "
+                     f"{', '.join(available_strategies())}")
+    launched = any(var in os.environ for var in LAUNCHER_RANK_VARS)
+    world = detect_environment().world_size if launched else args.world_size
+    for name, value in [("--world-size", world), ("--steps", args.steps), ("--log-every", args.log_every)]:
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    if args.global_batch < world or args.global_batch % world:
+        parser.error(f"--global-batch {args.global_batch} must be a positive multiple of the world size {world}, "
+                     f"so every rank gets an equal slice")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    cfg = TrainConfig(strategy=args.strategy, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
+                      seed=args.seed, comm_dtype=args.comm_dtype, log_every=args.log_every,
+                      out=args.out or f"runs/{args.strategy}-w{world}")
+    return cfg, None if launched else world
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, spawn_world = parse_args(argv)
+    if spawn_world is None:  # one rank of a torchrun/mpirun job
+        verdict = train(gpudist.init(timeout=OP_TIMEOUT), cfg)
+    else:
+        print(f"gpudist {gpudist.__version__}: training TinyLM with {cfg.strategy} on {spawn_world} local Gloo "
+              f"rank(s) for {cfg.steps} steps", flush=True)
+        with WorkerPool(spawn_world, timeout=OP_TIMEOUT) as pool:
+            # A week for the whole run (a long --steps is fine; poll() takes at most ~24 days), while each
+            # collective stays bounded by OP_TIMEOUT, so a hung rank still fails fast.
+            verdict = min(pool.run(train, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
+    if not verdict["ok"]:
+        print(f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
+              f"loss decreased: {verdict['loss_decreased']}", file=sys.stderr)
+    return 0 if verdict["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

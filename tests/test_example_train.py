@@ -1,0 +1,207 @@
+"""The README's main job, examples/train.py: a transformer LM trained with DDP on 2 Gloo ranks, checked end to end
+and against single-process training with the global batch."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import gpudist
+from gpudist.testing import run_ranks
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # examples/ is a folder of scripts, not a package
+
+import lm  # noqa: E402
+import train  # noqa: E402
+
+STEPS, GLOBAL_BATCH, WORLD = 30, 16, 2
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# fp32 parity tolerance after 30 AdamW steps: |ddp - reference| <= 2e-6 + 1e-5 * |reference|, per element. The runs
+# differ only in summation order (each rank averages 8 sequences, then the ranks average; the reference averages
+# 16): ~1 ulp per step, which Adam's division by sqrt(v) amplifies for small gradients. Measured on 2 cores: max
+# |diff| 1.2e-7 (2.1e-7 with one torch thread in the test process), on weights of 0.01-1. A rank training on the
+# wrong slice or a gradient left unreduced moves weights by ~lr = 3e-3 in one step, 1000x above the tolerance.
+ATOL, RTOL = 2e-6, 1e-5
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One short run of the script as a user would start it: 2 spawned Gloo ranks, fp32 communication."""
+    out = tmp_path_factory.mktemp("train") / "run"
+    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--strategy", "ddp", "--world-size", str(WORLD),
+           "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--log-every", "10", "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    return proc, out
+
+
+def test_script_trains_and_writes_its_outputs(ddp_run):
+    """Catches a script that crashes, hangs, lets replicas drift apart (e.g. a gradient bucket that is never
+    all-reduced), trains on nothing, writes no or broken outputs, or reports success when a check failed."""
+    proc, out = ddp_run
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    # Not a terminal: one plain progress line per --log-every steps, no carriage returns.
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["10/30", "20/30",
+                                                                                                  "30/30"]
+    assert "\r" not in proc.stdout
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["world_size"] == WORLD and metrics["config"]["strategy"] == "ddp"
+    assert len(metrics["loss"]) == STEPS and all(math.isfinite(v) for v in metrics["loss"])
+    assert metrics["loss"][0] == pytest.approx(math.log(lm.VOCAB_SIZE), abs=0.15)  # the init guesses ~uniformly
+    assert metrics["final_loss"] < metrics["initial_loss"] - 1.0  # 30 steps take ~4.2 to ~2.7 nats
+    assert metrics["loss_decreased"] is True
+    assert metrics["replicas_identical"] is True and metrics["replica_max_abs_diff"] == 0.0
+    # DDP all-reduces every fp32 gradient every step: at least 4 bytes per parameter.
+    assert metrics["comm_bytes_per_step"] >= 4 * metrics["parameter_count"]
+    assert min(metrics["comm_bytes"]) > 0 and metrics["tokens_per_s"] > 0
+    assert metrics["metadata"]["strategy"] == "ddp" and metrics["metadata"]["world_size"] == WORLD
+    assert metrics["entropy_floor"] < metrics["val_loss"] < metrics["log_vocab"]
+    assert metrics["environment"]["torch"] == torch.__version__
+    assert (out / "loss.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporary files behind
+
+
+def test_ddp_on_two_ranks_matches_single_process_training(ddp_run):
+    """The real-training check: the script's 2-rank DDP run must take exactly the steps one process takes on the
+    whole global batch (plain PyTorch, no gpudist). Catches a rank given the wrong slice of the batch (or the same
+    slice as another), gradients of some parameters (e.g. the tied embedding/head) not reduced or reduced before
+    backward finished, a scheduler that does not reach the wrapped optimizer, or a loss reported for one rank's
+    slice instead of the global batch. Tolerance: ATOL/RTOL above. (Adam is blind to a uniform gradient scale, so
+    a sum-instead-of-average bug is left to the SGD test below.)"""
+    proc, out = ddp_run
+    assert proc.returncode == 0, proc.stderr
+    cfg = train.TrainConfig(steps=STEPS, global_batch=GLOBAL_BATCH)
+    corpus = lm.SyntheticCorpus(cfg.seed, cfg.seq_len)
+    net = train.make_model(cfg)
+    opt = train.make_optimizer(net.parameters(), cfg.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: train.lr_factor(step, cfg.steps))
+    ref_losses = []
+    for step in range(cfg.steps):  # plain PyTorch, one process, the whole global batch: no gpudist at all
+        x, y = corpus.batches(step, cfg.global_batch)
+        loss = lm.lm_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        ref_losses.append(loss.item())
+
+    trained = load_file(out / "model.safetensors")
+    reference = dict(net.named_parameters())
+    assert sorted(trained) == sorted(reference)
+    for name, ref in reference.items():
+        torch.testing.assert_close(trained[name], ref.detach(), atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    # The reported loss is the global batch's, as the single process computes it.
+    metrics = json.loads((out / "metrics.json").read_text())
+    torch.testing.assert_close(torch.tensor(metrics["loss"]), torch.tensor(ref_losses), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_rank_slices_concatenate_to_the_global_batch(world_size):
+    """Catches ranks that overlap or skip sequences, a slice order that is not the rank order, targets not shifted
+    by one token, or data that depends on the world size (N ranks must see what one process sees)."""
+    corpus = lm.SyntheticCorpus(seed=3, seq_len=16)
+    for step in (0, 5):
+        x_all, y_all = corpus.batches(step, 12)
+        parts = [corpus.batches(step, 12, rank, world_size) for rank in range(world_size)]
+        assert all(x.shape == (12 // world_size, 16) for x, _ in parts)
+        assert torch.equal(torch.cat([x for x, _ in parts]), x_all)
+        assert torch.equal(torch.cat([y for _, y in parts]), y_all)
+        assert torch.equal(x_all[:, 1:], y_all[:, :-1])  # targets are the inputs shifted by one
+    assert not torch.equal(corpus.batches(0, 12)[0], corpus.batches(1, 12)[0])  # every step brings new data
+
+
+def test_corpus_and_model_are_deterministic_from_the_seed():
+    """Catches generation or initialisation that depends on global RNG state or hash randomisation: every rank (a
+    separate process) must build the same model and the same data from the seed alone."""
+    torch.manual_seed(123)  # disturbing torch's global RNG must not matter
+    a, b = lm.SyntheticCorpus(seed=7), lm.SyntheticCorpus(seed=7)
+    assert torch.equal(a.batches(2, 4)[0], b.batches(2, 4)[0])
+    assert not torch.equal(a.batches(2, 4)[0], lm.SyntheticCorpus(seed=8).batches(2, 4)[0])
+    assert not torch.equal(a.batches(2, 4)[0], a.batches(2, 4, split="val")[0])  # held-out data is separate
+    assert torch.equal(torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()),
+                       torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()))
+    # A script that uses one seed for everything still gets a corpus with learnable structure (floor << uniform).
+    assert a.entropy_floor(64) < 0.6 * math.log(lm.VOCAB_SIZE)
+
+
+def test_corpus_rejects_uneven_splits():
+    """Catches a global batch that silently drops sequences when it does not divide over the ranks."""
+    with pytest.raises(ValueError, match="multiple of 3"):
+        lm.SyntheticCorpus().batches(0, 8, rank=0, world_size=3)
+
+
+def test_unknown_strategy_names_the_working_ones(capsys):
+    """Catches a bare argparse 'invalid choice' (or a crash deep in the ranks) instead of an error that says which
+    strategies work, for a misspelt name and for each strategy gpudist does not implement yet."""
+    for name in ["zero9", *(s for s in train.STRATEGIES if s not in train.available_strategies())]:
+        with pytest.raises(SystemExit) as exit_info:
+            train.parse_args(["--strategy", name])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert repr(name) in err and "strategies that work: ddp" in err
+
+
+def test_loss_plot_without_matplotlib_is_a_valid_png(monkeypatch):
+    """Catches the fallback plot writing a file no viewer opens (bad chunk CRC, wrong row length, missing filter
+    bytes): without matplotlib the script must still write a real PNG."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    metrics = {"loss": [4.2, 3.1, 2.6, 2.4], "entropy_floor": 2.1, "log_vocab": 4.16,
+               "config": {"strategy": "ddp", "world_size": 2, "comm_dtype": "fp32"}}
+    data = train.plot_loss(metrics)
+    assert data.startswith(PNG_SIGNATURE)
+    pos, chunks = len(PNG_SIGNATURE), {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])[0] == zlib.crc32(kind + body)
+        chunks[kind] = body
+        pos += 12 + length
+    assert list(chunks) == [b"IHDR", b"IDAT", b"IEND"]
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    raw = zlib.decompress(chunks[b"IDAT"])
+    assert len(raw) == height * (1 + 3 * width) and all(raw[y * (1 + 3 * width)] == 0 for y in range(height))
+    assert len(set(raw)) > 3  # something was drawn on the white background
+
+
+def _sgd_training(comm: gpudist.CommunicationBackend | None, steps: int, global_batch: int) -> torch.Tensor:
+    """A few SGD steps on a small TinyLM: with DDP on ``comm``'s ranks, or in plain PyTorch when ``comm`` is None."""
+    corpus = lm.SyntheticCorpus(seed=0, seq_len=16)
+    net = lm.TinyLM(d_model=32, n_layers=1, n_heads=2, seq_len=16, seed=0)
+    sgd = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+    if comm is None:
+        model, opt, rank, world = net, sgd(net.parameters()), 0, 1
+    else:
+        config = gpudist.ShardingConfiguration(comm)
+        model = gpudist.DDPModel(net, config)
+        opt, rank, world = gpudist.DDPOptimizer(sgd(model.parameters()), config), comm.rank, comm.world_size
+    for step in range(steps):
+        x, y = corpus.batches(step, global_batch, rank, world)
+        lm.lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_sgd_on_the_example_model_matches_single_process(world_size):
+    """SGD is linear in the gradient, so this catches what Adam hides: gradients summed over ranks instead of
+    averaged (world_size x too large), or divided twice. Same model family (tied head, attention, LayerNorm) and
+    data as the script; ranks are threads (in-memory backend). Tolerance: 1e-6 absolute on parameters of ~0.01-1,
+    for 5 steps of fp32 SGD whose only difference is summation order (measured max 1.7e-7)."""
+    reference = _sgd_training(None, steps=5, global_batch=8)
+    for flat in run_ranks(_sgd_training, world_size, steps=5, global_batch=8):
+        torch.testing.assert_close(flat, reference, atol=1e-6, rtol=0)
