@@ -10,11 +10,11 @@ the overhead at >= 1 MiB with the cross-rank consistency check on (the default) 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from gpudist.bench import parse_size, run_collectives
+from gpudist.fileio import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,11 +50,7 @@ def main() -> None:
         print(f"# overhead vs torch.distributed at >= 1 MiB (median of {s['rows']} rows): "
               f"checked {s['median_overhead_checked']:+.1%}, unchecked {s['median_overhead_unchecked']:+.1%} "
               f"(target < 5%)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"# wrote {out}")
+    print(f"# wrote {atomic_write_json(out, doc)}")
 
 
 if __name__ == "__main__":

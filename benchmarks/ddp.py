@@ -14,7 +14,6 @@ gpudist's counters against the ring formula 2(N-1)/N x parameter bytes. The resu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.nn import functional as F
 
 import gpudist
 from gpudist.bench import environment
+from gpudist.fileio import atomic_write_json
 from gpudist.launch import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -132,11 +132,7 @@ def main() -> None:
     print(f"# bytes per step per rank (ring): {doc['bytes_per_step_ring_estimate'] / 2**20:.2f} MiB; "
           f"formula 2(N-1)/N x P = {ring_formula / 2**20:.2f} MiB")  # fmt: skip
     out = Path(args.out) if args.out else RESULTS / f"ddp_gloo_w{n}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"# wrote {out}")
+    print(f"# wrote {atomic_write_json(out, doc)}")
 
 
 if __name__ == "__main__":

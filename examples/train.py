@@ -36,6 +36,7 @@ from safetensors.torch import save as st_save
 
 import gpudist
 from gpudist.bench import environment
+from gpudist.fileio import atomic_write_bytes
 from gpudist.launch import WorkerPool, detect_environment
 
 # Strategy name -> (model class, optimizer class) in gpudist. A strategy is offered once gpudist exports both.
@@ -184,11 +185,11 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     }
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "metrics.json", json.dumps(metrics, indent=1, default=str).encode())
-    atomic_write(out / "loss.png", plot_loss(metrics))
+    atomic_write_bytes(out / "metrics.json", json.dumps(metrics, indent=1, default=str).encode())
+    atomic_write_bytes(out / "loss.png", plot_loss(metrics))
     # Named tensors (the tied head is stored once, as tok.weight); safetensors, never pickle.
     state = {name: p.detach().contiguous() for name, p in trained.named_parameters()}
-    atomic_write(out / "model.safetensors", st_save(state, metadata={"format": "gpudist-example-tinylm"}))
+    atomic_write_bytes(out / "model.safetensors", st_save(state, metadata={"format": "gpudist-example-tinylm"}))
     report(metrics, out)
     return verdict
 
@@ -267,16 +268,6 @@ def report(metrics: dict[str, Any], out: Path) -> None:
           f"replicas identical: {metrics['replicas_identical']}")
     print(f"  sample: {metrics['sample']}")
     print(f"  wrote {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'model.safetensors'}")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never half of one: write a temporary file, then rename it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def plot_loss(metrics: dict[str, Any]) -> bytes:

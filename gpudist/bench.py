@@ -12,7 +12,6 @@ noise hits all of them alike: raw ``torch.distributed`` calls, gpudist with the 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .comm import CommunicationBackend, split_sizes
+from .fileio import atomic_write_json
 
 __all__ = ["BUS_FACTORS", "environment", "format_table", "parse_size", "run_collectives", "sweep"]
 
@@ -223,10 +223,5 @@ def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str |
            "settings": {k: v for k, v in kwargs.items()}, "rows": rows}
     print(format_table(rows, world_size, backend))
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-        print(f"# wrote {path}")
+        print(f"# wrote {atomic_write_json(json_path, doc)}")
     return doc

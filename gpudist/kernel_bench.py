@@ -13,18 +13,17 @@ error-feedback ops; quantization = the same math in torch elementwise ops.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from . import kernels as K
 from .bench import environment
+from .fileio import atomic_write_json
 
 __all__ = ["OPS", "format_kernel_table", "run_kernels"]
 
@@ -273,12 +272,7 @@ def run_kernels(device: str = "auto", elements: int | None = None, ops: list[str
         "environment": environment(), "rows": rows}  # fmt: skip
     print(format_kernel_table(doc))
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-        print(f"# wrote {path}")
+        print(f"# wrote {atomic_write_json(json_path, doc)}")
     return doc
 
 

@@ -7,9 +7,11 @@ GPU tier). Tolerances, per dtype:
 - squared norm: rtol 1e-5. Both accumulate in fp32 but in a different order (block partials vs
   torch's dot); the relative error of an n-term fp32 sum of positive terms is about
   sqrt(n) * 6e-8, 6e-5 worst case at 10^6 terms, 1e-5 in practice for random data.
-- optimizer steps: rtol 1e-5 / atol 1e-6 after 20 steps against torch.optim. Same operations in
-  the same order, but torch's vectorized CPU kernels and the GPU's fused multiply-add round
-  differently by an ulp per step; 20 steps of Adam stay within a few 1e-6 (seen: 3e-6 at most).
+- optimizer steps: rtol 1e-5 / atol 1e-5 after 20 steps (lr 1e-2) against torch.optim's single-tensor
+  path. The kernels repeat its operations in the same order, but FMA contraction on the GPU, and torch's
+  fused CPU kernel (the CPU path of adam_step) rounds differently in its vectorized body and its scalar
+  tail. Its thread split varies from run to run. Seen: up to 3.2e-6 apart after 20 steps, on ~1% of
+  elements. The single-tensor references keep atol 1e-6.
 """
 
 import math
@@ -24,6 +26,8 @@ from gpudist.kernels.norm import squared_norm
 from gpudist.kernels.optim import adam_step, adam_step_reference, sgd_step, sgd_step_reference
 
 from .conftest import CUDA
+
+OPT_TOL = {"rtol": 1e-5, "atol": 1e-5}  # see the module docstring
 
 
 def _sizes():
@@ -214,10 +218,10 @@ def test_adam_matches_torch_optim(device, kernel_impl, case):
         opt.step()
         skipped = adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-2, **_kernel_adam_kw(case))
         assert skipped.item() == 0.0
-    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(param, ref.detach(), **OPT_TOL)
     state = opt.state[ref]
-    torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exp_avg, state["exp_avg"], **OPT_TOL)
+    torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], **OPT_TOL)
 
 
 SGD_CASES = [
@@ -243,7 +247,7 @@ def test_sgd_matches_torch_optim(device, kernel_impl, case):
         ref.grad = grad.clone()
         opt.step()
         sgd_step(param, grad, buf if case.get("momentum") else None, lr=1e-2, first_step=step == 1, **case)
-    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(param, ref.detach(), **OPT_TOL)
 
 
 def test_references_match_torch_optim():
@@ -289,7 +293,7 @@ def test_adam_grad_scale_lowp_copy_and_bf16_grad(device, kernel_impl):
         opt.step()
         adam_step(param, grad, m, v, step=step, lr=1e-3, weight_decay=0.05, decoupled_weight_decay=True,
                   grad_scale=0.25, grad_scale_tensor=clip, param_out=out)  # fmt: skip
-    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(param, ref.detach(), **OPT_TOL)
     assert torch.equal(out, param.bfloat16())
 
 
@@ -355,5 +359,5 @@ def test_compiled_kernels_at_scale(monkeypatch):
     adam_step(p, grad, m, v, step=1, lr=1e-3)
     monkeypatch.setenv("GPUDIST_KERNELS", "torch")
     adam_step(p2, grad, m2, v2, step=1, lr=1e-3)
-    torch.testing.assert_close(p, p2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, p2, **OPT_TOL)
     assert squared_norm(grad).item() == pytest.approx(grad.double().pow(2).sum().item(), rel=1e-5)

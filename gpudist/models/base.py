@@ -22,6 +22,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from ..config import ShardingConfiguration
+from ..fileio import atomic_write_bytes
 
 __all__ = ["ShardedModel", "model_fingerprint"]
 
@@ -209,7 +210,7 @@ class ShardedModel(nn.Module):
         Collective: every rank calls it and returns once the file is complete."""
         data = self.serialize()
         if self.rank == 0:
-            _atomic_write(Path(path), data)
+            atomic_write_bytes(path, data)
         self.comm.barrier()
 
     def load_model(self, path: str | os.PathLike) -> None:
@@ -267,11 +268,3 @@ def _read(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return state, meta
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
