@@ -17,8 +17,8 @@ from .comm import (
 )
 from .config import ShardingConfiguration
 from .launch import init
-from .models import DDPModel, ShardedModel
-from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer
+from .models import DDPModel, ShardedModel, ZeRO1Model
+from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer, ZeRO1Optimizer
 
 try:
     __version__ = version("gpudist")
@@ -39,6 +39,8 @@ __all__ = [
     "ShardedModel",
     "ShardedOptimizer",
     "ShardingConfiguration",
+    "ZeRO1Model",
+    "ZeRO1Optimizer",
     "__version__",
     "init",
 ]

@@ -2,5 +2,6 @@
 
 from .base import ShardedModel
 from .ddp import DDPModel
+from .zero import ZeRO1Model
 
-__all__ = ["DDPModel", "ShardedModel"]
+__all__ = ["DDPModel", "ShardedModel", "ZeRO1Model"]

@@ -1,0 +1,278 @@
+"""ZeRO optimizers: optimizer state (and the update) split across ranks by ranges of the flat parameter buffer.
+
+The machinery is shared: a rank owns a list of *segments* of the flat parameter buffer (``(offset, length)``,
+in parameter order) and keeps their fp32 master values, gradients and optimizer state in contiguous
+"owned" buffers, so one fused kernel launch updates everything it owns (one per parameter group). ZeRO-1
+owns one contiguous range per rank (``shard_range``); later stages only change how segments and gradients
+are obtained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..comm import ReductionOperation, shard_range
+from ..config import ShardingConfiguration
+from ..flat import FlatBuffer
+from .base import ShardedOptimizer
+
+__all__ = ["ZeRO1Optimizer"]
+
+_FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Part of a parameter group that this rank owns: flat[flat_offset : +length] <-> owned[owned_offset : +length]."""
+
+    group: int
+    flat_offset: int
+    owned_offset: int
+    length: int
+
+
+def _fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    kind = next((name for cls, name in _FUSED.items() if type(optimizer) is cls), None)
+    if kind is None:
+        return None
+    if any(g.get("amsgrad") or g.get("differentiable") for g in optimizer.param_groups):
+        return None  # amsgrad / differentiable: the generic path (torch's own step over the owned views)
+    return kind
+
+
+class _FlatShardOptimizer(ShardedOptimizer):
+    """Owns segments of the flat parameter buffer; steps them with the fused kernels or the wrapped optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration):
+        super().__init__(optimizer, config)
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not params:
+            raise ValueError(f"{type(self).__name__}: the optimizer has no parameters that require grad")
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) != 1:
+            raise ValueError(f"{type(self).__name__} needs all parameters in one dtype and device, got "
+                             f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())")  # fmt: skip
+        self._flat_params = params
+        self._flat = FlatBuffer.empty_like(params, zero=False)
+        with torch.no_grad():
+            kernels.pack(params, self._flat.data)
+            for p, view in zip(params, self._flat.views(), strict=True):
+                p.data = view  # parameters now live in the flat buffer: an all-gather into it updates them in place
+        ends, offset = [], 0
+        for g in self.param_groups:
+            offset += sum(p.numel() for p in g["params"] if p.requires_grad)
+            ends.append(offset)
+        self._group_ends = ends
+        self._segments = self.owned_segments()
+        self._pieces = self._split_by_group(self._segments)
+        owned = sum(length for _, length in self._segments)
+        device, dtype = params[0].device, params[0].dtype
+        master_is_view = dtype == torch.float32 and len(self._segments) == 1
+        if master_is_view:
+            start, length = self._segments[0]
+            self._master = self._flat.data[start : start + length]
+        else:
+            self._master = torch.empty(owned, dtype=torch.float32, device=device)
+            for start, length, at in self._segment_spans():
+                self._master[at : at + length].copy_(self._flat.data[start : start + length])
+        self._master_is_view = master_is_view
+        self._grad = torch.zeros(owned, dtype=dtype, device=device)
+        self._kind = _fused_kind(optimizer)
+        self._steps = [0] * len(self.param_groups)
+        self._state: dict[str, torch.Tensor] = {}
+        if self._kind in ("adam", "adamw"):
+            self._state = {"exp_avg": torch.zeros_like(self._master), "exp_avg_sq": torch.zeros_like(self._master)}
+        elif self._kind == "sgd" and any(g["momentum"] != 0 for g in self.param_groups):
+            self._state = {"momentum_buffer": torch.zeros_like(self._master)}
+        self._inner: torch.optim.Optimizer | None = None
+        self.last_step_skipped, self.last_grad_norm = False, math.nan
+        if self._kind is None:
+            self._views = [nn.Parameter(self._master[p.owned_offset : p.owned_offset + p.length]) for p in self._pieces]
+            groups = [{"params": [v], **self._hyper(p.group)} for v, p in zip(self._views, self._pieces, strict=True)]
+            self._inner = type(optimizer)(groups, **optimizer.defaults) if groups else None
+
+    # -- partition --------------------------------------------------------------------------------------------------
+
+    def owned_segments(self) -> list[tuple[int, int]]:
+        """(flat offset, length) ranges of the flat parameter buffer this rank updates, ascending."""
+        raise NotImplementedError
+
+    def _segment_spans(self):
+        at = 0
+        for start, length in self._segments:
+            yield start, length, at
+            at += length
+
+    def _split_by_group(self, segments) -> list[_Piece]:
+        pieces, at = [], 0
+        for start, length in segments:
+            begin = 0
+            for g, end in enumerate(self._group_ends):
+                lo, hi = max(start, begin), min(start + length, end)
+                if lo < hi:
+                    pieces.append(_Piece(g, lo, at + lo - start, hi - lo))
+                begin = end
+            at += length
+        return pieces
+
+    def _hyper(self, group: int) -> dict:
+        return {k: v for k, v in self.param_groups[group].items() if k != "params"}
+
+    # -- gradients --------------------------------------------------------------------------------------------------
+
+    def _grad_views_for(self, start: int, length: int) -> list[torch.Tensor]:
+        """Slices of the parameters' gradients covering flat[start : start + length] (no copy)."""
+        views, layout, end = [], self._flat.layout, start + length
+        for i, p in enumerate(self._flat_params):
+            lo, hi = max(start, layout.offsets[i]), min(end, layout.offsets[i] + layout.numels[i])
+            if lo < hi:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                views.append(grad.reshape(-1)[lo - layout.offsets[i] : hi - layout.offsets[i]])
+        return views
+
+    def reduce_gradients(self) -> None:
+        """Fill the owned gradient buffer with the global average of this rank's segments."""
+        model = self.model()
+        if model is not None:  # the model all-reduced full gradients: take our slices of them
+            for start, length, at in self._segment_spans():
+                kernels.pack(self._grad_views_for(start, length), self._grad[at : at + length])
+            return
+        self._reduce_scatter_gradients()
+
+    def _reduce_scatter_gradients(self) -> None:
+        raise NotImplementedError
+
+    # -- stepping ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        # One all-reduce of the owned squared norms gives both the global norm (for clipping) and the
+        # non-finite verdict every rank shares (a NaN anywhere makes every rank skip the step).
+        total = kernels.squared_norm(self._grad).reshape(1).double()
+        self.comm.all_reduce(total, ReductionOperation.SUM)
+        norm = math.sqrt(total.item())
+        if not math.isfinite(norm):
+            self.last_step_skipped = True
+            return loss
+        self.last_step_skipped = False
+        scale = 1.0
+        if self.config.max_grad_norm is not None:
+            scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        self.last_grad_norm = norm
+        if self._kind is not None:
+            self._fused_step(scale)
+        elif self._inner is not None:  # None when this rank owns nothing (more ranks than elements)
+            self._generic_step(scale)
+        self._gather_parameters()
+        return loss
+
+    def _fused_step(self, scale: float) -> None:
+        for g, pieces in self._by_group().items():
+            h = self.param_groups[g]
+            self._steps[g] += 1
+            for lo, hi in pieces:
+                args = {"param": self._master[lo:hi], "grad": self._grad[lo:hi], "grad_scale": scale,
+                        "check_finite": False, "maximize": h.get("maximize", False), "lr": h["lr"],
+                        "weight_decay": h.get("weight_decay", 0.0)}  # fmt: skip
+                if self._kind == "sgd":
+                    buf = self._state.get("momentum_buffer")
+                    kernels.sgd_step(momentum_buffer=None if buf is None else buf[lo:hi], momentum=h["momentum"],
+                                     dampening=h["dampening"], nesterov=h["nesterov"],
+                                     first_step=self._steps[g] == 1, **args)  # fmt: skip
+                else:
+                    beta1, beta2 = h["betas"]
+                    state = self._state
+                    kernels.adam_step(exp_avg=state["exp_avg"][lo:hi], exp_avg_sq=state["exp_avg_sq"][lo:hi],
+                                      step=self._steps[g], beta1=beta1, beta2=beta2, eps=h["eps"],
+                                      decoupled_weight_decay=self._kind == "adamw", **args)  # fmt: skip
+
+    def _by_group(self) -> dict[int, list[tuple[int, int]]]:
+        merged: dict[int, list[tuple[int, int]]] = {}
+        for p in self._pieces:
+            spans = merged.setdefault(p.group, [])
+            if spans and spans[-1][1] == p.owned_offset:
+                spans[-1] = (spans[-1][0], p.owned_offset + p.length)  # adjacent in the owned buffer: one launch
+            else:
+                spans.append((p.owned_offset, p.owned_offset + p.length))
+        return merged
+
+    def _generic_step(self, scale: float) -> None:
+        for view, piece, inner_group in zip(self._views, self._pieces, self._inner.param_groups, strict=True):
+            inner_group.update(self._hyper(piece.group))  # LR schedulers edit our groups: follow them
+            view.grad = self._grad[piece.owned_offset : piece.owned_offset + piece.length].to(torch.float32) * scale
+        self._inner.step()
+
+    def _gather_parameters(self) -> None:
+        raise NotImplementedError
+
+    # -- state ------------------------------------------------------------------------------------------------------
+
+    def state_bytes(self, params: set[int] | None = None) -> int:
+        tensors = list(self._state.values())
+        if self._inner is not None:
+            inner = self._inner.state.values()
+            tensors += [v for entry in inner for v in entry.values() if isinstance(v, torch.Tensor)]
+        if not self._master_is_view:
+            tensors.append(self._master)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release)."""
+        return {"strategy": self.strategy, "world_size": self.comm.world_size, "rank": self.comm.rank,
+                "segments": list(self._segments), "steps": list(self._steps),
+                "state": {k: v.clone() for k, v in self._state.items()},
+                "inner": self._inner.state_dict() if self._inner is not None else None,
+                "param_groups": [self._hyper(g) for g in range(len(self.param_groups))]}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("world_size") != self.comm.world_size or state_dict.get("segments") != list(self._segments):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state was saved at world size "
+                f"{state_dict.get('world_size')} with segments {state_dict.get('segments')}, this rank owns "
+                f"{list(self._segments)} at world size {self.comm.world_size}; load across world sizes through a "
+                "gpudist checkpoint"
+            )
+        for key, value in state_dict["state"].items():
+            self._state[key].copy_(value)
+        self._steps = list(state_dict["steps"])
+        if self._inner is not None:
+            self._inner.load_state_dict(state_dict["inner"])
+        for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(hyper)
+
+
+class ZeRO1Optimizer(_FlatShardOptimizer):
+    """ZeRO stage 1: each rank keeps the optimizer state of one contiguous 1/N range of the flat parameters.
+
+    Shards: optimizer state (and the fp32 master copy for low-precision parameters). Communicates: the
+    gradients' average (the model's all-reduce, or a reduce-scatter when used with a plain module), then one
+    all-gather of the updated parameters: 2(N-1)/N x P per rank on a ring, as DDP. Adam, AdamW and SGD step
+    the owned range in one fused kernel launch per parameter group; any other torch optimizer steps views of it.
+    Use it when the optimizer state is what does not fit.
+    """
+
+    strategy = "zero1"
+
+    def owned_segments(self) -> list[tuple[int, int]]:
+        start, end = shard_range(self._flat.layout.total, self.comm.world_size, self.comm.rank)
+        return [(start, end - start)]
+
+    def _reduce_scatter_gradients(self) -> None:
+        full = torch.empty(self._flat.layout.total, dtype=self._grad.dtype, device=self._grad.device)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._flat_params]
+        kernels.pack(grads, full, scale=1.0 / self.comm.world_size)
+        self.comm.reduce_scatter(full, self._grad, ReductionOperation.SUM)
+
+    def _gather_parameters(self) -> None:
+        src = self._master.clone() if self._master_is_view else self._master.to(self._flat.data.dtype)
+        self.comm.all_gather(src, self._flat.data)

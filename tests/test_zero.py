@@ -1,0 +1,158 @@
+"""ZeRO-1 (ZeRO1Model + ZeRO1Optimizer) against single-process training and torch's ZeroRedundancyOptimizer.
+
+Same model, data and tolerance as tests/test_ddp.py (see its docstring): 10 steps on N ranks must equal one
+process on the global batch to rtol 1e-5 / atol 1e-6, except that the fused optimizer kernels on CPU run
+torch's fused CPU kernel, within atol 1e-5 of torch.optim's single-tensor path (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import ShardingConfiguration, ZeRO1Model, ZeRO1Optimizer
+from gpudist.testing import run_ranks
+
+from .test_ddp import batch, flat, fresh_net, initial_state, single_process
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+STEPS = 10
+
+OPTIMIZERS = {
+    "adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}),  # no fused kernel: the generic path over owned views
+}
+
+
+def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, config_kw=None, nan_step=None):
+    config = ShardingConfiguration(comm, **(config_kw or {}))
+    net = fresh_net(state)
+    model = ZeRO1Model(net, config) if wrap_model else net
+    cls, kw = OPTIMIZERS[opt_name]
+    opt = ZeRO1Optimizer(cls(model.parameters(), **kw), config)
+    step_bytes, skipped = [], []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        before = comm.stats.total_bytes
+        F.mse_loss(model(x), y).backward()
+        if step == nan_step and comm.rank == comm.world_size - 1:
+            # One rank's gradient goes bad: the last element, which the last rank owns.
+            list(net.parameters())[-1].grad[-1] = float("nan")
+        opt.step()
+        opt.zero_grad()
+        step_bytes.append(comm.stats.total_bytes - before)
+        skipped.append(opt.last_step_skipped)
+    meta = model.get_model_metadata() if wrap_model else None
+    return {"params": flat(net), "bytes": step_bytes, "meta": meta, "skipped": skipped,
+            "state_bytes": opt.state_bytes()}  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
+                                                ("gloo", 2), ("gloo", 3)])  # fmt: skip
+@pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
+def test_zero1_matches_single_process(backend, world, opt_name):
+    """Catches a wrong owned range (an element updated twice or never), optimizer state applied to another rank's
+    range, a missing or partial all-gather, and uneven shards (111 parameters over 2-4 ranks) mis-sized."""
+    state = initial_state()
+    cls, kw = OPTIMIZERS[opt_name]
+    results = run_ranks(train_zero1, world, backend, state=state, opt_name=opt_name)
+    expected = single_process(state, cls, **kw)
+    for r in results:
+        torch.testing.assert_close(r["params"], expected, **TOL)
+        assert torch.equal(r["params"], results[0]["params"]), "replicas differ"
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd", "rmsprop"])
+def test_zero1_with_plain_module_and_any_optimizer(opt_name):
+    """Catches the plain-module path (the optimizer reduce-scatters the gradients itself) and the generic path for
+    optimizers without a fused kernel diverging from single-process training."""
+    state = initial_state()
+    cls, kw = OPTIMIZERS[opt_name]
+    results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name=opt_name, wrap_model=False)
+    expected = single_process(state, cls, **kw)
+    for r in results:
+        torch.testing.assert_close(r["params"], expected, **TOL)
+
+
+def train_torch_zero(comm, state, steps=STEPS):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = fresh_net(state)
+    model = DistributedDataParallel(net)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(net)
+
+
+def test_zero1_matches_torch_zero_redundancy_optimizer():
+    """Catches drift from PyTorch's own ZeRO-1 (ZeroRedundancyOptimizer over DDP) on the same Gloo ranks."""
+    state = initial_state()
+    ours = run_ranks(train_zero1, 2, "gloo", state=state)
+    theirs = run_ranks(train_torch_zero, 2, "gloo", state=state)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a["params"], b, **TOL)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_zero1_memory_and_bytes_follow_the_formulas(world):
+    """Catches optimizer state that is not actually split (K*P per rank instead of K*P/N) and extra traffic:
+    per step one all-reduce of P plus one all-gather of P (payload bytes as the backend counts them)."""
+    state = initial_state()
+    n_params = sum(t.numel() for t in state.values())
+    results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2)
+    for rank, r in enumerate(results):
+        owned = gpudist.comm.split_sizes(n_params, world)[rank]
+        assert r["state_bytes"] == 2 * owned * 4  # Adam: exp_avg + exp_avg_sq of the owned range, fp32
+        memory = r["meta"]["memory_per_rank"]
+        assert memory["parameters"] == memory["gradients"] == n_params * 4
+        assert memory["optimizer_state"] == 2 * owned * 4
+        assert r["bytes"] == [2 * n_params * 4 + 8] * 2  # all-reduce P, all-gather P, the 8-byte norm all-reduce
+
+
+def test_zero1_clipping_matches_clip_grad_norm():
+    """Catches a per-shard norm (each rank clipping by its own slice's norm) instead of the global norm."""
+    state = initial_state()
+    results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name="sgd", config_kw={"max_grad_norm": 0.05})
+    net = fresh_net(state)
+    cls, kw = OPTIMIZERS["sgd"]
+    opt = cls(net.parameters(), **kw)
+    for step in range(STEPS):
+        x, y = batch(step)
+        F.mse_loss(net(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        torch.testing.assert_close(r["params"], flat(net), **TOL)
+
+
+def test_zero1_nonfinite_gradient_skips_on_every_rank():
+    """Catches a NaN on one rank corrupting the owner's shard, or only some ranks skipping (replicas diverge):
+    the bad step changes nothing anywhere, and the next step trains normally."""
+    state = initial_state()
+    for wrap_model in (False, True):
+        results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="sgd", steps=1, nan_step=0,
+                            wrap_model=wrap_model)  # fmt: skip
+        for r in results:
+            assert r["skipped"] == [True] and torch.equal(r["params"], flat(fresh_net(state)))
+    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="sgd", steps=2, nan_step=0)
+    for r in results:
+        assert r["skipped"] == [True, False] and torch.isfinite(r["params"]).all()
+        assert torch.equal(r["params"], results[0]["params"])
+
+
+def test_zero1_rejects_mixed_dtypes():
+    """Catches a flat buffer silently mixing dtypes."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero-dtype")
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16())
+    with pytest.raises(ValueError, match="one dtype and device"):
+        ZeRO1Optimizer(torch.optim.Adam(net.parameters()), ShardingConfiguration(comm))
