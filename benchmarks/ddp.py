@@ -14,8 +14,6 @@ gpudist's counters against the ring formula 2(N-1)/N x parameter bytes. The resu
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpudist
-from gpudist.bench import environment
+from gpudist.bench import environment, interleaved_times
 from gpudist.fileio import atomic_write_json
 from gpudist.launch import spawn
 
@@ -36,13 +34,6 @@ def make_model(width: int, depth: int) -> nn.Module:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-def _timed(fn, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - start) / steps
 
 
 def bench_rank(comm, width: int, depth: int, batch: int, steps: int, rounds: int, bucket_mb: float) -> dict:
@@ -74,21 +65,10 @@ def bench_rank(comm, width: int, depth: int, batch: int, steps: int, rounds: int
 
     variants = {"gpudist": lambda: step(ours, ours_opt), "torch": lambda: step(theirs, theirs_opt),
                 "local_step": lambda: step(local, local_opt), "allreduce_alone": allreduce_alone}  # fmt: skip
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            comm.barrier()
-            times[name].append(_timed(fn, steps))
+    slowest = interleaved_times(comm, variants, steps, rounds)
     before = comm.stats.total_bytes
     step(ours, ours_opt)
     step_bytes = comm.stats.total_bytes - before
-    slowest = {}
-    for name, ts in times.items():  # each round's slowest rank sets the pace
-        t = torch.tensor(ts, dtype=torch.float64)
-        comm.all_reduce(t, "max")
-        slowest[name] = statistics.median(t.tolist())
     return {"params": params, "seconds": slowest, "step_bytes": step_bytes,
             "buckets": len(ours.bucket_sizes())}  # fmt: skip
 

@@ -24,7 +24,8 @@ import torch
 from .comm import CommunicationBackend, split_sizes
 from .fileio import atomic_write_json
 
-__all__ = ["BUS_FACTORS", "environment", "format_table", "parse_size", "run_collectives", "sweep"]
+__all__ = ["BUS_FACTORS", "environment", "format_table", "interleaved_times", "parse_size", "run_collectives",
+           "sweep"]
 
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -110,6 +111,24 @@ def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
         variants["gpudist_nocheck"] = unchecked
     variants["gpudist"] = ours
     return variants
+
+
+def interleaved_times(comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int,
+                      rounds: int) -> dict[str, float]:  # fmt: skip
+    """Seconds per call of each variant on every rank of ``comm``: one warm-up call each, then ``rounds`` rounds
+    in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits all alike.
+    Each round counts at its slowest rank's pace; the median round is returned."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(_slowest(comm, ts)) for name, ts in times.items()}
 
 
 def _slowest(comm: CommunicationBackend, seconds: list[float]) -> list[float]:
