@@ -17,8 +17,8 @@ from .comm import (
 )
 from .config import ShardingConfiguration
 from .launch import init
-from .models import DDPModel, ShardedModel, ZeRO1Model
-from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer, ZeRO1Optimizer
+from .models import DDPModel, ShardedModel, ZeRO1Model, ZeRO2Model
+from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
 
 try:
     __version__ = version("gpudist")
@@ -41,6 +41,8 @@ __all__ = [
     "ShardingConfiguration",
     "ZeRO1Model",
     "ZeRO1Optimizer",
+    "ZeRO2Model",
+    "ZeRO2Optimizer",
     "__version__",
     "init",
 ]

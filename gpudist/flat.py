@@ -15,7 +15,7 @@ import torch
 from .comm import shard_range
 from .kernels import FlatLayout
 
-__all__ = ["FlatBuffer", "GradientBucket", "assign_buckets", "shard_range"]
+__all__ = ["BucketPartition", "FlatBuffer", "GradientBucket", "assign_buckets", "partition_buckets", "shard_range"]
 
 
 @dataclass
@@ -53,14 +53,24 @@ class GradientBucket:
     index: int
     params: list[torch.nn.Parameter]
     names: list[str]
-    grads: FlatBuffer
-    wire: torch.Tensor
+    grads: FlatBuffer | None = None
+    wire: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
     launched: bool = False
+    part: BucketPartition | None = None
+    """ZeRO-2: where the bucket sits in the flat order and which piece of it this rank keeps."""
+    in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
+    """ZeRO-2: (sent, received) buffers of a reduce-scatter in progress."""
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
 
     @property
     def nbytes(self) -> int:
-        return self.wire.numel() * self.wire.element_size()
+        if self.wire is not None:
+            return self.wire.numel() * self.wire.element_size()
+        return sum(p.numel() * p.element_size() for p in self.params)
 
 
 def assign_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
@@ -86,3 +96,41 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_c
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class BucketPartition:
+    """A bucket as a range of the flat parameter order, and the piece of it one rank owns (ZeRO-2)."""
+
+    flat_offset: int
+    numel: int
+    owned_start: int
+    """Start of the owned piece inside the bucket (``shard_range(numel, world, rank)``)."""
+    owned_numel: int
+    owned_at: int
+    """Where the owned piece sits in the rank's owned buffer (pieces in ascending flat order)."""
+
+    @property
+    def segment(self) -> tuple[int, int]:
+        return self.flat_offset + self.owned_start, self.owned_numel
+
+
+def partition_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int,
+                      rank: int) -> list[BucketPartition]:  # fmt: skip
+    """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly over the ranks.
+
+    A ZeRO-2 model and a ZeRO-2 optimizer both derive their partition from this one function, so they agree
+    on who owns what whichever of them is built first.
+    """
+    layout = FlatLayout.of(list(params))
+    spans = []
+    for indices in assign_buckets(params, cap_bytes, first_cap_bytes):
+        first = min(indices)
+        numel = sum(layout.numels[i] for i in indices)
+        start, end = shard_range(numel, world_size, rank)
+        spans.append((layout.offsets[first], numel, start, end - start))
+    owned_at, at = {}, 0
+    for offset, _, _, owned in sorted(spans):
+        owned_at[offset] = at
+        at += owned
+    return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]

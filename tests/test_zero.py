@@ -1,4 +1,4 @@
-"""ZeRO-1 (ZeRO1Model + ZeRO1Optimizer) against single-process training and torch's ZeroRedundancyOptimizer.
+"""ZeRO-1 and ZeRO-2 (model + optimizer pairs) against single-process training and torch's ZeroRedundancyOptimizer.
 
 Same model, data and tolerance as tests/test_ddp.py (see its docstring): 10 steps on N ranks must equal one
 process on the global batch to rtol 1e-5 / atol 1e-6, except that the fused optimizer kernels on CPU run
@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 import gpudist
-from gpudist import ShardingConfiguration, ZeRO1Model, ZeRO1Optimizer
+from gpudist import ShardingConfiguration, ZeRO1Model, ZeRO1Optimizer, ZeRO2Model, ZeRO2Optimizer
 from gpudist.testing import run_ranks
 
 from .test_ddp import batch, flat, fresh_net, initial_state, single_process
@@ -28,12 +28,17 @@ OPTIMIZERS = {
 }
 
 
-def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, config_kw=None, nan_step=None):
+STAGES = {1: (ZeRO1Model, ZeRO1Optimizer), 2: (ZeRO2Model, ZeRO2Optimizer)}
+SMALL_BUCKETS = {"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001}  # ~200 B: several uneven buckets
+
+
+def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, config_kw=None, nan_step=None, stage=1):
     config = ShardingConfiguration(comm, **(config_kw or {}))
     net = fresh_net(state)
-    model = ZeRO1Model(net, config) if wrap_model else net
+    model_cls, opt_cls = STAGES[stage]
+    model = model_cls(net, config) if wrap_model else net
     cls, kw = OPTIMIZERS[opt_name]
-    opt = ZeRO1Optimizer(cls(model.parameters(), **kw), config)
+    opt = opt_cls(cls(model.parameters(), **kw), config)
     step_bytes, skipped = [], []
     for step in range(steps):
         x, y = batch(step, comm.rank, comm.world_size)
@@ -54,12 +59,16 @@ def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, conf
 @pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
                                                 ("gloo", 2), ("gloo", 3)])  # fmt: skip
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
-def test_zero1_matches_single_process(backend, world, opt_name):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_matches_single_process(backend, world, opt_name, stage):
     """Catches a wrong owned range (an element updated twice or never), optimizer state applied to another rank's
-    range, a missing or partial all-gather, and uneven shards (111 parameters over 2-4 ranks) mis-sized."""
+    range, a missing or partial all-gather, uneven shards (111 parameters over 2-4 ranks) mis-sized, and for
+    ZeRO-2 a bucket piece reduce-scattered to the wrong owner or stepped at the wrong flat offset (small buckets:
+    several per model, each split unevenly)."""
     state = initial_state()
     cls, kw = OPTIMIZERS[opt_name]
-    results = run_ranks(train_zero1, world, backend, state=state, opt_name=opt_name)
+    results = run_ranks(train_zero1, world, backend, state=state, opt_name=opt_name, stage=stage,
+                        config_kw=SMALL_BUCKETS)  # fmt: skip
     expected = single_process(state, cls, **kw)
     for r in results:
         torch.testing.assert_close(r["params"], expected, **TOL)
@@ -67,12 +76,15 @@ def test_zero1_matches_single_process(backend, world, opt_name):
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "sgd", "rmsprop"])
-def test_zero1_with_plain_module_and_any_optimizer(opt_name):
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("wrap_model", [False, True])
+def test_zero_with_plain_module_and_any_optimizer(opt_name, stage, wrap_model):
     """Catches the plain-module path (the optimizer reduce-scatters the gradients itself) and the generic path for
     optimizers without a fused kernel diverging from single-process training."""
     state = initial_state()
     cls, kw = OPTIMIZERS[opt_name]
-    results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name=opt_name, wrap_model=False)
+    results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name=opt_name, wrap_model=wrap_model,
+                        stage=stage, config_kw=SMALL_BUCKETS)  # fmt: skip
     expected = single_process(state, cls, **kw)
     for r in results:
         torch.testing.assert_close(r["params"], expected, **TOL)
@@ -156,3 +168,22 @@ def test_zero1_rejects_mixed_dtypes():
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16())
     with pytest.raises(ValueError, match="one dtype and device"):
         ZeRO1Optimizer(torch.optim.Adam(net.parameters()), ShardingConfiguration(comm))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_zero2_memory_and_bytes_follow_the_formulas(world):
+    """Catches full gradients kept alive after their reduce-scatter (P per rank instead of P/N), optimizer state
+    not split, and extra traffic: per step one reduce-scatter of P plus one all-gather of P."""
+    state = initial_state()
+    n_params = sum(t.numel() for t in state.values())
+    results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2, stage=2, config_kw=SMALL_BUCKETS)
+    for r in results:
+        memory = r["meta"]["memory_per_rank"]
+        owned = memory["gradients"] // 4  # after the step only the owned pieces remain: no param.grad alive
+        assert n_params / world - 8 <= owned <= n_params / world + 8  # one even split per bucket (< 8 buckets)
+        assert memory["parameters"] == n_params * 4
+        # Adam: exp_avg + exp_avg_sq + the contiguous fp32 master of the owned pieces (several buckets)
+        assert r["state_bytes"] == memory["optimizer_state"] == 3 * owned * 4
+        # reduce-scatter counts its input (P), all-gather its output (P), plus the 8-byte norm all-reduce
+        assert r["bytes"] == [2 * n_params * 4 + 8] * 2
+    assert sum(r["meta"]["memory_per_rank"]["gradients"] for r in results) == n_params * 4

@@ -2,6 +2,6 @@
 
 from .base import ShardedModel
 from .ddp import DDPModel
-from .zero import ZeRO1Model
+from .zero import ZeRO1Model, ZeRO2Model
 
-__all__ = ["DDPModel", "ShardedModel", "ZeRO1Model"]
+__all__ = ["DDPModel", "ShardedModel", "ZeRO1Model", "ZeRO2Model"]

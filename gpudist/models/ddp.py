@@ -58,21 +58,30 @@ class DDPModel(ShardedModel):
         self._buckets: list[GradientBucket] = []
         self._slot: dict[int, tuple[GradientBucket, int]] = {}
         for b, indices in enumerate(groups):
-            params = [self._params[i] for i in indices]
-            grads = FlatBuffer.empty_like(params)
-            wire_dtype = config.communication_dtype or grads.data.dtype
-            wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
-            bucket = GradientBucket(b, params, [named[i][0] for i in indices], grads, wire)
+            indices = sorted(indices)  # parameter order inside a bucket: its gradients are one range of the flat order
+            bucket = self._make_bucket(b, [self._params[i] for i in indices], [named[i][0] for i in indices])
             self._buckets.append(bucket)
-            for j, p in enumerate(params):
+            for j, p in enumerate(bucket.params):
                 self._slot[id(p)] = (bucket, j)
-                if config.gradient_as_bucket_view:
-                    p.grad = grads.views()[j]
         self._sync = True
         self._next_bucket = 0
         self._pending: list[tuple[GradientBucket, object]] = []
         self._callback_queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    @property
+    def _views(self) -> bool:
+        """Whether ``param.grad`` are views into persistent bucket buffers."""
+        return self.config.gradient_as_bucket_view
+
+    def _make_bucket(self, index: int, params: list[torch.nn.Parameter], names: list[str]) -> GradientBucket:
+        grads = FlatBuffer.empty_like(params)
+        wire_dtype = self.config.communication_dtype or grads.data.dtype
+        wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
+        if self._views:
+            for p, view in zip(params, grads.views(), strict=True):
+                p.grad = view
+        return GradientBucket(index, params, names, grads, wire)
 
     def _check_same_model(self) -> None:
         """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
@@ -119,7 +128,7 @@ class DDPModel(ShardedModel):
         if not self._sync:
             return
         bucket, j = self._slot[id(param)]
-        if self.config.gradient_as_bucket_view:
+        if self._views:
             view = self._view(bucket, j)
             if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
                 # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in.
@@ -144,9 +153,8 @@ class DDPModel(ShardedModel):
 
     def _launch(self, bucket: GradientBucket) -> None:
         n = self.world_size
-        if not self.config.gradient_as_bucket_view:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-            kernels.pack(grads, bucket.grads.data)
+        if not self._views:
+            kernels.pack(self._grads_of(bucket), bucket.grads.data)
         if bucket.wire is bucket.grads.data:
             op, wire = ReductionOperation.AVERAGE, bucket.wire
         else:  # low-precision wire: cast and pre-divide by N in one pass, sum, widen back after
@@ -157,6 +165,13 @@ class DDPModel(ShardedModel):
         bucket.launched = True
         self._pending.append((bucket, work))
 
+    def _after_reduce(self, bucket: GradientBucket) -> None:
+        """Runs once the bucket's collective completed: put the result where the gradients live."""
+        if bucket.wire is not bucket.grads.data:
+            bucket.grads.data.copy_(bucket.wire)
+        if not self._views:
+            kernels.unpack(bucket.grads.data, self._grads_of(bucket))
+
     def _finish_backward(self) -> None:
         """Runs once at the end of backward (autograd callback): reduce what is left, wait, write gradients back."""
         self._callback_queued = False
@@ -165,10 +180,7 @@ class DDPModel(ShardedModel):
             self._launch_ready_buckets()
             for bucket, work in self._pending:
                 work.wait()
-                if bucket.wire is not bucket.grads.data:
-                    bucket.grads.data.copy_(bucket.wire)
-                if not self.config.gradient_as_bucket_view:
-                    kernels.unpack(bucket.grads.data, self._grads_of(bucket))
+                self._after_reduce(bucket)
         finally:
             self._reset_step()
         self._mark_step_bytes()
@@ -192,14 +204,13 @@ class DDPModel(ShardedModel):
                 "that are never used"
             )
         for bucket, j in missing:  # unused here: contribute zeros (other ranks may have used them)
-            view = self._view(bucket, j)
-            view.zero_()
             param = bucket.params[j]
-            if self.config.gradient_as_bucket_view:
-                param.grad = view
-            elif param.grad is not None:
-                param.grad.zero_()
-            bucket.ready.add(j)
+            if self._views:
+                view = self._view(bucket, j)
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    view.zero_()  # stale since zero_grad(set_to_none=True); no_sync sums in a live view are kept
+                    param.grad = view
+            bucket.ready.add(j)  # without views, _launch packs a missing gradient as zeros
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:
@@ -214,13 +225,13 @@ class DDPModel(ShardedModel):
         synced backward (e.g. after the last ``no_sync`` micro-batch without a final synced one)."""
         for p in self._params:
             bucket, j = self._slot[id(p)]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.config.gradient_as_bucket_view:
+            if self._views:
                 view = self._view(bucket, j)
-                if p.grad.data_ptr() != view.data_ptr():
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
-                    p.grad = view
+                p.grad = view
             bucket.ready.add(j)
         self._launch_ready_buckets()
         self._finish_backward()
@@ -229,7 +240,7 @@ class DDPModel(ShardedModel):
         """Zero all gradients in place, keeping ``param.grad`` as views into the buckets."""
         for bucket in self._buckets:
             bucket.grads.data.zero_()
-            if self.config.gradient_as_bucket_view:
+            if self._views:
                 for p, view in zip(bucket.params, bucket.grads.views(), strict=True):
                     p.grad = view
             else:
@@ -245,7 +256,7 @@ class DDPModel(ShardedModel):
         mem = super().memory_per_rank()
         wires = sum(b.wire.numel() * b.wire.element_size() for b in self._buckets if b.wire is not b.grads.data)
         buckets = sum(b.grads.data.numel() * b.grads.data.element_size() for b in self._buckets)
-        mem["gradients"] = buckets if self.config.gradient_as_bucket_view else mem["gradients"] + buckets
+        mem["gradients"] = buckets if self._views else mem["gradients"] + buckets
         mem["communication_buffers"] = wires
         return mem
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
+from .. import kernels
+from ..comm import ReductionOperation
+from ..flat import GradientBucket, partition_buckets
+from .base import ShardedModel
 from .ddp import DDPModel
 
-__all__ = ["ZeRO1Model"]
+__all__ = ["ZeRO1Model", "ZeRO2Model"]
 
 
 class ZeRO1Model(DDPModel):
@@ -14,3 +20,75 @@ class ZeRO1Model(DDPModel):
     and all-gathers the updated parameters."""
 
     strategy = "zero1"
+
+
+class ZeRO2Model(DDPModel):
+    """ZeRO stage 2, model side: parameters replicated, gradients reduce-scattered bucket by bucket during
+    backward, and each rank keeps only its piece of every bucket (1/N of the gradients, ``owned_grads``).
+
+    A bucket's full gradients live only until its reduce-scatter starts; then ``param.grad`` is released.
+    Communicates ``(N-1)/N x P`` per step for the gradients (the optimizer's all-gather adds the same again).
+    Pair it with :class:`gpudist.ZeRO2Optimizer` built from the same configuration; it steps the owned pieces.
+    """
+
+    strategy = "zero2"
+
+    @property
+    def _views(self) -> bool:
+        return False  # full gradients do not persist: that is the memory ZeRO-2 saves
+
+    def initialize_sharding(self) -> None:
+        kinds = {(p.dtype, p.device) for p in self.module.parameters() if p.requires_grad}
+        if len(kinds) > 1:
+            raise ValueError(f"ZeRO2Model needs all trainable parameters in one dtype and device, got "
+                             f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())")  # fmt: skip
+        super().initialize_sharding()
+        config = self.config
+        parts = partition_buckets(self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True),
+                                  self.world_size, self.rank)  # fmt: skip
+        for bucket, part in zip(self._buckets, parts, strict=True):
+            bucket.part = part
+        first = self._params[0] if self._params else None
+        owned = sum(part.owned_numel for part in parts)
+        self.owned_grads = torch.zeros(owned, dtype=first.dtype if first is not None else torch.float32,
+                                       device=first.device if first is not None else "cpu")  # fmt: skip
+        self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
+
+    def _make_bucket(self, index, params, names) -> GradientBucket:
+        return GradientBucket(index, params, names)
+
+    def owned_segments(self) -> list[tuple[int, int]]:
+        """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order)."""
+        return sorted(b.part.segment for b in self._buckets)
+
+    def _launch(self, bucket: GradientBucket) -> None:
+        sent = torch.empty(bucket.numel, dtype=self._wire_dtype, device=self.owned_grads.device)
+        kernels.pack(self._grads_of(bucket), sent, scale=1.0 / self.world_size)
+        for p in bucket.params:
+            p.grad = None  # the full gradient is in the bucket now; free it
+        received = torch.empty(bucket.part.owned_numel, dtype=self._wire_dtype, device=sent.device)
+        with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
+            work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
+        bucket.in_flight = (sent, received)
+        bucket.launched = True
+        self._pending.append((bucket, work))
+
+    def _after_reduce(self, bucket: GradientBucket) -> None:
+        _, received = bucket.in_flight
+        part = bucket.part
+        # Accumulate: several synced backward passes before a step add up, as plain gradients do.
+        self.owned_grads[part.owned_at : part.owned_at + part.owned_numel].add_(received)
+        bucket.in_flight = None
+
+    def zero_grad_buckets(self) -> None:
+        self.owned_grads.zero_()
+        for p in self._params:
+            p.grad = None
+
+    def bucket_sizes(self) -> list[int]:
+        return [b.nbytes for b in self._buckets]
+
+    def memory_per_rank(self) -> dict[str, int]:
+        mem = ShardedModel.memory_per_rank(self)
+        mem["gradients"] += self.owned_grads.numel() * self.owned_grads.element_size()
+        return mem

@@ -2,6 +2,6 @@
 
 from .base import OptimizationResult, ShardedOptimizer
 from .ddp import DDPOptimizer
-from .zero import ZeRO1Optimizer
+from .zero import ZeRO1Optimizer, ZeRO2Optimizer
 
-__all__ = ["DDPOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer"]
+__all__ = ["DDPOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer"]

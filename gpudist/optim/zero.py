@@ -18,10 +18,10 @@ from torch import nn
 from .. import kernels
 from ..comm import ReductionOperation, shard_range
 from ..config import ShardingConfiguration
-from ..flat import FlatBuffer
+from ..flat import FlatBuffer, partition_buckets
 from .base import ShardedOptimizer
 
-__all__ = ["ZeRO1Optimizer"]
+__all__ = ["ZeRO1Optimizer", "ZeRO2Optimizer"]
 
 _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 
@@ -276,3 +276,52 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
     def _gather_parameters(self) -> None:
         src = self._master.clone() if self._master_is_view else self._master.to(self._flat.data.dtype)
         self.comm.all_gather(src, self._flat.data)
+
+
+class ZeRO2Optimizer(_FlatShardOptimizer):
+    """ZeRO stage 2: each rank keeps 1/N of the gradients and of the optimizer state, as one even piece of every
+    gradient bucket, and updates only those pieces.
+
+    With :class:`gpudist.ZeRO2Model` the gradients arrive already reduce-scattered (during backward). With a
+    plain module, ``step`` reduce-scatters them bucket by bucket itself. Then it updates the owned pieces in
+    one fused launch per parameter group, and all-gathers each bucket's updated parameters:
+    ``2 (N-1)/N x P`` per rank per step, as DDP, with (2 + K) P / N less memory for gradients and state.
+    The optimizer's parameters must be the model's trainable parameters in the model's order.
+    """
+
+    strategy = "zero2"
+
+    def owned_segments(self) -> list[tuple[int, int]]:
+        self._parts = partition_buckets(self._flat_params, self.config.bucket_cap_bytes(),
+                                        self.config.bucket_cap_bytes(first=True), self.comm.world_size,
+                                        self.comm.rank)  # fmt: skip
+        return sorted(part.segment for part in self._parts)
+
+    def reduce_gradients(self) -> None:
+        model = self.model()
+        if model is None:
+            self._reduce_scatter_gradients()
+            return
+        owned = getattr(model, "owned_grads", None)
+        if owned is None or [id(p) for p in model._params] != [id(p) for p in self._flat_params]:
+            raise ValueError(
+                "ZeRO2Optimizer pairs with a ZeRO2Model whose trainable parameters are the optimizer's, in the "
+                f"model's parameters() order; got {type(model).__name__} with a different parameter list/order"
+            )
+        self._grad = owned  # the model's reduce-scattered pieces, same order: step them in place, no copy
+
+    def _reduce_scatter_gradients(self) -> None:
+        n = self.comm.world_size
+        for part in self._parts:
+            views = self._grad_views_for(part.flat_offset, part.numel)
+            sent = torch.empty(part.numel, dtype=self._grad.dtype, device=self._grad.device)
+            kernels.pack(views, sent, scale=1.0 / n)
+            self.comm.reduce_scatter(sent, self._grad[part.owned_at : part.owned_at + part.owned_numel],
+                                     ReductionOperation.SUM)  # fmt: skip
+
+    def _gather_parameters(self) -> None:
+        dtype = self._flat.data.dtype
+        for part in self._parts:
+            piece = self._master[part.owned_at : part.owned_at + part.owned_numel]
+            src = piece.clone() if self._master_is_view else piece.to(dtype)
+            self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
