@@ -114,11 +114,11 @@ def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
 
 
 def interleaved_times(comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int,
-                      rounds: int) -> dict[str, float]:  # fmt: skip
+                      rounds: int, warmup: bool = True) -> dict[str, float]:  # fmt: skip
     """Seconds per call of each variant on every rank of ``comm``: one warm-up call each, then ``rounds`` rounds
     in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits all alike.
     Each round counts at its slowest rank's pace; the median round is returned."""
-    for fn in variants.values():
+    for fn in variants.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
@@ -172,19 +172,10 @@ def sweep(
             variants["gpudist"]()
             once = _slowest(comm, [time.perf_counter() - start])[0]
             iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
-            per_round: dict[str, list[float]] = {name: [] for name in variants}
-            for _ in range(rounds):
-                for name, fn in variants.items():
-                    comm.barrier()
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    per_round[name].append((time.perf_counter() - start) / iters)
+            seconds = interleaved_times(comm, variants, iters, rounds, warmup=False)
             row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters,
                    "rounds": rounds}
-            for name, times in per_round.items():
-                slowest = _slowest(comm, times)
-                row[f"{name}_s"] = statistics.median(slowest)
+            row.update({f"{name}_s": t for name, t in seconds.items()})
             rows.append(row)
         size *= factor
     for row in rows:

@@ -13,9 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import shard_range
-from .kernels import FlatLayout
+from .kernels import FlatLayout, pack, unpack
+from .kernels.bucket import FLOAT_DTYPES
 
-__all__ = ["BucketPartition", "FlatBuffer", "GradientBucket", "assign_buckets", "partition_buckets", "shard_range"]
+__all__ = [
+    "BucketPartition",
+    "FlatBuffer",
+    "GradientBucket",
+    "assign_buckets",
+    "broadcast_tensors",
+    "partition_buckets",
+    "shard_range",
+]
 
 
 @dataclass
@@ -56,7 +65,6 @@ class GradientBucket:
     grads: FlatBuffer | None = None
     wire: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
-    launched: bool = False
     part: BucketPartition | None = None
     """ZeRO-2: where the bucket sits in the flat order and which piece of it this rank keeps."""
     in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -134,3 +142,23 @@ def partition_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, firs
         owned_at[offset] = at
         at += owned
     return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]
+
+
+def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per dtype through a flat buffer."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            if dtype in FLOAT_DTYPES:
+                flat = FlatBuffer.empty_like(group, zero=False)
+                pack(group, flat.data)
+                comm.broadcast(flat.data, src)
+                unpack(flat.data, group)
+            else:  # integer buffers (BatchNorm's num_batches_tracked): plain cat and copy back
+                data = torch.cat([t.reshape(-1) for t in group])
+                comm.broadcast(data, src)
+                for t, piece in zip(group, data.split([t.numel() for t in group]), strict=True):
+                    t.copy_(piece.view_as(t))

@@ -9,30 +9,10 @@ import torch
 
 from .. import kernels
 from ..comm import ReductionOperation
-from ..flat import FlatBuffer, GradientBucket, assign_buckets
+from ..flat import FlatBuffer, GradientBucket, assign_buckets, broadcast_tensors
 from .base import ShardedModel, model_fingerprint
 
-__all__ = ["DDPModel", "broadcast_tensors"]
-
-
-def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per dtype through a flat buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for dtype, group in by_dtype.items():
-            if dtype in kernels.bucket.FLOAT_DTYPES:
-                flat = FlatBuffer.empty_like(group, zero=False)
-                kernels.pack(group, flat.data)
-                comm.broadcast(flat.data, src)
-                kernels.unpack(flat.data, group)
-            else:  # integer buffers (BatchNorm's num_batches_tracked): plain cat and copy back
-                data = torch.cat([t.reshape(-1) for t in group])
-                comm.broadcast(data, src)
-                for t, piece in zip(group, data.split([t.numel() for t in group]), strict=True):
-                    t.copy_(piece.view_as(t))
+__all__ = ["DDPModel"]
 
 
 class DDPModel(ShardedModel):
@@ -162,7 +142,6 @@ class DDPModel(ShardedModel):
             op, wire = ReductionOperation.SUM, bucket.wire
         with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
             work = self.comm.all_reduce(wire, op, async_op=True)
-        bucket.launched = True
         self._pending.append((bucket, work))
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
@@ -215,7 +194,6 @@ class DDPModel(ShardedModel):
     def _reset_step(self) -> None:
         for bucket in self._buckets:
             bucket.ready.clear()
-            bucket.launched = False
         self._pending = []
         self._next_bucket = 0
         self._callback_queued = False

@@ -70,7 +70,6 @@ class ZeRO2Model(DDPModel):
         with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
             work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
         bucket.in_flight = (sent, received)
-        bucket.launched = True
         self._pending.append((bucket, work))
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
@@ -84,9 +83,6 @@ class ZeRO2Model(DDPModel):
         self.owned_grads.zero_()
         for p in self._params:
             p.grad = None
-
-    def bucket_sizes(self) -> list[int]:
-        return [b.nbytes for b in self._buckets]
 
     def memory_per_rank(self) -> dict[str, int]:
         mem = ShardedModel.memory_per_rank(self)

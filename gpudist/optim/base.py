@@ -21,8 +21,8 @@ from safetensors.torch import save as st_save
 
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
+from ..flat import broadcast_tensors
 from ..models.base import ShardedModel
-from ..models.ddp import broadcast_tensors
 
 __all__ = ["OptimizationResult", "ShardedOptimizer"]
 
