@@ -17,8 +17,15 @@ from .comm import (
 )
 from .config import ShardingConfiguration
 from .launch import init
-from .models import DDPModel, ShardedModel, ZeRO1Model, ZeRO2Model
-from .optim import DDPOptimizer, OptimizationResult, ShardedOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
+from .models import DDPModel, FSDPModel, ShardedModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from .optim import (
+    DDPOptimizer,
+    OptimizationResult,
+    ShardedOptimizer,
+    ZeRO1Optimizer,
+    ZeRO2Optimizer,
+    ZeRO3Optimizer,
+)
 
 try:
     __version__ = version("gpudist")
@@ -32,6 +39,7 @@ __all__ = [
     "CommunicationTimeoutError",
     "DDPModel",
     "DDPOptimizer",
+    "FSDPModel",
     "GlooCommunicationBackend",
     "InMemoryCommunicationBackend",
     "OptimizationResult",
@@ -43,6 +51,8 @@ __all__ = [
     "ZeRO1Optimizer",
     "ZeRO2Model",
     "ZeRO2Optimizer",
+    "ZeRO3Model",
+    "ZeRO3Optimizer",
     "__version__",
     "init",
 ]

@@ -3,5 +3,6 @@
 from .base import ShardedModel
 from .ddp import DDPModel
 from .zero import ZeRO1Model, ZeRO2Model
+from .zero3 import FSDPModel, ZeRO3Model
 
-__all__ = ["DDPModel", "ShardedModel", "ZeRO1Model", "ZeRO2Model"]
+__all__ = ["DDPModel", "FSDPModel", "ShardedModel", "ZeRO1Model", "ZeRO2Model", "ZeRO3Model"]

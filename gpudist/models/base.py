@@ -21,6 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
 
@@ -123,6 +124,17 @@ class ShardedModel(nn.Module):
             optimizer.step()
             optimizer.zero_grad()
         return float(loss.detach())
+
+    def _check_same_model(self) -> None:
+        """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
+        mine = model_fingerprint(self.module)
+        seen = torch.tensor([mine, -mine], dtype=torch.int64)
+        self.comm.all_reduce(seen, ReductionOperation.MAX)
+        if seen[0].item() != mine or -seen[1].item() != mine:
+            raise ValueError(
+                f"{type(self).__name__}: rank {self.rank} wraps a module whose parameter names/shapes/dtypes differ "
+                "from another rank's; every rank must build the same model before wrapping it"
+            )
 
     def _mark_step_bytes(self) -> None:
         """Record the bytes communicated since the last mark as this step's (called when a step's sync ends)."""

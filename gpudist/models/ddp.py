@@ -10,7 +10,7 @@ import torch
 from .. import kernels
 from ..comm import ReductionOperation
 from ..flat import FlatBuffer, GradientBucket, assign_buckets, broadcast_tensors
-from .base import ShardedModel, model_fingerprint
+from .base import ShardedModel
 
 __all__ = ["DDPModel"]
 
@@ -62,17 +62,6 @@ class DDPModel(ShardedModel):
             for p, view in zip(params, grads.views(), strict=True):
                 p.grad = view
         return GradientBucket(index, params, names, grads, wire)
-
-    def _check_same_model(self) -> None:
-        """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
-        mine = model_fingerprint(self.module)
-        seen = torch.tensor([mine, -mine], dtype=torch.int64)
-        self.comm.all_reduce(seen, ReductionOperation.MAX)
-        if seen[0].item() != mine or -seen[1].item() != mine:
-            raise ValueError(
-                f"DDPModel: rank {self.rank} wraps a module whose parameter names/shapes/dtypes differ from another "
-                "rank's; every rank must build the same model before wrapping it"
-            )
 
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids

@@ -2,6 +2,7 @@
 
 from .base import OptimizationResult, ShardedOptimizer
 from .ddp import DDPOptimizer
-from .zero import ZeRO1Optimizer, ZeRO2Optimizer
+from .zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-__all__ = ["DDPOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer"]
+__all__ = ["DDPOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer",
+           "ZeRO3Optimizer"]

@@ -1,0 +1,493 @@
+"""ZeRO-3 / FSDP: every rank stores 1/N of the parameters; each unit's parameters are gathered just in time.
+
+The wrapped module is cut into *units* (chosen submodules; the root holds whatever no unit claims). A unit's
+parameters live as one flat vector per (dtype, trainable) kind, and each rank stores only its range of it
+(``shard_range``), as an ``nn.Parameter`` of this wrapper: that is what ``model.parameters()`` yields and what
+the optimizer steps. Around each unit's forward the full vector is all-gathered and the module's parameter
+attributes become views of it; after the forward it is dropped. Autograd saves those views for backward:
+a saved-tensor hook records *where* in the unit they point instead of keeping the memory, and backward
+all-gathers the unit again when it first needs them. When all of a unit's gradients are in, one
+reduce-scatter leaves each rank the average of its range, accumulated into the shard's ``.grad``. While a
+unit computes, the next one (in the order the last forward used them; reversed in backward) is already
+being gathered.
+
+Per step and rank: two all-gathers and one reduce-scatter of P (``3 (N-1)/N x P`` on a ring); memory P/N for
+parameters, gradients and optimizer state, plus the largest unit or two in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..comm import ReductionOperation, shard_range
+from ..flat import broadcast_tensors
+from .base import ShardedModel
+
+__all__ = ["FSDPModel", "ZeRO3Model"]
+
+UnitSpec = Iterable[str | nn.Module] | Callable[[str, nn.Module], bool] | tuple[type, ...] | type | None
+
+
+@dataclass(eq=False)
+class _Group:
+    """One flat vector of a unit: parameters of one dtype/device/trainability, sharded over the ranks."""
+
+    index: int
+    unit: str
+    names: list[str]
+    """Every name each parameter is known by (tied parameters have several), joined by ','."""
+    places: list[list[tuple[nn.Module, str]]]
+    shapes: list[torch.Size]
+    numels: list[int]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    start: int
+    end: int
+    shard: nn.Parameter
+    full: torch.Tensor | None = None
+    gathering: object | None = None
+    """A prefetch in flight (the backend's async handle) filling ``full``."""
+    grad_full: torch.Tensor | None = None
+    """Deferred mode: this backward's full gradient, reduced in the end-of-backward callback."""
+    used: bool = False
+    reduced: bool = False
+    offsets: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+
+class _SavedParam:
+    """What autograd keeps for a saved view of a gathered unit: where it points, not the memory."""
+
+    __slots__ = ("group", "offset", "size", "stride")
+
+    def __init__(self, group: _Group, t: torch.Tensor):
+        self.group, self.size, self.stride, self.offset = group, t.size(), t.stride(), t.storage_offset()
+
+
+class _Unshard(torch.autograd.Function):
+    """Gathered parameters in forward; their full gradient handed to the wrapper (reduce-scatter) in backward."""
+
+    @staticmethod
+    def forward(ctx, model: ZeRO3Model, group: _Group, shard: torch.Tensor) -> torch.Tensor:
+        ctx.model, ctx.group = model, group
+        return group.full.view_as(group.full)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        ctx.model._gradient_ready(ctx.group, grad_full)
+        return None, None, None
+
+
+class ZeRO3Model(ShardedModel):
+    """ZeRO stage 3: parameters, gradients and optimizer state all split 1/N; parameters gathered per unit.
+
+    ``units`` picks the submodules gathered together: module names or objects, module classes, or a predicate
+    ``(name, module) -> bool``; by default every submodule that holds parameters itself (DeepSpeed ZeRO-3's
+    granularity). Bigger units mean fewer, larger collectives and more memory in flight.
+
+    ``model.parameters()`` yields this rank's shards (1-D); build the optimizer from them and pair it with
+    :class:`gpudist.ZeRO3Optimizer` (fused Adam/AdamW/SGD over the shards, global-norm clipping), or use any
+    torch optimizer directly (then clip with :meth:`clip_grad_norm_`). Outside forward the module's parameter
+    attributes are empty; :meth:`gather_full_parameters` and :meth:`full_state_dict` give the full values.
+    Every rank must run the same units in the same order (as for FSDP).
+    """
+
+    strategy = "zero3"
+
+    def __init__(self, module: nn.Module, config, units: UnitSpec = None):
+        self._unit_spec = units
+        super().__init__(module, config)
+
+    # -- construction ---------------------------------------------------------------------------------------------
+
+    def _unit_names(self) -> list[str]:
+        spec, named = self._unit_spec, dict(self.module.named_modules())
+        if spec is None:
+            return [n for n, m in named.items() if n and any(True for _ in m.parameters(recurse=False))]
+        if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
+            return [n for n, m in named.items() if n and isinstance(m, spec)]
+        if callable(spec) and not isinstance(spec, nn.Module):
+            return [n for n, m in named.items() if n and spec(n, m)]
+        by_id = {id(m): n for n, m in named.items()}
+        names = []
+        for item in spec:
+            name = by_id.get(id(item)) if isinstance(item, nn.Module) else item
+            if name is None or name not in named or name == "":
+                raise ValueError(f"{type(self).__name__}: unit {item!r} is not a submodule of the wrapped module; "
+                                 f"pass names from module.named_modules(), e.g. {list(named)[1:4]}")  # fmt: skip
+            names.append(name)
+        return names
+
+    def initialize_sharding(self) -> None:
+        module, comm = self.module, self.comm
+        self._keys = list(module.state_dict().keys())
+        self._check_same_model()
+        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+        units = [""] + [n for n in dict.fromkeys(self._unit_names()) if n]  # the root first, then pre-order
+        modules = dict(module.named_modules())
+        unit_of: dict[int, str] = {}
+        for name in sorted(units, key=lambda n: n.count(".") + bool(n)):  # outer units first, inner ones override
+            for sub in modules[name].modules():
+                unit_of[id(sub)] = name
+        places: dict[int, list[tuple[nn.Module, str]]] = {}
+        names: dict[int, list[str]] = {}
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is not None and (mod, attr) not in places.setdefault(id(p), []):
+                    places[id(p)].append((mod, attr))
+                    names.setdefault(id(p), []).append(f"{mod_name}.{attr}" if mod_name else attr)
+        self._param_names: list[str] = []  # module.named_parameters() order (tied parameters once)
+        self._param_slot: list[tuple[_Group, int]] = []
+        keyed: dict[tuple, list[nn.Parameter]] = {}
+        params = list(module.parameters())
+        for p in params:
+            owners = {unit_of[id(m)] for m, _ in places[id(p)]}
+            unit = owners.pop() if len(owners) == 1 else ""  # shared across units: the root gathers it
+            keyed.setdefault((units.index(unit), unit, p.dtype, str(p.device), p.requires_grad), []).append(p)
+        self._groups: list[_Group] = []
+        self._unit_groups: dict[str, list[_Group]] = {u: [] for u in units}
+        slot: dict[int, tuple[_Group, int]] = {}
+        for (_, unit, dtype, _, trainable), ps in sorted(keyed.items(), key=lambda kv: kv[0][0]):
+            numels = [p.numel() for p in ps]
+            start, end = shard_range(sum(numels), self.world_size, self.rank)
+            full = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.empty(0)
+            shard = nn.Parameter(full[start:end].clone(), requires_grad=trainable)
+            group = _Group(len(self._groups), unit, [",".join(names[id(p)]) for p in ps],
+                           [places[id(p)] for p in ps], [p.shape for p in ps], numels, dtype, ps[0].device,
+                           trainable, start, end, shard)  # fmt: skip
+            at = 0
+            for j, n in enumerate(numels):
+                group.offsets.append(at)
+                slot[id(p := ps[j])] = (group, j)
+                at += n
+            self.register_parameter(f"shard_{group.index}", shard)
+            self._groups.append(group)
+            self._unit_groups[unit].append(group)
+        for p in params:
+            self._param_slot.append(slot[id(p)])
+            self._param_names.append(names[id(p)][0])
+        for group in self._groups:
+            for owners in group.places:
+                for mod, attr in owners:
+                    del mod._parameters[attr]
+            self._release(group)
+        self._shard_ids = {id(g.shard) for g in self._groups}
+        self._live: dict[int, _Group] = {}
+        self._order: list[_Group] = []  # groups in the order the last forward gathered them
+        self._seen: list[_Group] = []
+        self._pending: list[tuple[_Group, torch.Tensor, object]] = []
+        self._callback_queued = False
+        self._hooks = []
+        for name in units[1:]:
+            sub = modules[name]
+            self._hooks.append(sub.register_forward_pre_hook(lambda m, a, name=name: self._before_unit(name)))
+            self._hooks.append(sub.register_forward_hook(lambda m, a, o, name=name: self._after_unit(name)))
+        self._units = units
+
+    # -- gathering ------------------------------------------------------------------------------------------------
+
+    def _start_gather(self, group: _Group) -> None:
+        if group.full is not None or group.gathering is not None:
+            return
+        full = torch.empty(group.total, dtype=group.dtype, device=group.device)
+        group.gathering = self.comm.all_gather(group.shard.detach(), full, async_op=True)
+        group.full = full
+
+    def _gathered(self, group: _Group) -> torch.Tensor:
+        self._start_gather(group)
+        if group.gathering is not None:
+            work, group.gathering = group.gathering, None
+            work.wait()
+            self._live[group.full.untyped_storage().data_ptr()] = group
+        return group.full
+
+    def _prefetch_after(self, group: _Group, backward: bool) -> None:
+        order = self._order[::-1] if backward else self._order
+        if group in order:
+            at = order.index(group) + 1
+            if at < len(order) and (not backward or order[at].requires_grad):
+                self._start_gather(order[at])
+
+    def _release(self, group: _Group) -> None:
+        """Drop the gathered vector (memory returns once autograd's saved views are gone: they are not kept)."""
+        if group.gathering is not None:
+            group.gathering.wait()
+            group.gathering = None
+        if group.full is not None:
+            self._live.pop(group.full.untyped_storage().data_ptr(), None)
+            group.full = None
+        empty = torch.empty(0, dtype=group.dtype, device=group.device)
+        for owners in group.places:
+            for mod, attr in owners:
+                setattr(mod, attr, empty)
+
+    def _install(self, group: _Group) -> None:
+        full = self._gathered(group)
+        if group.requires_grad and torch.is_grad_enabled():
+            full = _Unshard.apply(self, group, group.shard)
+            group.used = True
+        for view, owners, shape in zip(full.split(group.numels), group.places, group.shapes, strict=True):
+            for mod, attr in owners:
+                setattr(mod, attr, view.view(shape))
+
+    def _before_unit(self, unit: str) -> None:
+        for group in self._unit_groups[unit]:
+            self._install(group)
+            if group not in self._seen:
+                self._seen.append(group)
+            self._prefetch_after(group, backward=False)
+
+    def _after_unit(self, unit: str) -> None:
+        for group in self._unit_groups[unit]:
+            self._release(group)
+
+    # -- saved tensors ------------------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            group = self._live.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, ...)
+            return t
+        if group is None or t.dtype != group.dtype:
+            return t
+        return _SavedParam(group, t)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        group = saved.group
+        fresh = group.full is None or group.gathering is not None
+        full = self._gathered(group)
+        if fresh:
+            self._prefetch_after(group, backward=True)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- forward and backward -------------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self._pending or self._callback_queued:  # a previous backward failed half way: start clean
+            self._reset()
+        self._seen = []
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            self._before_unit("")
+            try:
+                out = self.module(*args, **kwargs)
+            finally:
+                for group in self._groups:  # the root, and anything prefetched but not used
+                    self._release(group)
+        self._order = self._seen
+        return out
+
+    @property
+    def _deferred(self) -> bool:
+        return self.config.find_unused_parameters or not self.config.overlap_communication
+
+    def _gradient_ready(self, group: _Group, grad_full: torch.Tensor) -> None:
+        """Autograd has this unit's full gradient: reduce-scatter it now (or at the end of backward)."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._release(group)  # backward is done with this unit's parameters
+        if self._deferred:
+            group.grad_full = grad_full if group.grad_full is None else group.grad_full + grad_full
+            return
+        self._reduce(group, grad_full)
+
+    def _reduce(self, group: _Group, grad_full: torch.Tensor) -> None:
+        wire_dtype = self.config.communication_dtype or group.dtype
+        sent = torch.empty(group.total, dtype=wire_dtype, device=group.device)
+        kernels.pack([grad_full], sent, scale=1.0 / self.world_size)
+        received = torch.empty(group.end - group.start, dtype=wire_dtype, device=group.device)
+        work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
+        group.reduced = True
+        self._pending.append((group, received, work))
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        try:
+            if self._deferred:
+                for group in self._groups:
+                    if group.requires_grad:
+                        grad = group.grad_full
+                        if grad is None:
+                            grad = torch.zeros(group.total, dtype=group.dtype, device=group.device)
+                        self._reduce(group, grad)
+                        group.grad_full = None
+            else:
+                missed = [g for g in self._groups if g.used and not g.reduced]
+                if missed:
+                    names = [n for g in missed for n in g.names][:5]
+                    raise RuntimeError(
+                        f"{type(self).__name__}: parameters used in forward got no gradient in this backward "
+                        f"({', '.join(names)}), so ranks cannot agree on the reduce-scatters; pass "
+                        "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on them"
+                    )
+            for group, received, work in self._pending:
+                work.wait()
+                shard = group.shard
+                if shard.grad is None:
+                    shard.grad = received.to(shard.dtype)
+                else:
+                    shard.grad.add_(received)
+        finally:
+            self._reset()
+        self._mark_step_bytes()
+
+    def _reset(self) -> None:
+        for group in self._groups:
+            self._release(group)
+            group.grad_full, group.used, group.reduced = None, False, False
+        self._pending = []
+        self._callback_queued = False
+
+    def synchronize_gradients(self) -> None:
+        """Nothing to do: backward leaves every shard's ``.grad`` the global average of its range."""
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return id(param) in self._shard_ids
+
+    # -- full parameters --------------------------------------------------------------------------------------------
+
+    def _module_params(self) -> list[nn.Parameter]:
+        return [g.shard for g in self._groups]
+
+    def parameter_count(self) -> int:
+        return sum(g.total for g in self._groups)
+
+    @torch.no_grad()
+    def _full_vectors(self) -> list[torch.Tensor]:
+        out = []
+        for group in self._groups:
+            full = torch.empty(group.total, dtype=group.dtype, device=group.device)
+            self.comm.all_gather(group.shard.detach(), full)
+            out.append(full)
+        return out
+
+    def _full_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, full tensor) per parameter in the wrapped module's ``parameters()`` order (collective)."""
+        vectors = self._full_vectors()
+        out = []
+        for name, (group, j) in zip(self._param_names, self._param_slot, strict=True):
+            at = group.offsets[j]
+            out.append((name, vectors[group.index][at : at + group.numels[j]].view(group.shapes[j])))
+        return out
+
+    def gather_full_parameters(self) -> torch.Tensor:
+        params = self._full_params()
+        return torch.cat([t.reshape(-1) for _, t in params]) if params else torch.empty(0)
+
+    @torch.no_grad()
+    def set_parameters(self, flat: torch.Tensor) -> None:
+        count = self.parameter_count()
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
+            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise ValueError(f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), "
+                             f"got {shape}")  # fmt: skip
+        at = 0
+        for group, j in self._param_slot:
+            self._write_param(group, j, flat[at : at + group.numels[j]])
+            at += group.numels[j]
+
+    def _write_param(self, group: _Group, j: int, values: torch.Tensor) -> None:
+        """Copy the part of one parameter's flattened ``values`` that falls in this rank's shard."""
+        lo, hi = group.offsets[j], group.offsets[j] + group.numels[j]
+        a, b = max(lo, group.start), min(hi, group.end)
+        if a < b:
+            group.shard.data[a - group.start : b - group.start].copy_(values.reshape(-1)[a - lo : b - lo])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for names, (_, t) in zip(self._all_names(), self._full_params(), strict=True):
+            for name in names:
+                tensors[name] = t
+        tensors.update({k: v.detach() for k, v in self.module.named_buffers()})
+        return {k: tensors[k] for k in self._keys}
+
+    def _all_names(self) -> list[list[str]]:
+        return [group.names[j].split(",") for group, j in self._param_slot]
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for names, (group, j) in zip(self._all_names(), self._param_slot, strict=True):
+            self._write_param(group, j, state[names[0]])
+        for k, v in self.module.named_buffers():
+            v.copy_(state[k])
+
+    def clone(self) -> ZeRO3Model:
+        """A new wrapper (same class and units) around a copy of the module holding the current full values."""
+        twin = copy.deepcopy(self.module)
+        for sub in twin.modules():  # the copy must not call this wrapper's gathering hooks
+            for handle in self._hooks:
+                sub._forward_pre_hooks.pop(handle.id, None)
+                sub._forward_hooks.pop(handle.id, None)
+        with torch.no_grad():
+            for names, (group, _), (_, t) in zip(self._all_names(), self._param_slot, self._full_params(), strict=True):
+                param = nn.Parameter(t.clone(), requires_grad=group.requires_grad)
+                for name in names:
+                    owner, _, attr = name.rpartition(".")
+                    sub = twin.get_submodule(owner)
+                    sub.__dict__.pop(attr, None)
+                    sub.register_parameter(attr, param)
+        return type(self)(twin, self.config, self._units[1:])
+
+    # -- gradients and reports ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every shard's gradient so the global L2 norm (over all ranks) is at most ``max_norm``; returns the
+        norm before clipping (collective). For plain torch optimizers; ZeRO3Optimizer clips by itself."""
+        grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
+        total = torch.zeros(1, dtype=torch.float64)
+        for grad in grads:
+            total += kernels.squared_norm(grad).double().cpu()
+        self.comm.all_reduce(total, ReductionOperation.SUM)
+        norm = float(total.sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
+
+    def memory_per_rank(self) -> dict[str, int]:
+        mem = super().memory_per_rank()
+        gathered = sum(g.full.numel() * g.full.element_size() for g in self._groups if g.full is not None)
+        mem["gathered_parameters"] = gathered
+        return mem
+
+    def units(self) -> list[str]:
+        """Names of the gathering units ("" is the root), in construction order."""
+        return list(self._units)
+
+    def extra_repr(self) -> str:
+        return f"world_size={self.world_size}, units={len(self._units)}, groups={len(self._groups)}"
+
+
+class FSDPModel(ZeRO3Model):
+    """Fully sharded data parallel: the ZeRO-3 mechanism with FSDP's naming and wrap policy.
+
+    ``auto_wrap_policy`` picks the units as in FSDP: a set of module classes (e.g. ``{Block}``), a predicate
+    ``(name, module) -> bool``, or None for each entry of every ``nn.ModuleList`` (torchtitan's choice:
+    ``fully_shard`` per transformer block, the root for the rest). Pair it with :class:`gpudist.ZeRO3Optimizer`.
+    """
+
+    strategy = "fsdp"
+
+    def __init__(self, module: nn.Module, config, auto_wrap_policy: UnitSpec = None):
+        if auto_wrap_policy is None:
+            lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+            members = {id(child) for lst in lists for child in lst}
+            auto_wrap_policy = lambda name, m: id(m) in members
+        elif isinstance(auto_wrap_policy, (set, frozenset, list)) and all(isinstance(c, type)
+                                                                          for c in auto_wrap_policy):
+            auto_wrap_policy = tuple(auto_wrap_policy)
+        super().__init__(module, config, units=auto_wrap_policy)
