@@ -12,7 +12,16 @@ import torch
 from torch.nn import functional as F
 
 import gpudist
-from gpudist import ShardingConfiguration, ZeRO1Model, ZeRO1Optimizer, ZeRO2Model, ZeRO2Optimizer
+from gpudist import (
+    FSDPModel,
+    ShardingConfiguration,
+    ZeRO1Model,
+    ZeRO1Optimizer,
+    ZeRO2Model,
+    ZeRO2Optimizer,
+    ZeRO3Model,
+    ZeRO3Optimizer,
+)
 from gpudist.testing import run_ranks
 
 from .test_ddp import batch, flat, fresh_net, initial_state, single_process
@@ -28,7 +37,8 @@ OPTIMIZERS = {
 }
 
 
-STAGES = {1: (ZeRO1Model, ZeRO1Optimizer), 2: (ZeRO2Model, ZeRO2Optimizer)}
+STAGES = {1: (ZeRO1Model, ZeRO1Optimizer), 2: (ZeRO2Model, ZeRO2Optimizer), 3: (ZeRO3Model, ZeRO3Optimizer),
+          "fsdp": (FSDPModel, ZeRO3Optimizer)}
 SMALL_BUCKETS = {"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001}  # ~200 B: several uneven buckets
 
 
@@ -46,25 +56,28 @@ def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, conf
         F.mse_loss(model(x), y).backward()
         if step == nan_step and comm.rank == comm.world_size - 1:
             # One rank's gradient goes bad: the last element, which the last rank owns.
-            list(net.parameters())[-1].grad[-1] = float("nan")
+            list(model.parameters())[-1].grad[-1] = float("nan")
+        after_backward = model.memory_per_rank() if wrap_model else None
         opt.step()
         opt.zero_grad()
         step_bytes.append(comm.stats.total_bytes - before)
         skipped.append(opt.last_step_skipped)
     meta = model.get_model_metadata() if wrap_model else None
-    return {"params": flat(net), "bytes": step_bytes, "meta": meta, "skipped": skipped,
+    params = model.gather_full_parameters() if wrap_model else flat(net)
+    return {"params": params, "bytes": step_bytes, "meta": meta, "skipped": skipped, "after_backward": after_backward,
             "state_bytes": opt.state_bytes()}  # fmt: skip
 
 
 @pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
                                                 ("gloo", 2), ("gloo", 3)])  # fmt: skip
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3, "fsdp"])
 def test_zero_matches_single_process(backend, world, opt_name, stage):
     """Catches a wrong owned range (an element updated twice or never), optimizer state applied to another rank's
-    range, a missing or partial all-gather, uneven shards (111 parameters over 2-4 ranks) mis-sized, and for
-    ZeRO-2 a bucket piece reduce-scattered to the wrong owner or stepped at the wrong flat offset (small buckets:
-    several per model, each split unevenly)."""
+    range, a missing or partial all-gather, uneven shards (111 parameters over 2-4 ranks) mis-sized; for ZeRO-2 a
+    bucket piece reduce-scattered to the wrong owner or stepped at the wrong flat offset (small buckets: several
+    per model, each split unevenly); for ZeRO-3 (units per layer) and FSDP (one root unit here) a unit gathered
+    stale or into the wrong views, or a gradient reduce-scattered to the wrong shard."""
     state = initial_state()
     cls, kw = OPTIMIZERS[opt_name]
     results = run_ranks(train_zero1, world, backend, state=state, opt_name=opt_name, stage=stage,
@@ -76,7 +89,7 @@ def test_zero_matches_single_process(backend, world, opt_name, stage):
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "sgd", "rmsprop"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("wrap_model", [False, True])
 def test_zero_with_plain_module_and_any_optimizer(opt_name, stage, wrap_model):
     """Catches the plain-module path (the optimizer reduce-scatters the gradients itself) and the generic path for

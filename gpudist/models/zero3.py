@@ -211,10 +211,11 @@ class ZeRO3Model(ShardedModel):
             self._live[group.full.untyped_storage().data_ptr()] = group
         return group.full
 
-    def _prefetch_after(self, group: _Group, backward: bool) -> None:
+    def _prefetch_after(self, group: _Group | None, backward: bool) -> None:
+        """Start gathering the group that came after ``group`` (None: the first) in the last forward's order."""
         order = self._order[::-1] if backward else self._order
-        if group in order:
-            at = order.index(group) + 1
+        if group is None or group in order:
+            at = 0 if group is None else order.index(group) + 1
             if at < len(order) and (not backward or order[at].requires_grad):
                 self._start_gather(order[at])
 
@@ -241,11 +242,13 @@ class ZeRO3Model(ShardedModel):
                 setattr(mod, attr, view.view(shape))
 
     def _before_unit(self, unit: str) -> None:
-        for group in self._unit_groups[unit]:
+        groups = self._unit_groups[unit]
+        for group in groups:
             self._install(group)
             if group not in self._seen:
                 self._seen.append(group)
-            self._prefetch_after(group, backward=False)
+        if groups or unit == "":  # the root may hold nothing: then the first unit is next
+            self._prefetch_after(groups[-1] if groups else None, backward=False)
 
     def _after_unit(self, unit: str) -> None:
         for group in self._unit_groups[unit]:

@@ -1,0 +1,266 @@
+"""ZeRO-3 / FSDP specifics: torch FSDP2 parity, memory and bytes against the formulas, gathered memory really freed,
+prefetch order, tied weights, bf16, plain optimizers, unused parameters and unit choice.
+
+Parity across strategies (N = 1-4, in-memory and Gloo, Adam/AdamW/SGD) is in tests/test_zero.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import FSDPModel, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer, ZeRO3Model, ZeRO3Optimizer
+from gpudist.testing import run_ranks
+
+from .test_ddp import STEPS, batch, flat, fresh_net, initial_state
+from .test_zero import TOL, train_zero1
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from lm import TinyLM, lm_loss
+
+
+def train_fsdp2(comm, state, steps=STEPS):
+    from torch.distributed.fsdp import fully_shard
+
+    net = fresh_net(state)
+    for sub in (net.fc1, net.fc2, net.norm):
+        fully_shard(sub)
+    fully_shard(net)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
+
+
+def test_zero3_and_fsdp_match_torch_fsdp2():
+    """Catches drift from PyTorch's own FSDP2 (fully_shard per layer and on the root) on the same Gloo ranks."""
+    state = initial_state()
+    theirs = run_ranks(train_fsdp2, 2, "gloo", state=state)
+    for stage in (3, "fsdp"):
+        ours = run_ranks(train_zero1, 2, "gloo", state=state, stage=stage)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a["params"], b, **TOL)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_zero3_memory_and_bytes_follow_the_formulas(world):
+    """Catches full parameters or gradients kept after use (P instead of P/N per rank), optimizer state not split,
+    and extra or missing traffic: per step an all-gather of P in forward, another in backward, and a
+    reduce-scatter of P (payload bytes as the backend counts them), plus the 8-byte norm all-reduce."""
+    state = initial_state()
+    results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2, stage=3)
+    sizes = [t.numel() for t in state.values()]  # per-layer units here: fc1 (w, b), fc2 (w, b), norm (w, b)
+    unit_sizes = [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5]]
+    n_params = sum(sizes)
+    for rank, r in enumerate(results):
+        shard = sum(gpudist.comm.split_sizes(n, world)[rank] for n in unit_sizes) * 4
+        after = r["after_backward"]
+        assert after["parameters"] == shard and after["gradients"] == shard
+        assert after["gathered_parameters"] == 0
+        assert r["meta"]["memory_per_rank"]["parameters"] == shard
+        assert r["state_bytes"] == r["meta"]["memory_per_rank"]["optimizer_state"] == 2 * shard  # Adam, fp32
+        assert r["bytes"] == [3 * n_params * 4 + 8] * 2
+    assert sum(r["after_backward"]["parameters"] for r in results) == n_params * 4
+
+
+def test_zero3_frees_gathered_parameters_between_forward_and_backward():
+    """Catches autograd keeping the gathered units alive from forward to backward (then ZeRO-3 saves nothing over
+    ZeRO-2): after forward no gathered vector survives, and backward gathers each unit once more."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-free")
+    model = ZeRO3Model(fresh_net(initial_state()), ShardingConfiguration(comm))
+    gathered = []
+    original = model._start_gather
+
+    def spy(group):
+        original(group)
+        if group.full is not None and all(ref() is not group.full for ref in gathered):
+            gathered.append(weakref.ref(group.full))
+
+    model._start_gather = spy
+    x, y = batch(0)
+    loss = F.mse_loss(model(x), y)
+    gc.collect()
+    assert len(gathered) == 3 and all(ref() is None for ref in gathered), "gathered parameters outlived forward"
+    loss.backward()
+    assert len(gathered) == 6  # re-gathered in backward
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_zero3_prefetches_the_next_unit():
+    """Catches a prefetch that never starts (each unit gathered only when its forward begins): from the second
+    step on, the next unit's all-gather is already in flight when a unit's forward starts, in forward order, and
+    in reverse order during backward."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-prefetch")
+    model = ZeRO3Model(fresh_net(initial_state()), ShardingConfiguration(comm))
+    events = []
+    start, before = model._start_gather, model._before_unit
+
+    def spy_start(group):
+        if group.full is None and group.gathering is None:
+            events.append(("gather", group.unit))
+        start(group)
+
+    def spy_before(unit):
+        events.append(("forward", unit))
+        before(unit)
+
+    model._start_gather, model._before_unit = spy_start, spy_before
+    for step in range(2):
+        events.clear()
+        x, y = batch(step)
+        F.mse_loss(model(x), y).backward()
+    forward = events[: events.index(("gather", "norm")) + 1]
+    assert forward[:6] == [("forward", ""), ("gather", "fc1"), ("forward", "fc1"), ("gather", "fc2"),
+                           ("forward", "fc2"), ("gather", "norm")]  # fmt: skip
+    backward = [e for e in events[len(forward) :] if e[0] == "gather"]
+    assert backward == [("gather", "norm"), ("gather", "fc2"), ("gather", "fc1")]
+
+
+def tiny_lm(dtype=torch.float32):
+    return TinyLM(vocab=37, d_model=16, n_layers=2, n_heads=2, seq_len=8, seed=3).to(dtype)
+
+
+def lm_batch(step, rank=0, world=1, size=12):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 37, (size, 9), generator=g)
+    per = size // world
+    part = tokens[rank * per : (rank + 1) * per]
+    return part[:, :-1], part[:, 1:]
+
+
+def train_lm(comm, stage, dtype=torch.float32, steps=4):
+    config = ShardingConfiguration(comm)
+    model_cls, opt_cls = {2: (ZeRO2Model, ZeRO2Optimizer), 3: (ZeRO3Model, ZeRO3Optimizer),
+                          "fsdp": (FSDPModel, ZeRO3Optimizer)}[stage]  # fmt: skip
+    model = model_cls(tiny_lm(dtype), config)
+    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
+    for step in range(steps):
+        model.train_step(*lm_batch(step, comm.rank, comm.world_size), lm_loss, opt)
+    return model.gather_full_parameters().float(), model.units() if stage != 2 else None
+
+
+def test_zero3_tied_weights_match_single_process():
+    """Catches a tied parameter (TinyLM's head shares the token embedding) sharded twice, updated twice, or
+    getting only one of its two gradient contributions; it must live once, in the root unit."""
+    net = tiny_lm()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(4):
+        lm_loss(net(lm_batch(step)[0]), lm_batch(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    for stage in (3, "fsdp"):
+        results = run_ranks(train_lm, 3, "inmemory", stage=stage)
+        for params, _ in results:
+            torch.testing.assert_close(params, flat(net), **TOL)
+        units = results[0][1]
+        assert ("blocks.0.fc" in units, "blocks.0" in units) == ((True, False) if stage == 3 else (False, True))
+
+
+def test_zero3_bf16_parameters_with_fp32_master_match_zero2():
+    """Catches the bf16 path losing the fp32 master (updates rounded away) or gathering stale bf16 shards: bf16
+    ZeRO-3 must train exactly as bf16 ZeRO-2 (same fp32 master arithmetic, same 2-rank sums)."""
+    zero2 = run_ranks(train_lm, 2, "inmemory", stage=2, dtype=torch.bfloat16)
+    zero3 = run_ranks(train_lm, 2, "inmemory", stage=3, dtype=torch.bfloat16)
+    start = tiny_lm(torch.bfloat16)
+    assert not torch.equal(zero3[0][0], flat(start).float()), "no update survived"
+    for a, b in zip(zero2, zero3, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+
+
+def train_plain_optimizer(comm, state, clip=None):
+    model = ZeRO3Model(fresh_net(state), ShardingConfiguration(comm))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        if clip is not None:
+            model.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    return model.gather_full_parameters()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_zero3_with_a_plain_torch_optimizer(clip):
+    """Catches shards whose .grad is not the global average (a plain torch optimizer steps them as they are) and
+    a per-shard clipping norm instead of the global one."""
+    state = initial_state()
+    net = fresh_net(state)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step)
+        F.mse_loss(net(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    for params in run_ranks(train_plain_optimizer, 3, "inmemory", state=state, clip=clip):
+        torch.testing.assert_close(params, flat(net), **TOL)
+
+
+def train_branch(comm, state, config_kw):
+    config = ShardingConfiguration(comm, **config_kw)
+    model = ZeRO3Model(fresh_net(state, with_branch=True), config)
+    opt = ZeRO3Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    for step in range(4):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x, use_branch=step % 2 == 1), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.gather_full_parameters()
+
+
+@pytest.mark.parametrize("config_kw", [{"find_unused_parameters": True}, {"overlap_communication": False}])
+def test_zero3_units_unused_in_some_steps(config_kw):
+    """Catches ranks disagreeing on reduce-scatters when a unit (a branch) is skipped in some steps: deferred mode
+    reduces every unit at the end of backward, unused ones as zeros, and training equals one process."""
+    state = initial_state(with_branch=True)
+    net = fresh_net(state, with_branch=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = batch(step)
+        F.mse_loss(net(x, use_branch=step % 2 == 1), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if config_kw.get("overlap_communication") is False:
+        config_kw = {**config_kw, "find_unused_parameters": False}
+    for params in run_ranks(train_branch, 2, "inmemory", state=state, config_kw=config_kw):
+        torch.testing.assert_close(params, flat(net), **TOL)
+
+
+def test_zero3_rejects_bad_units():
+    """Catches a unit name that is not a submodule being silently ignored (everything would gather at once)."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-units")
+    with pytest.raises(ValueError, match="'fc9' is not a submodule"):
+        ZeRO3Model(fresh_net(initial_state()), ShardingConfiguration(comm), units=["fc1", "fc9"])
+    model = FSDPModel(tiny_lm(), ShardingConfiguration(comm), auto_wrap_policy={torch.nn.Linear})
+    assert "head" in model.units() and "blocks.0.qkv" in model.units()
+
+
+def test_zero3_full_state_dict_clone_and_set_parameters():
+    """Catches a full state missing tied names or buffers, a clone sharing storage with the original, and
+    set_parameters writing outside this rank's shard."""
+
+    def run(comm):
+        model = ZeRO3Model(tiny_lm(), ShardingConfiguration(comm))
+        full = model.full_state_dict()
+        twin = model.clone()
+        twin.set_parameters(torch.zeros(model.parameter_count()))
+        return full, model.gather_full_parameters(), twin.gather_full_parameters()
+
+    reference = tiny_lm().state_dict()
+    for full, params, zeros in run_ranks(run, 3, "inmemory"):
+        assert list(full) == list(reference)
+        for k, v in reference.items():
+            assert torch.equal(full[k], v), k
+        assert torch.equal(params, flat(tiny_lm())) and not zeros.any()
