@@ -6,6 +6,14 @@ in-memory backend. See README.md for the strategy guide and DESIGN.md for the ar
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from .comm import (
     CollectiveMismatchError,
     CommunicationBackend,
@@ -33,6 +41,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
     "CollectiveMismatchError",
     "CommunicationBackend",
     "CommunicationError",
@@ -55,4 +65,8 @@ __all__ = [
     "ZeRO3Optimizer",
     "__version__",
     "init",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_manifest",
+    "save_checkpoint",
 ]

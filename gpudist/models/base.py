@@ -25,7 +25,7 @@ from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
 
-__all__ = ["ShardedModel", "model_fingerprint"]
+__all__ = ["ShardedModel", "model_fingerprint", "module_segments"]
 
 FORMAT = "gpudist.model.v1"
 
@@ -184,6 +184,17 @@ class ShardedModel(nn.Module):
         twin.set_parameters(flat)
         return twin
 
+    # -- checkpoints (gpudist.checkpoint) ---------------------------------------------------------------------------
+
+    shards_parameters = False
+    """Whether each rank holds only part of the parameters (ZeRO-3/FSDP); otherwise they are replicated."""
+
+    def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+        """Every trainable or frozen tensor this rank holds for the module's parameters, each with the pieces of
+        full parameters it stores: ``(offset in the tensor, length, parameter name, offset in that parameter)``
+        over flattened values. Replicated strategies hold whole parameters."""
+        return module_segments(self.module)
+
     # -- serialization --------------------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -217,19 +228,32 @@ class ShardedModel(nn.Module):
             for k, v in self.module.state_dict().items():
                 v.copy_(state[k])
 
+    _checkpoint_io: tuple[Callable, Callable] | None = None
+    """(save_checkpoint, load_checkpoint), installed by gpudist.checkpoint (which builds on this module)."""
+
     def save_model(self, path: str | os.PathLike) -> None:
-        """Write the model to ``path`` (safetensors), atomically: rank 0 writes a temporary file and renames it.
-        Collective: every rank calls it and returns once the file is complete."""
-        data = self.serialize()
-        if self.rank == 0:
-            atomic_write_bytes(path, data)
-        self.comm.barrier()
+        """Save the model (collective: every rank calls it and returns once it is complete).
+
+        A path ending in ``.safetensors`` gets one file with the full state (an export, written atomically by
+        rank 0); any other path becomes a sharded checkpoint folder (:func:`gpudist.save_checkpoint`: each rank
+        writes its share, loadable by any strategy at any world size)."""
+        if Path(path).suffix == ".safetensors":
+            data = self.serialize()
+            if self.rank == 0:
+                atomic_write_bytes(path, data)
+            self.comm.barrier()
+        else:
+            self._checkpoint_io[0](path, self)
 
     def load_model(self, path: str | os.PathLike) -> None:
-        """Read a file from :meth:`save_model`; the checksum is verified and nothing changes if it fails."""
+        """Load what :meth:`save_model` wrote (a file or a checkpoint folder, from any strategy and world size);
+        checksums are verified and nothing changes if anything fails (collective for folders)."""
         path = Path(path)
+        if path.is_dir():
+            self._checkpoint_io[1](path, self)
+            return
         if not path.is_file():
-            raise FileNotFoundError(f"no model file at {path}")
+            raise FileNotFoundError(f"no model file or checkpoint folder at {path}")
         self.deserialize(path.read_bytes())
 
     # -- reporting ------------------------------------------------------------------------------------------------
@@ -256,6 +280,11 @@ class ShardedModel(nn.Module):
             "bytes_per_step": self.last_step_bytes,
             "memory_per_rank": self.memory_per_rank(),
         }
+
+
+def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+    """:meth:`ShardedModel.checkpoint_segments` of an unwrapped module: each parameter whole, under its first name."""
+    return [(p, [(0, p.numel(), name, 0)]) for name, p in module.named_parameters()]
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:

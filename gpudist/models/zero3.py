@@ -443,6 +443,20 @@ class ZeRO3Model(ShardedModel):
                     sub.register_parameter(attr, param)
         return type(self)(twin, self.config, self._units[1:])
 
+    shards_parameters = True
+
+    def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+        out = []
+        for group in self._groups:
+            segments = []
+            for j, names in enumerate(group.names):
+                lo, hi = group.offsets[j], group.offsets[j] + group.numels[j]
+                a, b = max(lo, group.start), min(hi, group.end)
+                if a < b:
+                    segments.append((a - group.start, b - a, names.split(",")[0], a - lo))
+            out.append((group.shard, segments))
+        return out
+
     # -- gradients and reports ------------------------------------------------------------------------------------
 
     @torch.no_grad()

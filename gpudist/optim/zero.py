@@ -79,9 +79,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._master = self._flat.data[start : start + length]
         else:
             self._master = torch.empty(owned, dtype=torch.float32, device=device)
-            for start, length, at in self._segment_spans():
-                self._master[at : at + length].copy_(self._flat.data[start : start + length])
         self._master_is_view = master_is_view
+        self._refresh_master()
         self._grad = torch.zeros(owned, dtype=dtype, device=device)
         self._kind = _fused_kind(optimizer)
         self._steps = [0] * len(self.param_groups)
@@ -96,6 +95,12 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._views = [nn.Parameter(self._master[p.owned_offset : p.owned_offset + p.length]) for p in self._pieces]
             groups = [{"params": [v], **self._hyper(p.group)} for v, p in zip(self._views, self._pieces, strict=True)]
             self._inner = type(optimizer)(groups, **optimizer.defaults) if groups else None
+
+    def _refresh_master(self) -> None:
+        """Set the fp32 master copy from the parameters (after they were overwritten, e.g. by a checkpoint)."""
+        if not self._master_is_view:
+            for start, length, at in self._segment_spans():
+                self._master[at : at + length].copy_(self._flat.data[start : start + length])
 
     # -- partition --------------------------------------------------------------------------------------------------
 

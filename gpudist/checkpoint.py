@@ -1,0 +1,537 @@
+"""Sharded checkpoints that load at any world size into any strategy.
+
+A checkpoint is a folder::
+
+    manifest.json            format, strategy, world size, step, parameters (names, shapes, dtypes), buffers,
+                             optimizer (class, param groups, per-parameter scalars such as Adam's step), and per
+                             file its SHA-256, size and the pieces it holds; the manifest carries its own checksum
+    rank-00000.safetensors   this rank's pieces: 1-D slices of flattened full tensors, no pickle
+    ...
+
+Everything is described in *canonical* coordinates: a piece is elements ``[start, start + n)`` of one full
+parameter (or of its optimizer state such as ``exp_avg``), flattened. A strategy only has to say which pieces it
+holds (:meth:`ShardedModel.checkpoint_segments`, and the owned ranges of a ZeRO optimizer), so a checkpoint
+written by ZeRO-3 on 4 ranks loads into ZeRO-2 on 2 or DDP on 3: each rank reads the pieces it now needs from
+whichever files hold them. Replicated strategies split the writing: rank r saves its ``shard_range`` of every
+tensor.
+
+Saving is atomic: files go to a temporary folder beside the target, the manifest is written last, and the folder
+is renamed into place. Loading reads and verifies every byte it needs (file checksums, shapes, names, coverage)
+into fresh tensors, agrees with the other ranks that all of them succeeded, and only then copies into the model
+and optimizer: a truncated, bit-flipped or mismatched checkpoint raises and changes nothing in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from .comm import CommunicationBackend, ReductionOperation, shard_range
+from .fileio import atomic_write_bytes, atomic_write_json
+from .models.base import ShardedModel, module_segments
+from .optim.base import ShardedOptimizer
+from .optim.zero import _FlatShardOptimizer
+
+__all__ = ["CheckpointError", "CheckpointInfo", "latest_checkpoint", "load_checkpoint", "read_manifest",
+           "save_checkpoint"]  # fmt: skip
+
+FORMAT = "gpudist.checkpoint.v1"
+MANIFEST = "manifest.json"
+
+Segments = list[tuple[int, int, str, int]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, damaged, incomplete, or for another model/optimizer."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`load_checkpoint` restored besides tensors."""
+
+    path: Path
+    step: int
+    world_size: int
+    strategy: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a rank holds
+
+
+def _model_parts(model: nn.Module) -> tuple[list[tuple[torch.Tensor, Segments]], bool, nn.Module, str]:
+    if isinstance(model, ShardedModel):
+        return model.checkpoint_segments(), not model.shards_parameters, model.module, model.strategy
+    if isinstance(model, nn.Module):
+        return module_segments(model), True, model, "module"
+    raise TypeError(f"checkpoints hold an nn.Module or a gpudist ShardedModel, got {type(model).__name__}")
+
+
+def _param_table(model: nn.Module) -> list[dict[str, Any]]:
+    """Name, aliases (tied parameters), shape and dtype of every full parameter, in parameters() order."""
+    if isinstance(model, ShardedModel) and model.shards_parameters:
+        rows = []
+        for names, (group, j) in zip(model._all_names(), model._param_slot, strict=True):
+            rows.append({"name": names[0], "aliases": names[1:], "shape": list(group.shapes[j]),
+                         "dtype": str(group.dtype).removeprefix("torch.")})  # fmt: skip
+        return rows
+    module = model.module if isinstance(model, ShardedModel) else model
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return [{"name": name, "aliases": aliases[id(p)][1:], "shape": list(p.shape),
+             "dtype": str(p.dtype).removeprefix("torch.")} for name, p in module.named_parameters()]  # fmt: skip
+
+
+def _canonical(segments: Segments, lo: int, hi: int):
+    """The parts of ``[lo, hi)`` of a held tensor, as ``(position in the tensor, length, name, position in name)``."""
+    for off, n, name, at in segments:
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            yield a, b - a, name, at + a - off
+
+
+def _narrow(name_numel: dict[str, int], rank: int, world: int, pos: int, n: int, name: str, at: int):
+    """For replicated tensors: the part of a piece that falls in this rank's share of the full tensor."""
+    lo, hi = shard_range(name_numel[name], world, rank)
+    a, b = max(lo, at), min(hi, at + n)
+    return (pos + a - at, b - a, a) if a < b else None
+
+
+def _flat_owned(opt: _FlatShardOptimizer, segmap: dict[int, Segments]):
+    """A ZeRO optimizer's owned buffer in canonical coordinates: (owned position, length, name, position)."""
+    layout = opt._flat.layout
+    for start, length, at in opt._segment_spans():
+        for i, p in enumerate(opt._flat_params):
+            lo, hi = max(start, layout.offsets[i]), min(start + length, layout.offsets[i] + layout.numels[i])
+            if lo < hi:
+                base = layout.offsets[i]
+                for pos, n, name, c in _canonical(segmap[id(p)], lo - base, hi - base):
+                    yield at + (pos + base - start), n, name, c
+
+
+def _torch_optimizer(opt) -> torch.optim.Optimizer:
+    return opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
+
+
+def _hyper(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in groups]
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _scalar(value) -> float | int | None:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel: dict[str, int], rank: int,
+                      world: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:  # fmt: skip
+    """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description."""
+    pieces: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, float]] = {}
+
+    def put(key: str, name: str, at: int, values: torch.Tensor) -> None:
+        pieces[f"state.{key}|{name}|{at}"] = values.detach().reshape(-1).contiguous().cpu().clone()
+
+    if isinstance(opt, _FlatShardOptimizer):
+        owned = list(_flat_owned(opt, segmap))
+        tensors = dict(opt._state)
+        if not opt._master_is_view:
+            tensors["master"] = opt._master
+        for pos, n, name, c in owned:
+            for key, t in tensors.items():
+                put(key, name, c, t[pos : pos + n])
+        if opt._inner is not None:  # generic path: per-view state of the wrapped optimizer's class
+            for view, piece in zip(opt._views, opt._pieces, strict=True):
+                state = opt._inner.state.get(view, {})
+                for pos, n, name, c in owned:
+                    a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
+                    if a >= b:
+                        continue
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and value.shape == view.shape and key != "step":
+                            lo, hi = a - piece.owned_offset, b - piece.owned_offset
+                            put(key, name, c + a - pos, value.reshape(-1)[lo:hi])
+                        elif (s := _scalar(value)) is not None:
+                            scalars.setdefault(name, {})[key] = s
+        else:
+            for g, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    for _, _, name, _ in segmap.get(id(p), []):
+                        scalars.setdefault(name, {})["step"] = opt._steps[g]
+        kind = type(opt.optimizer).__name__
+        return pieces, scalars, {"class": kind, "groups": _hyper(opt.param_groups)}
+    torch_opt = _torch_optimizer(opt)
+    for group in torch_opt.param_groups:
+        for p in group["params"]:
+            state = torch_opt.state.get(p, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and key != "step":
+                    flat = value.reshape(-1)
+                    for pos, n, name, c in _canonical(segmap.get(id(p), []), 0, p.numel()):
+                        part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
+                        if part is not None:
+                            put(key, name, part[2], flat[part[0] : part[0] + part[1]])
+                elif (s := _scalar(value)) is not None:
+                    for _, _, name, _ in segmap.get(id(p), []):
+                        scalars.setdefault(name, {})[key] = s
+    return pieces, scalars, {"class": type(torch_opt).__name__, "groups": _hyper(torch_opt.param_groups)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Saving
+
+
+def _exchange(comm: CommunicationBackend, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` on every rank (two all-gathers: lengths, then padded bytes)."""
+    n = comm.world_size
+    lengths = torch.zeros(n, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), lengths)
+    width = int(lengths.max())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+    every = torch.zeros(n * width, dtype=torch.uint8)
+    comm.all_gather(mine, every)
+    return [every[r * width : r * width + int(lengths[r])].numpy().tobytes() for r in range(n)]
+
+
+def _comm_of(model, optimizer) -> CommunicationBackend | None:
+    if isinstance(model, ShardedModel):
+        return model.comm
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.comm
+    return None
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    step: int = 0, extra: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """Write ``model`` (and ``optimizer``'s state) as a checkpoint folder at ``path`` (collective: every rank calls
+    it; ``path`` must be on a file system every rank sees). Replaces an existing checkpoint at ``path`` only once
+    the new one is complete. ``extra`` (JSON) travels in the manifest, e.g. the data position."""
+    path = Path(path)
+    comm = _comm_of(model, optimizer)
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    if extra is not None and not _jsonable(extra):
+        raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
+    held, replicated, module, strategy = _model_parts(model)
+    table = _param_table(model)
+    numel = {row["name"]: int(torch.Size(row["shape"]).numel()) for row in table}
+    pieces: dict[str, torch.Tensor] = {}
+    for tensor, segments in held:
+        flat = tensor.detach().reshape(-1)
+        for pos, n, name, c in _canonical(segments, 0, flat.numel()):
+            part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
+            if part is not None:
+                pieces[f"param|{name}|{part[2]}"] = flat[part[0] : part[0] + part[1]].contiguous().cpu().clone()
+    buffers = {name: b for name, b in module.named_buffers()}
+    if rank == 0:
+        for name, b in buffers.items():
+            pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
+    scalars, opt_desc = {}, None
+    if optimizer is not None:
+        segmap = {id(t): segs for t, segs in held}
+        opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, replicated, numel, rank, world)
+        pieces.update(opt_pieces)
+    data = st_save(pieces, metadata={"format": FORMAT, "rank": str(rank)})
+    token = uuid.uuid4().hex[:12]
+    if comm is not None:  # one temporary folder name for all ranks: rank 0's
+        token = _exchange(comm, token.encode())[0].decode()
+    staging = path.with_name(f".{path.name}.tmp-{token}")
+    filename = f"rank-{rank:05d}.safetensors"
+    atomic_write_bytes(staging / filename, data)
+    info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+            "pieces": [[*k.split("|")[:2], int(k.split("|")[2]), v.numel()] for k, v in pieces.items()],
+            "scalars": scalars}  # fmt: skip
+    infos = [json.loads(b) for b in _exchange(comm, json.dumps(info).encode())] if comm is not None else [info]
+    if rank == 0:
+        merged: dict[str, dict[str, float]] = {}
+        for i in infos:
+            for name, values in i["scalars"].items():
+                merged.setdefault(name, {}).update(values)
+        body = {
+            "format": FORMAT, "strategy": strategy, "world_size": world, "step": int(step), "extra": extra or {},
+            "parameters": table,
+            "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                        for n, b in buffers.items()],
+            "optimizer": None if opt_desc is None else {**opt_desc, "scalars": merged},
+            "files": [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos],
+        }  # fmt: skip
+        atomic_write_json(staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
+        old = path.with_name(f".{path.name}.old-{token}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    if comm is not None:
+        comm.barrier()
+    return path
+
+
+def _body_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The verified manifest of the checkpoint folder at ``path`` (raises CheckpointError when it is not one)."""
+    path = Path(path)
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: {MANIFEST} is missing (an interrupted save leaves only a "
+                              "hidden .tmp folder, which is never read)")  # fmt: skip
+    try:
+        doc = json.loads(file.read_text())
+        body = doc["body"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file} is damaged (not a gpudist manifest): {e}") from None
+    if doc.get("sha256") != _body_digest(body):
+        raise CheckpointError(f"{file} is damaged: its checksum does not match its content")
+    if body.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {body.get('format')!r}; this gpudist reads {FORMAT!r}")
+    return body
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint folder under ``root`` with the highest step (None if there is none)."""
+    best, best_step = None, None
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for child in root.iterdir():
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        try:
+            step = read_manifest(child)["step"]
+        except CheckpointError:
+            continue
+        if best_step is None or step > best_step:
+            best, best_step = child, step
+    return best
+
+
+class _Reader:
+    """Reads canonical ranges from a checkpoint's files, verifying each file's checksum once."""
+
+    def __init__(self, path: Path, body: dict):
+        self.path, self.body = path, body
+        self.index: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        for f, entry in enumerate(body["files"]):
+            for kind, name, start, n in entry["pieces"]:
+                self.index.setdefault((kind, name), []).append((start, n, f))
+        self.files: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _file(self, f: int) -> dict[str, torch.Tensor]:
+        if f not in self.files:
+            entry = self.body["files"][f]
+            file = self.path / entry["file"]
+            if not file.is_file():
+                raise CheckpointError(f"{self.path}: {entry['file']} is missing")
+            data = file.read_bytes()
+            if len(data) != entry["bytes"]:
+                raise CheckpointError(f"{file} is truncated or damaged: {len(data)} bytes, the manifest says "
+                                      f"{entry['bytes']}")  # fmt: skip
+            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise CheckpointError(f"{file} is damaged: its SHA-256 does not match the manifest (bit flip?)")
+            try:
+                self.files[f] = st_load(data)
+            except Exception as e:  # safetensors raises several types for garbled input
+                raise CheckpointError(f"{file} is damaged: {e}") from None
+        return self.files[f]
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.index
+
+    def read(self, kind: str, name: str, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(n, dtype=dtype)
+        covered = 0
+        for s, m, f in self.index.get((kind, name), []):
+            a, b = max(start, s), min(start + n, s + m)
+            if a < b:
+                piece = self._file(f)[f"{kind}|{name}|{s}"]
+                out[a - start : b - start].copy_(piece[a - s : b - s])
+                covered += b - a
+        if covered != n:
+            raise CheckpointError(f"{self.path} lacks {kind} elements of {name!r} in [{start}, {start + n}): "
+                                  f"{covered} of {n} present (incomplete checkpoint)")  # fmt: skip
+        return out
+
+
+def _check_model(body: dict, model: nn.Module, table: list[dict], module: nn.Module) -> None:
+    saved = {row["name"]: row for row in body["parameters"]}
+    mine = {row["name"]: row for row in table}
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]} (was it saved from another architecture?)")  # fmt: skip
+    for name, row in mine.items():
+        if saved[name]["shape"] != row["shape"]:
+            raise CheckpointError(f"checkpoint does not match the model: {name} has shape {saved[name]['shape']} "
+                                  f"in the checkpoint, {row['shape']} in the model")  # fmt: skip
+    saved_buffers = {b["name"]: b for b in body["buffers"]}
+    for name, b in module.named_buffers():
+        if name not in saved_buffers or saved_buffers[name]["shape"] != list(b.shape):
+            raise CheckpointError(f"checkpoint does not match the model: buffer {name} is missing or has another "
+                                  "shape")  # fmt: skip
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) \
+        -> CheckpointInfo:  # fmt: skip
+    """Load a folder from :func:`save_checkpoint` into ``model`` (and ``optimizer``), whatever strategy and world
+    size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs."""
+    path = Path(path)
+    comm = _comm_of(model, optimizer)
+    held, _, module, _ = _model_parts(model)
+    table = _param_table(model)
+    apply: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, staged values)
+    finish = None
+    error: Exception | None = None
+    try:
+        body = read_manifest(path)
+        _check_model(body, model, table, module)
+        reader = _Reader(path, body)
+        for tensor, segments in held:
+            flat = tensor.data.reshape(-1)
+            for pos, n, name, c in _canonical(segments, 0, flat.numel()):
+                # fp32 parameters take an fp32 master copy when the checkpoint has one (saved by bf16 training)
+                kind = "state.master" if flat.dtype == torch.float32 and reader.has("state.master", name) else "param"
+                apply.append((flat[pos : pos + n], reader.read(kind, name, c, n, flat.dtype)))
+        for name, b in module.named_buffers():
+            apply.append((b.data.reshape(-1), reader.read("buffer", name, 0, b.numel(), b.dtype)))
+        if optimizer is not None:
+            finish = _stage_optimizer(optimizer, body, reader, {id(t): s for t, s in held}, apply)
+    except CheckpointError as e:
+        error = e
+    if comm is not None:  # all ranks apply, or none does
+        verdict = torch.tensor([0 if error is None else 1, comm.rank if error is not None else -1])
+        comm.all_reduce(verdict, ReductionOperation.MAX)
+        if error is None and verdict[0].item():
+            raise CheckpointError(f"rank {verdict[1].item()} could not load {path} (see its error); nothing was "
+                                  "changed on any rank")  # fmt: skip
+    if error is not None:
+        raise error
+    with torch.no_grad():
+        for dest, values in apply:
+            dest.copy_(values)
+    if finish is not None:
+        finish()
+    return CheckpointInfo(path, body["step"], body["world_size"], body["strategy"], body.get("extra", {}))
+
+
+def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segments],
+                     apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+    """Read the optimizer state this rank needs; return a function that installs it (after the parameters)."""
+    saved = body.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{reader.path} holds no optimizer state; load it with optimizer=None, or save one")
+    scalars: dict[str, dict] = saved["scalars"]
+    groups = opt.param_groups
+    if len(saved["groups"]) != len(groups):
+        raise CheckpointError(f"{reader.path}: the checkpoint's optimizer has {len(saved['groups'])} parameter "
+                              f"group(s), this one {len(groups)}")  # fmt: skip
+    kind = type(opt.optimizer if isinstance(opt, ShardedOptimizer) else opt).__name__
+    if saved["class"] != kind:
+        raise CheckpointError(f"{reader.path}: the checkpoint holds {saved['class']} state, the optimizer is a "
+                              f"{kind}; build the same optimizer class, or load with optimizer=None")  # fmt: skip
+    keys = sorted({k.removeprefix("state.") for k, _ in reader.index if k.startswith("state.")} - {"master"})
+
+    def first_name(group) -> str | None:
+        return next((segs[0][2] for p in group["params"] if (segs := segmap.get(id(p)))), None)
+
+    def step_of(group) -> int:
+        name = first_name(group)
+        return int(scalars.get(name, {}).get("step", 0)) if name is not None else 0
+
+    if isinstance(opt, _FlatShardOptimizer):
+        owned = list(_flat_owned(opt, segmap))
+        targets = dict(opt._state)
+        if set(keys) != set(targets) and opt._inner is None:
+            raise CheckpointError(f"{reader.path}: the checkpoint's optimizer state has {keys or 'no tensors'}, "
+                                  f"this {type(opt.optimizer).__name__} needs {sorted(targets)}")  # fmt: skip
+        for pos, n, name, c in owned:
+            for key, t in targets.items():
+                apply.append((t[pos : pos + n], reader.read(f"state.{key}", name, c, n, t.dtype)))
+            if not opt._master_is_view and reader.has("state.master", name):  # fp32 beats a bf16 copy of it
+                master = reader.read("state.master", name, c, n, torch.float32)
+                apply.append((opt._master[pos : pos + n], master))
+        inner_state = None
+        if opt._inner is not None:
+            inner_state = {}
+            for i, (view, piece) in enumerate(zip(opt._views, opt._pieces, strict=True)):
+                entry: dict[str, Any] = {}
+                for key in keys:
+                    values = torch.zeros(piece.length, dtype=torch.float32)
+                    for pos, n, name, c in owned:
+                        a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
+                        if a < b:
+                            values[a - piece.owned_offset : b - piece.owned_offset] = reader.read(
+                                f"state.{key}", name, c + a - pos, b - a, torch.float32)
+                    entry[key] = values.view_as(view)
+                name = next((nm for pos, n, nm, c in owned if pos < piece.owned_offset + piece.length
+                             and pos + n > piece.owned_offset), None)  # fmt: skip
+                for key, value in scalars.get(name, {}).items():
+                    entry[key] = torch.tensor(float(value))
+                inner_state[i] = entry
+        steps = [step_of(g) for g in groups]
+
+        def finish() -> None:
+            for group, hyper in zip(groups, saved["groups"], strict=True):
+                group.update(hyper)
+            opt._steps = steps
+            if not any(reader.has("state.master", name) for _, _, name, _ in owned):
+                opt._refresh_master()  # no fp32 copy saved: start from the loaded parameters
+            if inner_state is not None:
+                sd = opt._inner.state_dict()
+                opt._inner.load_state_dict({"state": inner_state, "param_groups": sd["param_groups"]})
+
+        return finish
+    torch_opt = _torch_optimizer(opt)
+    state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for group in torch_opt.param_groups:
+        for p in group["params"]:
+            segs = segmap.get(id(p), [])
+            entry = {}
+            if segs:
+                for key in keys:
+                    values = torch.zeros(p.numel(), dtype=torch.float32)
+                    for pos, n, name, c in _canonical(segs, 0, p.numel()):
+                        values[pos : pos + n] = reader.read(f"state.{key}", name, c, n, torch.float32)
+                    entry[key] = values.view_as(p)
+                for key, value in scalars.get(segs[0][2], {}).items():
+                    entry[key] = torch.tensor(float(value))
+            if entry:
+                state[index] = entry
+            index += 1
+
+    def finish_torch() -> None:
+        sd = torch_opt.state_dict()
+        groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
+        torch_opt.load_state_dict({"state": state, "param_groups": groups_sd})
+
+    return finish_torch
+
+
+ShardedModel._checkpoint_io = (save_checkpoint, load_checkpoint)  # save_model/load_model of every strategy

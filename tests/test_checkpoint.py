@@ -1,0 +1,259 @@
+"""Sharded checkpoints: save with one strategy at world size N, load with another at M, continue, and match an
+uninterrupted run; damaged or mismatched checkpoints refused with nothing changed in memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import CheckpointError, DDPModel, DDPOptimizer, ShardingConfiguration, load_checkpoint, save_checkpoint
+from gpudist.testing import RanksFailedError, run_ranks
+
+from .test_ddp import batch, flat, fresh_net, initial_state, single_process
+from .test_zero import OPTIMIZERS, STAGES, TOL
+
+PAIRS = {**STAGES, "ddp": (DDPModel, DDPOptimizer)}
+
+
+def build(comm, state, stage, opt_name, seed_shift=0.0):
+    config = ShardingConfiguration(comm)
+    net = fresh_net(state)
+    if seed_shift:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(seed_shift)  # a different starting point: loading must overwrite every element
+    model_cls, opt_cls = PAIRS[stage]
+    model = model_cls(net, config)
+    cls, kw = OPTIMIZERS[opt_name]
+    return model, opt_cls(cls(model.parameters(), **kw), config)
+
+
+def train(model, opt, comm, start, stop):
+    for step in range(start, stop):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def save_after(comm, state, path, stage, opt_name, steps):
+    model, opt = build(comm, state, stage, opt_name)
+    train(model, opt, comm, 0, steps)
+    save_checkpoint(path, model, opt, step=steps, extra={"data_position": steps * 12})
+    return model.gather_full_parameters()
+
+
+def load_and_continue(comm, state, path, stage, opt_name, steps):
+    model, opt = build(comm, state, stage, opt_name, seed_shift=0.5)
+    info = load_checkpoint(path, model, opt)
+    assert info.extra == {"data_position": info.step * 12}
+    loaded = model.gather_full_parameters()
+    train(model, opt, comm, info.step, steps)
+    return loaded, model.gather_full_parameters()
+
+
+CASES = [  # (saved by, at N, loaded into, at M, optimizer)
+    (3, 4, 2, 2, "adam"),
+    (3, 4, "ddp", 3, "adam"),
+    (1, 2, 3, 3, "sgd"),
+    ("ddp", 2, "fsdp", 4, "adamw"),
+    (2, 3, 1, 2, "rmsprop"),  # no fused kernel: the wrapped optimizer's per-view state, resharded
+    ("fsdp", 3, 3, 1, "rmsprop"),
+]
+
+
+@pytest.mark.parametrize(("saved", "n", "loaded", "m", "opt_name"), CASES)
+def test_resharded_checkpoint_continues_like_an_uninterrupted_run(tmp_path, saved, n, loaded, m, opt_name):
+    """Catches optimizer state or parameters put at the wrong offsets when shards change (world size and strategy
+    differ between save and load), a lost step count (Adam's bias correction), and pieces missing from the files:
+    5 steps, save, load elsewhere, 5 more steps must equal 10 uninterrupted single-process steps."""
+    state = initial_state()
+    path = tmp_path / "ckpt"
+    at_save = run_ranks(save_after, n, "inmemory", state=state, path=path, stage=saved, opt_name=opt_name, steps=5)
+    results = run_ranks(load_and_continue, m, "inmemory", state=state, path=path, stage=loaded, opt_name=opt_name,
+                        steps=10)  # fmt: skip
+    cls, kw = OPTIMIZERS[opt_name]
+    expected = single_process(state, cls, **kw)
+    for loaded_params, final in results:
+        assert torch.equal(loaded_params, at_save[0])
+        torch.testing.assert_close(final, expected, **TOL)
+    manifest = gpudist.read_manifest(path)
+    assert manifest["world_size"] == n and len(manifest["files"]) == n and manifest["step"] == 5
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json"] + [f"rank-{r:05d}.safetensors" for r in range(n)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
+
+
+def test_resharded_checkpoint_over_gloo(tmp_path):
+    """Catches a save that only works when ranks share memory (threads): ZeRO-3 on 2 Gloo processes, DDP on 3."""
+    state = initial_state()
+    path = str(tmp_path / "ckpt")
+    run_ranks(save_after, 2, "gloo", state=state, path=path, stage=3, opt_name="adam", steps=5)
+    results = run_ranks(load_and_continue, 3, "gloo", state=state, path=path, stage="ddp", opt_name="adam", steps=10)
+    expected = single_process(state, torch.optim.Adam, lr=1e-2)
+    for _, final in results:
+        torch.testing.assert_close(final, expected, **TOL)
+
+
+def test_plain_module_and_torch_optimizer_roundtrip(tmp_path):
+    """Catches the unwrapped path (no gpudist wrapper, no backend): a plain module and torch optimizer save and load
+    into ZeRO-2 at 2 ranks."""
+    state = initial_state()
+    net = fresh_net(state)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for step in range(5):
+        x, y = batch(step)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path / "plain", net, opt, step=5, extra={"data_position": 60})
+    results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=tmp_path / "plain", stage=2,
+                        opt_name="adam", steps=10)  # fmt: skip
+    for _, final in results:
+        torch.testing.assert_close(final, single_process(state, torch.optim.Adam, lr=1e-2), **TOL)
+
+
+def try_load(comm, state, path, stage="ddp", opt_name="adam", model_kw=None):
+    model, opt = build(comm, state, stage, opt_name, seed_shift=0.5)
+    before = model.gather_full_parameters().clone()
+    opt_before = json.dumps({k: str(v) for k, v in opt.state_dict().items()}, sort_keys=True)
+    try:
+        load_checkpoint(path, model, opt)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    unchanged = torch.equal(model.gather_full_parameters(), before) and opt_before == json.dumps(
+        {k: str(v) for k, v in opt.state_dict().items()}, sort_keys=True)
+    return error, unchanged
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = initial_state()
+    path = tmp_path / "ckpt"
+    run_ranks(save_after, 2, "inmemory", state=state, path=path, stage=3, opt_name="adam", steps=2)
+    return state, path
+
+
+def damage(path, how):
+    if how == "truncated":
+        f = path / "rank-00001.safetensors"
+        f.write_bytes(f.read_bytes()[:-100])
+    elif how == "bit flip":
+        f = path / "rank-00001.safetensors"
+        raw = bytearray(f.read_bytes())
+        raw[-5] ^= 0x08
+        f.write_bytes(bytes(raw))
+    elif how == "missing file":
+        (path / "rank-00001.safetensors").unlink()
+    elif how == "manifest edited":
+        doc = json.loads((path / "manifest.json").read_text())
+        doc["body"]["step"] = 99
+        (path / "manifest.json").write_text(json.dumps(doc))
+    elif how == "no manifest":
+        (path / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize(("how", "message"), [("truncated", "truncated"), ("bit flip", "SHA-256 does not match"),
+                                              ("missing file", "is missing"),
+                                              ("manifest edited", "checksum does not match its content"),
+                                              ("no manifest", "no checkpoint")])  # fmt: skip
+@pytest.mark.parametrize("stage", ["ddp", 3])
+def test_damaged_checkpoint_is_refused_and_nothing_changes(saved, how, message, stage):
+    """Catches a damaged checkpoint loading silently, or loading half way (some tensors or some ranks changed).
+    With ZeRO-3 at 2 ranks, rank 0 never reads rank 1's file: it must still refuse because rank 1 did."""
+    state, path = saved
+    damage(path, how)
+    results = run_ranks(try_load, 2, "inmemory", state=state, path=path, stage=stage)
+    for rank, (error, unchanged) in enumerate(results):
+        assert error is not None and unchanged, (rank, error)
+    assert any(message in error for error, _ in results), [e for e, _ in results]
+
+
+def test_mismatched_checkpoint_is_refused(saved, tmp_path):
+    """Catches loading into another architecture or another optimizer class (state that does not fit)."""
+    state, path = saved
+    results = run_ranks(try_load, 2, "inmemory", state=state, path=path, stage=2, opt_name="sgd")
+    assert all("holds Adam state" in e and unchanged for e, unchanged in results)
+
+    def other_model(comm):
+        config = ShardingConfiguration(comm)
+        model = DDPModel(torch.nn.Linear(7, 5), config)
+        try:
+            load_checkpoint(path, model)
+        except CheckpointError as e:
+            return str(e)
+
+    assert all("does not match the model" in e for e in run_ranks(other_model, 2, "inmemory"))
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(saved, tmp_path):
+    """Catches a save that overwrites in place: a crash half way must leave the previous checkpoint loadable and
+    never be picked as the latest."""
+    state, path = saved
+    shutil.copytree(path, tmp_path / ".ckpt.tmp-crashed")  # what a save killed before its rename leaves
+    (tmp_path / ".ckpt.tmp-crashed" / "manifest.json").unlink()
+    assert gpudist.latest_checkpoint(tmp_path) == path
+    results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=path, stage=3, opt_name="adam", steps=3)
+    assert len(results) == 2
+    with pytest.raises(RanksFailedError, match="extra must be JSON"):
+        run_ranks(lambda comm: save_checkpoint(path, DDPModel(fresh_net(state), ShardingConfiguration(comm)),
+                                               extra={"x": object()}), 1, "inmemory")  # fmt: skip
+    assert gpudist.read_manifest(path)["step"] == 2
+    assert flat(fresh_net(state)).numel() == sum(int(torch.Size(p["shape"]).numel())
+                                                 for p in gpudist.read_manifest(path)["parameters"])  # fmt: skip
+
+
+def lm_run(comm, path, stage, start, stop, save_at=None):
+    from gpudist import FSDPModel, ZeRO2Model, ZeRO2Optimizer, ZeRO3Optimizer
+
+    from .test_zero3 import lm_batch, lm_loss, tiny_lm
+
+    config = ShardingConfiguration(comm)
+    model_cls, opt_cls = {2: (ZeRO2Model, ZeRO2Optimizer), "fsdp": (FSDPModel, ZeRO3Optimizer)}[stage]
+    model = model_cls(tiny_lm(torch.bfloat16), config)
+    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
+    if start:
+        load_checkpoint(path, model, opt)
+    for step in range(start, stop):
+        model.train_step(*lm_batch(step, comm.rank, comm.world_size), lm_loss, opt)
+        if step + 1 == save_at:
+            save_checkpoint(path, model, opt, step=save_at)
+    return model.gather_full_parameters()
+
+
+def test_bf16_training_resumes_from_the_fp32_master(tmp_path):
+    """Catches a checkpoint of bf16 training that drops the fp32 master copy (resuming from rounded bf16 values
+    changes every later update): ZeRO-2 saves, FSDP resumes, and the result equals the uninterrupted ZeRO-2 run
+    bit for bit."""
+    path = tmp_path / "bf16"
+    uninterrupted = run_ranks(lm_run, 2, "inmemory", path=path, stage=2, start=0, stop=6, save_at=3)
+    resumed = run_ranks(lm_run, 2, "inmemory", path=path, stage="fsdp", start=3, stop=6)
+    assert "state.master" in {p[0] for f in gpudist.read_manifest(path)["files"] for p in f["pieces"]}
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_save_model_to_a_folder_is_a_resharding_checkpoint(tmp_path):
+    """Catches save_model/load_model of a sharded strategy writing only this rank's shard or needing the same world
+    size: ZeRO-3 at 3 ranks saves a folder, DDP at 2 loads it."""
+    state = initial_state()
+
+    def save(comm):
+        model, _ = build(comm, state, 3, "adam")
+        model.save_model(tmp_path / "model")
+        return model.gather_full_parameters()
+
+    def load(comm):
+        model, _ = build(comm, state, "ddp", "adam", seed_shift=0.5)
+        model.load_model(tmp_path / "model")
+        return model.gather_full_parameters()
+
+    saved = run_ranks(save, 3, "inmemory")[0]
+    assert gpudist.read_manifest(tmp_path / "model")["optimizer"] is None
+    for params in run_ranks(load, 2, "inmemory"):
+        assert torch.equal(params, saved)
