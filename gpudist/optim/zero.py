@@ -73,28 +73,40 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._pieces = self._split_by_group(self._segments)
         owned = sum(length for _, length in self._segments)
         device, dtype = params[0].device, params[0].dtype
-        master_is_view = dtype == torch.float32 and len(self._segments) == 1
-        if master_is_view:
-            start, length = self._segments[0]
-            self._master = self._flat.data[start : start + length]
+        # fp32 parameters are their own master: the owned pieces of the flat buffer are updated in place (no copy;
+        # one launch per piece when the pieces are not contiguous, as ZeRO-2's per-bucket pieces). Low-precision
+        # parameters get one contiguous fp32 master buffer.
+        self._master_is_view = dtype == torch.float32
+        if self._master_is_view:
+            start, length = self._segments[0] if len(self._segments) == 1 else (0, 0)
+            self._master = self._flat.data[start : start + length] if len(self._segments) == 1 else None
         else:
             self._master = torch.empty(owned, dtype=torch.float32, device=device)
-        self._master_is_view = master_is_view
         self._refresh_master()
         self._grad = torch.zeros(owned, dtype=dtype, device=device)
         self._kind = _fused_kind(optimizer)
         self._steps = [0] * len(self.param_groups)
         self._state: dict[str, torch.Tensor] = {}
         if self._kind in ("adam", "adamw"):
-            self._state = {"exp_avg": torch.zeros_like(self._master), "exp_avg_sq": torch.zeros_like(self._master)}
+            self._state = {"exp_avg": torch.zeros_like(self._grad, dtype=torch.float32),
+                           "exp_avg_sq": torch.zeros_like(self._grad, dtype=torch.float32)}  # fmt: skip
         elif self._kind == "sgd" and any(g["momentum"] != 0 for g in self.param_groups):
-            self._state = {"momentum_buffer": torch.zeros_like(self._master)}
+            self._state = {"momentum_buffer": torch.zeros_like(self._grad, dtype=torch.float32)}
         self._inner: torch.optim.Optimizer | None = None
         self.last_step_skipped, self.last_grad_norm = False, math.nan
         if self._kind is None:
-            self._views = [nn.Parameter(self._master[p.owned_offset : p.owned_offset + p.length]) for p in self._pieces]
+            self._views = [nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length))
+                           for p in self._pieces]  # fmt: skip
             groups = [{"params": [v], **self._hyper(p.group)} for v, p in zip(self._views, self._pieces, strict=True)]
             self._inner = type(optimizer)(groups, **optimizer.defaults) if groups else None
+
+    def _master_of(self, lo: int, hi: int) -> torch.Tensor:
+        """The fp32 master values of owned[lo:hi]. Without a master buffer, owned[lo:hi] must also be contiguous in
+        the flat parameters (``_by_group`` merges ranges only then)."""
+        if self._master is not None:
+            return self._master[lo:hi]
+        start, _, at = next(span for span in self._segment_spans() if span[2] <= lo < span[2] + span[1])
+        return self._flat.data[start + lo - at : start + lo - at + hi - lo]
 
     def _refresh_master(self) -> None:
         """Set the fp32 master copy from the parameters (after they were overwritten, e.g. by a checkpoint)."""
@@ -187,7 +199,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             h = self.param_groups[g]
             self._steps[g] += 1
             for lo, hi in pieces:
-                args = {"param": self._master[lo:hi], "grad": self._grad[lo:hi], "grad_scale": scale,
+                args = {"param": self._master_of(lo, hi), "grad": self._grad[lo:hi], "grad_scale": scale,
                         "check_finite": False, "maximize": h.get("maximize", False), "lr": h["lr"],
                         "weight_decay": h.get("weight_decay", 0.0)}  # fmt: skip
                 if self._kind == "sgd":
@@ -204,12 +216,15 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _by_group(self) -> dict[int, list[tuple[int, int]]]:
         merged: dict[int, list[tuple[int, int]]] = {}
+        flat_end = -1
         for p in self._pieces:
             spans = merged.setdefault(p.group, [])
-            if spans and spans[-1][1] == p.owned_offset:
-                spans[-1] = (spans[-1][0], p.owned_offset + p.length)  # adjacent in the owned buffer: one launch
+            # adjacent in the owned buffer (and, without a master buffer, in the flat parameters too): one launch
+            if spans and spans[-1][1] == p.owned_offset and (self._master is not None or flat_end == p.flat_offset):
+                spans[-1] = (spans[-1][0], p.owned_offset + p.length)
             else:
                 spans.append((p.owned_offset, p.owned_offset + p.length))
+            flat_end = p.flat_offset + p.length
         return merged
 
     def _generic_step(self, scale: float) -> None:
@@ -328,7 +343,7 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
     def _gather_parameters(self) -> None:
         dtype = self._flat.data.dtype
         for part in self._parts:
-            piece = self._master[part.owned_at : part.owned_at + part.owned_numel]
+            piece = self._master_of(part.owned_at, part.owned_at + part.owned_numel)
             src = piece.clone() if self._master_is_view else piece.to(dtype)
             self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
 
