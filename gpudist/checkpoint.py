@@ -39,7 +39,7 @@ from torch import nn
 
 from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
-from .models.base import ShardedModel, module_segments
+from .models.base import ShardedModel, module_segments, module_table
 from .optim.base import ShardedOptimizer
 from .optim.zero import _FlatShardOptimizer
 
@@ -80,19 +80,7 @@ def _model_parts(model: nn.Module) -> tuple[list[tuple[torch.Tensor, Segments]],
 
 
 def _param_table(model: nn.Module) -> list[dict[str, Any]]:
-    """Name, aliases (tied parameters), shape and dtype of every full parameter, in parameters() order."""
-    if isinstance(model, ShardedModel) and model.shards_parameters:
-        rows = []
-        for names, (group, j) in zip(model._all_names(), model._param_slot, strict=True):
-            rows.append({"name": names[0], "aliases": names[1:], "shape": list(group.shapes[j]),
-                         "dtype": str(group.dtype).removeprefix("torch.")})  # fmt: skip
-        return rows
-    module = model.module if isinstance(model, ShardedModel) else model
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    return [{"name": name, "aliases": aliases[id(p)][1:], "shape": list(p.shape),
-             "dtype": str(p.dtype).removeprefix("torch.")} for name, p in module.named_parameters()]  # fmt: skip
+    return model.parameter_table() if isinstance(model, ShardedModel) else module_table(model)
 
 
 def _canonical(segments: Segments, lo: int, hi: int):

@@ -25,7 +25,7 @@ from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
 
-__all__ = ["ShardedModel", "model_fingerprint", "module_segments"]
+__all__ = ["ShardedModel", "model_fingerprint", "module_segments", "module_table"]
 
 FORMAT = "gpudist.model.v1"
 
@@ -189,6 +189,10 @@ class ShardedModel(nn.Module):
     shards_parameters = False
     """Whether each rank holds only part of the parameters (ZeRO-3/FSDP); otherwise they are replicated."""
 
+    def parameter_table(self) -> list[dict]:
+        """Name, other names (tied parameters), shape and dtype of every full parameter, in parameters() order."""
+        return module_table(self.module)
+
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Every trainable or frozen tensor this rank holds for the module's parameters, each with the pieces of
         full parameters it stores: ``(offset in the tensor, length, parameter name, offset in that parameter)``
@@ -280,6 +284,15 @@ class ShardedModel(nn.Module):
             "bytes_per_step": self.last_step_bytes,
             "memory_per_rank": self.memory_per_rank(),
         }
+
+
+def module_table(module: nn.Module) -> list[dict]:
+    """:meth:`ShardedModel.parameter_table` of an unwrapped module."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return [{"name": name, "aliases": aliases[id(p)][1:], "shape": list(p.shape),
+             "dtype": str(p.dtype).removeprefix("torch.")} for name, p in module.named_parameters()]  # fmt: skip
 
 
 def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:

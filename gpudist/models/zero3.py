@@ -166,9 +166,9 @@ class ZeRO3Model(ShardedModel):
                            [places[id(p)] for p in ps], [p.shape for p in ps], numels, dtype, ps[0].device,
                            trainable, start, end, shard)  # fmt: skip
             at = 0
-            for j, n in enumerate(numels):
+            for j, (p, n) in enumerate(zip(ps, numels, strict=True)):
                 group.offsets.append(at)
-                slot[id(p := ps[j])] = (group, j)
+                slot[id(p)] = (group, j)
                 at += n
             self.register_parameter(f"shard_{group.index}", shard)
             self._groups.append(group)
@@ -445,6 +445,11 @@ class ZeRO3Model(ShardedModel):
 
     shards_parameters = True
 
+    def parameter_table(self) -> list[dict]:
+        return [{"name": names[0], "aliases": names[1:], "shape": list(group.shapes[j]),
+                 "dtype": str(group.dtype).removeprefix("torch.")}
+                for names, (group, j) in zip(self._all_names(), self._param_slot, strict=True)]  # fmt: skip
+
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         out = []
         for group in self._groups:
@@ -504,7 +509,7 @@ class FSDPModel(ZeRO3Model):
             lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
             members = {id(child) for lst in lists for child in lst}
             auto_wrap_policy = lambda name, m: id(m) in members
-        elif isinstance(auto_wrap_policy, (set, frozenset, list)) and all(isinstance(c, type)
-                                                                          for c in auto_wrap_policy):
-            auto_wrap_policy = tuple(auto_wrap_policy)
+        elif isinstance(auto_wrap_policy, (set, frozenset, list)):
+            classes = [c for c in auto_wrap_policy if isinstance(c, type)]
+            auto_wrap_policy = tuple(classes) if len(classes) == len(auto_wrap_policy) else list(auto_wrap_policy)
         super().__init__(module, config, units=auto_wrap_policy)
