@@ -8,13 +8,12 @@ import shutil
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 import gpudist
 from gpudist import CheckpointError, DDPModel, DDPOptimizer, ShardingConfiguration, load_checkpoint, save_checkpoint
 from gpudist.testing import RanksFailedError, run_ranks
 
-from .test_ddp import batch, flat, fresh_net, initial_state, single_process
+from .test_ddp import flat, fresh_net, initial_state, single_process, train_steps
 from .test_zero import OPTIMIZERS, STAGES, TOL
 
 PAIRS = {**STAGES, "ddp": (DDPModel, DDPOptimizer)}
@@ -33,17 +32,9 @@ def build(comm, state, stage, opt_name, seed_shift=0.0):
     return model, opt_cls(cls(model.parameters(), **kw), config)
 
 
-def train(model, opt, comm, start, stop):
-    for step in range(start, stop):
-        x, y = batch(step, comm.rank, comm.world_size)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def save_after(comm, state, path, stage, opt_name, steps):
     model, opt = build(comm, state, stage, opt_name)
-    train(model, opt, comm, 0, steps)
+    train_steps(model, opt, steps, comm.rank, comm.world_size)
     save_checkpoint(path, model, opt, step=steps, extra={"data_position": steps * 12})
     return model.gather_full_parameters()
 
@@ -53,7 +44,7 @@ def load_and_continue(comm, state, path, stage, opt_name, steps):
     info = load_checkpoint(path, model, opt)
     assert info.extra == {"data_position": info.step * 12}
     loaded = model.gather_full_parameters()
-    train(model, opt, comm, info.step, steps)
+    train_steps(model, opt, steps, comm.rank, comm.world_size, start=info.step)
     return loaded, model.gather_full_parameters()
 
 
@@ -105,11 +96,7 @@ def test_plain_module_and_torch_optimizer_roundtrip(tmp_path):
     state = initial_state()
     net = fresh_net(state)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for step in range(5):
-        x, y = batch(step)
-        F.mse_loss(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(net, opt, 5)
     save_checkpoint(tmp_path / "plain", net, opt, step=5, extra={"data_position": 60})
     results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=tmp_path / "plain", stage=2,
                         opt_name="adam", steps=10)  # fmt: skip

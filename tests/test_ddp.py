@@ -61,14 +61,19 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def train_steps(model, opt, stop: int, rank: int = 0, world: int = 1, start: int = 0) -> None:
+    """Plain training steps ``start..stop-1``: MSE on this rank's slice of each step's batch, step, zero_grad."""
+    for step in range(start, stop):
+        x, y = batch(step, rank, world)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def single_process(state: dict, opt_cls=torch.optim.Adam, steps: int = STEPS, **opt_kw) -> torch.Tensor:
     net = fresh_net(state)
     opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
-    for step in range(steps):
-        x, y = batch(step)
-        F.mse_loss(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(net, opt, steps)
     return flat(net)
 
 
@@ -101,11 +106,7 @@ def train_torch_ddp(comm, state, steps=STEPS):
     net = fresh_net(state)
     model = DistributedDataParallel(net, bucket_cap_mb=0.0002)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.world_size)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, steps, comm.rank, comm.world_size)
     return flat(net)
 
 

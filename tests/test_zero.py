@@ -24,7 +24,7 @@ from gpudist import (
 )
 from gpudist.testing import run_ranks
 
-from .test_ddp import batch, flat, fresh_net, initial_state, single_process
+from .test_ddp import batch, flat, fresh_net, initial_state, single_process, train_steps
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 10
@@ -110,11 +110,7 @@ def train_torch_zero(comm, state, steps=STEPS):
     net = fresh_net(state)
     model = DistributedDataParallel(net)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.world_size)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, steps, comm.rank, comm.world_size)
     return flat(net)
 
 

@@ -19,7 +19,7 @@ import gpudist
 from gpudist import FSDPModel, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer, ZeRO3Model, ZeRO3Optimizer
 from gpudist.testing import run_ranks
 
-from .test_ddp import STEPS, batch, flat, fresh_net, initial_state
+from .test_ddp import STEPS, batch, flat, fresh_net, initial_state, train_steps
 from .test_zero import TOL, train_zero1
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -33,12 +33,7 @@ def train_fsdp2(comm, state, steps=STEPS):
     for sub in (net.fc1, net.fc2, net.norm):
         fully_shard(sub)
     fully_shard(net)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.world_size)
-        F.mse_loss(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(net, torch.optim.Adam(net.parameters(), lr=1e-2), steps, comm.rank, comm.world_size)
     return torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
 
 
