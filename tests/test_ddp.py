@@ -360,6 +360,36 @@ def test_without_bucket_views_or_overlap():
         torch.testing.assert_close(r["params"], single_process(state), **TOL)
 
 
+def zero_grad_modes(comm, state, set_to_none, model_cls, opt_cls):
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    model = model_cls(fresh_net(state), config)
+    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    cleared = []
+    for step in range(STEPS):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        grads = [p.grad for p in model.parameters()]
+        cleared.append(all(g is None for g in grads) if set_to_none else all(not g.any() for g in grads))
+    return flat(model.module), all(cleared)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("pair", ["ddp", "zero1"])
+def test_zero_grad_both_modes(set_to_none, pair):
+    """Catches stale bucket contents leaking into the next step: set_to_none=True leaves the buckets unzeroed and
+    relies on backward copying fresh gradients in (a skipped copy would add the previous step's gradients);
+    set_to_none=False must zero the views in place. Both equal single-process training."""
+    state = initial_state()
+    classes = {"ddp": (DDPModel, DDPOptimizer), "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer)}[pair]
+    results = run_ranks(zero_grad_modes, 2, "inmemory", state=state, set_to_none=set_to_none,
+                        model_cls=classes[0], opt_cls=classes[1])  # fmt: skip
+    for params, cleared in results:
+        assert cleared, "zero_grad left gradients behind"
+        torch.testing.assert_close(params, single_process(state), **TOL)
+
+
 def bn_net(state=None) -> nn.Module:
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     if state is not None:

@@ -103,6 +103,20 @@ def test_zero_with_plain_module_and_any_optimizer(opt_name, stage, wrap_model):
         torch.testing.assert_close(r["params"], expected, **TOL)
 
 
+@pytest.mark.parametrize("config_kw", [{"gradient_as_bucket_view": False}, {"bucket_cap_mb": 1e-5},
+                                       {"overlap_communication": False, "max_grad_norm": 0.05}])  # fmt: skip
+def test_zero1_gradient_and_gather_paths(config_kw):
+    """Catches the paths beside the default one diverging: gradients copied out of separate bucket buffers (no
+    views) instead of read in place from the model's flat gradient buffer, and the owned range sent in 8 uneven
+    chunks (10-byte buckets) each broadcast into the wrong place or before its update."""
+    state = initial_state()
+    results = run_ranks(train_zero1, 3, "inmemory", state=state, config_kw=config_kw)
+    reference = run_ranks(train_zero1, 1, "inmemory", state=state, config_kw=config_kw)[0]["params"]
+    expected = single_process(state)
+    for r in results:
+        torch.testing.assert_close(r["params"], reference if "max_grad_norm" in config_kw else expected, **TOL)
+
+
 def train_torch_zero(comm, state, steps=STEPS):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel

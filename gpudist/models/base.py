@@ -36,6 +36,13 @@ def model_fingerprint(module: nn.Module) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
+def same_on_every_rank(comm, value: int) -> bool:
+    """Whether every rank of ``comm`` passed the same integer (one 16-byte all-reduce; collective)."""
+    seen = torch.tensor([value, -value], dtype=torch.int64)
+    comm.all_reduce(seen, ReductionOperation.MAX)
+    return seen[0].item() == value and -seen[1].item() == value
+
+
 class ShardedModel(nn.Module):
     """Base of all model strategies: wraps ``module`` and communicates through ``config.backend``.
 
@@ -127,10 +134,7 @@ class ShardedModel(nn.Module):
 
     def _check_same_model(self) -> None:
         """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
-        mine = model_fingerprint(self.module)
-        seen = torch.tensor([mine, -mine], dtype=torch.int64)
-        self.comm.all_reduce(seen, ReductionOperation.MAX)
-        if seen[0].item() != mine or -seen[1].item() != mine:
+        if not same_on_every_rank(self.comm, model_fingerprint(self.module)):
             raise ValueError(
                 f"{type(self).__name__}: rank {self.rank} wraps a module whose parameter names/shapes/dtypes differ "
                 "from another rank's; every rank must build the same model before wrapping it"

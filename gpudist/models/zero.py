@@ -54,7 +54,7 @@ class ZeRO2Model(DDPModel):
                                        device=first.device if first is not None else "cpu")  # fmt: skip
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
 
-    def _make_bucket(self, index, params, names) -> GradientBucket:
+    def _make_bucket(self, index, params, names, storage=None) -> GradientBucket:
         return GradientBucket(index, params, names)
 
     def owned_segments(self) -> list[tuple[int, int]]:
@@ -79,8 +79,8 @@ class ZeRO2Model(DDPModel):
         self.owned_grads[part.owned_at : part.owned_at + part.owned_numel].add_(received)
         bucket.in_flight = None
 
-    def zero_grad_buckets(self) -> None:
-        self.owned_grads.zero_()
+    def zero_grad_buckets(self, set_to_none: bool = True) -> None:
+        self.owned_grads.zero_()  # accumulated into by every synced backward, so always zeroed (it is only P/N)
         for p in self._params:
             p.grad = None
 

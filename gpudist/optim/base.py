@@ -116,7 +116,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         model = self.model()
         if model is not None and hasattr(model, "zero_grad_buckets"):
-            model.zero_grad_buckets()  # keep param.grad as bucket views: no reallocation, no copy next step
+            model.zero_grad_buckets(set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
