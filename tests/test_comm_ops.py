@@ -16,8 +16,12 @@ import torch
 from gpudist.comm import ReductionOperation, split_sizes
 from gpudist.testing import run_ranks
 
-BACKENDS = ["inmemory", "gloo"]
+from .backends import ALL as BACKENDS
+from .backends import mpi_world
+
 WORLDS = [1, 2, 3, 4]
+BACKEND_WORLDS = [(b, w) for b in ("inmemory", "gloo") for w in WORLDS] + [mpi_world(2), mpi_world(3)]
+"""MPI at 2 and 3 processes (mpirun -np 2 / -np 3): one mpirun per world size runs every dtype."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 # bf16 keeps 8 bits of mantissa and Gloo rounds after every addition: 3 roundings of sums up to ~8 in size.
 # A dropped or doubled rank changes results by ~1, far outside these.
@@ -114,8 +118,19 @@ def reference(case: str, world: int, dtype_name: str) -> list[np.ndarray]:
     raise KeyError(case)
 
 
+def _all_ops_every_dtype(comm) -> dict:
+    return {name: _all_ops(comm, name) for name in DTYPES}
+
+
+@functools.cache
+def _mpi_outputs(world: int) -> list[dict]:
+    return run_ranks(_all_ops_every_dtype, world, "mpi")
+
+
 @functools.cache
 def outputs(backend: str, world: int, dtype_name: str) -> list[dict]:
+    if backend == "mpi":
+        return [rank[dtype_name] for rank in _mpi_outputs(world)]
     return run_ranks(_all_ops, world, backend, dtype_name=dtype_name)
 
 
@@ -128,8 +143,7 @@ CASES = (
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "world"), BACKEND_WORLDS)
 @pytest.mark.parametrize("case", CASES)
 def test_op_matches_numpy(case, backend, world, dtype_name):
     """Each rank's output equals numpy's. Catches wrong reductions, wrong uneven share boundaries (off-by-one in

@@ -19,6 +19,8 @@ import gpudist
 from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration
 from gpudist.testing import run_ranks
 
+from .backends import mpi_world
+
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 STEPS = 10
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -142,7 +144,7 @@ def branch_step(comm, state, find_unused):
 
 
 @pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
-                                                ("gloo", 2), ("gloo", 3)])  # fmt: skip
+                                                ("gloo", 2), ("gloo", 3), mpi_world(2), mpi_world(3)])  # fmt: skip
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 def test_ddp_matches_single_process(backend, world, opt_name):
     """Catches a gradient summed instead of averaged (SGD sees it; Adam is nearly scale-invariant), a bucket

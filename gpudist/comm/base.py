@@ -371,6 +371,23 @@ class CommunicationBackend(ABC):
     @abstractmethod
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None: ...
 
+    def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
+        """All-gather ``mine`` (``SIGNATURE_LEN`` int64 on CPU) into ``everyone`` (world x that), within the timeout.
+        Transports that check signatures with a round trip (:meth:`_check`) provide it."""
+        raise NotImplementedError
+
+    def _check(self, sig: Signature) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same signature (when validating)."""
+        if not self.validate or self.world_size == 1:
+            return
+        mine = torch.tensor(sig.encode(), dtype=torch.int64)
+        everyone = torch.empty(self.world_size * SIGNATURE_LEN, dtype=torch.int64)
+        self._gather_signatures(sig.op, mine, everyone)
+        self.stats.record_check(everyone.numel() * 8)
+        rows = everyone.view(self.world_size, SIGNATURE_LEN)
+        if not bool((rows == mine).all()):
+            raise mismatch_error([Signature.decode(r) for r in rows.tolist()], group=self.group, rank=self.rank)
+
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
         """Map a transport's native exception to a CommunicationError (backends refine this)."""
         return self._error(f"{type(error).__name__}: {error}", op)

@@ -34,7 +34,6 @@ from .base import (
     ReductionOperation,
     Signature,
     Work,
-    mismatch_error,
     p2p_mismatch_error,
     shard_range,
 )
@@ -231,17 +230,8 @@ class GlooCommunicationBackend(CommunicationBackend):
             return self._error(f"a peer process closed its connection (it died or was killed): {text}", op)
         return self._error(text, op)
 
-    def _check(self, sig: Signature) -> None:
-        """Raise CollectiveMismatchError on every rank unless all ranks pass the same signature."""
-        if not self.validate or self.world_size == 1:
-            return
-        mine = torch.tensor(sig.encode(), dtype=torch.int64)
-        everyone = torch.empty(self.world_size * SIGNATURE_LEN, dtype=torch.int64)
+    def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions)).wait()
-        self.stats.record_check(everyone.numel() * 8)
-        rows = everyone.view(self.world_size, SIGNATURE_LEN)
-        if not bool((rows == mine).all()):
-            raise mismatch_error([Signature.decode(r) for r in rows.tolist()], group=self.group, rank=self.rank)
 
     def _opts(self, cls, **fields):
         opts = cls()

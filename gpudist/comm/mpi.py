@@ -1,0 +1,245 @@
+"""MPI backend: CPU tensors between processes started by ``mpirun``/``mpiexec``/``srun``, through ``mpi4py``.
+
+Tensors go to MPI as numpy views of their memory (no copy). Every op is MPI's non-blocking form (``Iallreduce``,
+``Ireduce_scatter``, ``Iallgatherv``, ...), completed by polling with a deadline, so a peer that never arrives
+raises :class:`CommunicationTimeoutError` after ``timeout`` seconds instead of hanging. Uneven reduce-scatter
+and all-gather shares are MPI's vector forms (no padding). Sub-groups are ``Comm.Split``.
+
+MPI has no bf16 or fp16 reduction: those are reduced in fp32 and rounded once at the end (more accurate than a
+transport that rounds after every addition). AVERAGE is SUM divided by the group size. Messages are counted in
+elements, so one tensor may hold at most 2**31 - 1 elements (MPI's int count).
+
+MPI only progresses when it is called: an op started with ``async_op=True`` advances while this rank waits on
+it (or on any other op), not while it computes. Like the Gloo backend, collectives first exchange a 14-int64
+signature (``validate=True``) and raise :class:`CollectiveMismatchError` on every rank before a mismatched op
+is sent; ``send`` learns the receiver's posted shape first (a background thread, so a blocking ``send`` and the
+peer's ``recv`` can meet in any order), and a mismatch raises on both ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .base import (
+    DEFAULT_TIMEOUT,
+    SIGNATURE_LEN,
+    CommunicationBackend,
+    CommunicationError,
+    CommunicationTimeoutError,
+    ReductionOperation,
+    Signature,
+    Work,
+    p2p_mismatch_error,
+    split_sizes,
+)
+
+__all__ = ["MPICommunicationBackend"]
+
+_PAYLOAD, _STATUS, _HANDSHAKE = 0, 1, 2
+_NARROW = (torch.bfloat16, torch.float16)  # no MPI type: moved as int16 bits, reduced in fp32
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise CommunicationError(
+            f"MPICommunicationBackend needs mpi4py and an MPI library ({e}); install them with "
+            "`apt-get install openmpi-bin libopenmpi-dev` (or your cluster's MPI module) and "
+            "`pip install 'gpudist[mpi]'`", op="init", group="world",
+        ) from e
+    return MPI
+
+
+def _buffer(t: torch.Tensor):
+    """A numpy view of ``t``'s memory (2-byte floats as int16 bits): what MPI reads or writes, no copy."""
+    flat = t.detach().reshape(-1)
+    return (flat.view(torch.int16) if flat.dtype in _NARROW else flat).numpy()
+
+
+class MPICommunicationBackend(CommunicationBackend):
+    """One rank of an MPI communicator (default ``MPI.COMM_WORLD``) exchanging CPU tensors.
+
+    Start the processes with ``mpirun -np N python train.py`` and build the backend with ``gpudist.init("mpi")``
+    or ``MPICommunicationBackend()``. Every op is given ``timeout`` seconds.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm=None, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, group: str = "world"):
+        MPI = _mpi()
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        self._comm.Set_errhandler(MPI.ERRORS_RETURN)  # errors become MPI.Exception (a RuntimeError), not aborts
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), group, timeout)
+        self.validate = validate
+        self._ops = {ReductionOperation.SUM: MPI.SUM, ReductionOperation.AVERAGE: MPI.SUM,
+                     ReductionOperation.MAX: MPI.MAX, ReductionOperation.MIN: MPI.MIN,
+                     ReductionOperation.PRODUCT: MPI.PROD}  # fmt: skip
+        self._subgroups = 0
+        self._sender: ThreadPoolExecutor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    # -- machinery ---------------------------------------------------------------------------------------------------
+
+    def _poll(self, requests: Sequence, op: str) -> None:
+        """Complete ``requests`` or raise CommunicationTimeoutError once ``timeout`` seconds have passed."""
+        deadline, pause = time.monotonic() + self.timeout, 0.0
+        while not self._MPI.Request.Testall(list(requests)):
+            if time.monotonic() > deadline:
+                raise self._error(f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died", op,
+                                  CommunicationTimeoutError)  # fmt: skip
+            time.sleep(pause)  # spin briefly, then back off to 1 ms so waiting ranks leave the cores to the others
+            pause = min(max(pause * 2, 1e-5), 1e-3)
+
+    def _work(self, requests: Sequence, op: str, then: Callable[[], None] | None = None, keep: Sequence = ()) -> Work:
+        """A handle polling ``requests``. ``keep`` holds the buffers MPI reads or writes until the op completed:
+        mpi4py does not keep a non-blocking collective's buffers alive, and a temporary freed early is corrupted."""
+
+        def wait() -> None:
+            self._poll(requests, op)
+            if then is not None:
+                then()
+            keep_alive.clear()
+
+        keep_alive = list(keep)
+
+        return Work(wait, lambda: self._MPI.Request.Testall(list(requests)))
+
+    def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
+        bufs = (_buffer(mine), _buffer(everyone))
+        self._poll([self._comm.Iallgather(*bufs)], op)
+
+    def _translate(self, error: BaseException, op: str) -> CommunicationError:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return self._error(f"MPI error: {text}", op)
+
+    def _reduced(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reduces in place of ``t``: itself, or an fp32 copy for bf16/fp16."""
+        return t.detach().reshape(-1).float() if t.dtype in _NARROW else t.detach().reshape(-1)
+
+    def _finish(self, result: torch.Tensor, target: torch.Tensor, op: ReductionOperation) -> Callable[[], None]:
+        """After the reduction: divide for AVERAGE and write back into ``target`` when MPI worked on a copy."""
+
+        def then() -> None:
+            if op is ReductionOperation.AVERAGE:
+                result.div_(self.world_size)
+            if result.data_ptr() != target.data_ptr():
+                target.view(-1).copy_(result)
+
+        return then
+
+    # -- the ops -----------------------------------------------------------------------------------------------------
+
+    def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        work = self._reduced(tensor)
+        buf = _buffer(work)
+        request = self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op])
+        return self._work([request], "all_reduce", self._finish(work, tensor, op), keep=(work, buf))
+
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        counts = split_sizes(inp.numel(), self.world_size)
+        send = self._reduced(inp)
+        recv = torch.empty(out.numel(), dtype=torch.float32) if out.dtype in _NARROW else out.view(-1)
+        bufs = (_buffer(send), _buffer(recv))
+        request = self._comm.Ireduce_scatter(*bufs, counts, op=self._ops[op])
+        return self._work([request], "reduce_scatter", self._finish(recv, out, op), keep=(send, recv, *bufs))
+
+    def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        counts = split_sizes(out.numel(), self.world_size)
+        displs = [sum(counts[:r]) for r in range(self.world_size)]
+        recv = _buffer(out)
+        mine = out.view(-1)[displs[self.rank] : displs[self.rank] + counts[self.rank]]
+        # In place when inp already is out's own range (ZeRO's updated shard); MPI then sends it from there.
+        send = self._MPI.IN_PLACE if inp.numel() and inp.data_ptr() == mine.data_ptr() else _buffer(inp)
+        request = self._comm.Iallgatherv(send, [recv, (counts, displs)])
+        return self._work([request], "all_gather", keep=(inp, send, recv))
+
+    def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        self._check(sig)
+        buf = _buffer(tensor)
+        return self._work([self._comm.Ibcast(buf, root=src)], "broadcast", keep=(buf,))
+
+    def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        bufs = (_buffer(inp), _buffer(out))
+        return self._work([self._comm.Ialltoall(*bufs)], "all_to_all", keep=bufs)
+
+    def _barrier(self, sig: Signature) -> Work:
+        self._check(sig)
+        return self._work([self._comm.Ibarrier()], "barrier")
+
+    # Point-to-point, validated as in the Gloo backend: the receiver first tells the sender what it posted
+    # (_HANDSHAKE); the sender answers with its own signature (_STATUS) and then the payload, or zeros of the posted
+    # shape when they differ, so the receive completes cleanly and both sides raise. The sender's half runs on one
+    # background thread (MPI_THREAD_MULTIPLE), so a blocking send never waits for a recv this rank posts later.
+
+    def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
+        if not self.validate:
+            buf = _buffer(tensor)
+            return self._work([self._comm.Isend(buf, dst, _PAYLOAD)], "send", keep=(buf,))
+        if self._MPI.Query_thread() != self._MPI.THREAD_MULTIPLE:
+            raise self._error("validated send needs MPI_THREAD_MULTIPLE (mpi4py's default); use validate=False "
+                              "or an MPI library built with thread support", "send")  # fmt: skip
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-mpi-send-r{self.rank}")
+        future = self._sender.submit(self._send_checked, sig, tensor, dst)
+        return Work(future.result, future.done)
+
+    def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
+        expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
+        buf = _buffer(expected)
+        self._poll([self._comm.Irecv(buf, dst, _HANDSHAKE)], "send")
+        wanted = Signature.decode(expected.tolist())
+        status = torch.tensor(sig.encode(), dtype=torch.int64)
+        matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
+        payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
+        bufs = (_buffer(status), _buffer(payload))
+        self._poll([self._comm.Isend(bufs[0], dst, _STATUS), self._comm.Isend(bufs[1], dst, _PAYLOAD)], "send")
+        if not matches:
+            raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
+
+    def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        if not self.validate:
+            buf = _buffer(tensor)
+            return self._work([self._comm.Irecv(buf, src, _PAYLOAD)], "recv", keep=(buf,))
+        mine = torch.tensor(sig.encode(), dtype=torch.int64)
+        status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
+        bufs = (_buffer(mine), _buffer(status), _buffer(tensor))
+        requests = [self._comm.Isend(bufs[0], src, _HANDSHAKE), self._comm.Irecv(bufs[1], src, _STATUS),
+                    self._comm.Irecv(bufs[2], src, _PAYLOAD)]  # fmt: skip
+
+        def check() -> None:
+            sent = Signature.decode(status.tolist())
+            if (sent.dtype, sent.shape) != (sig.dtype, sig.shape):
+                raise p2p_mismatch_error(self.group, self.rank, src, sent=sent, posted=sig, side="recv")
+
+        return self._work(requests, "recv", then=check, keep=bufs)
+
+    def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
+        self._check(sig)
+        self._subgroups += 1
+        member = self.rank in ranks
+        color = 0 if member else self._MPI.UNDEFINED
+        sub = self._comm.Split(color, ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
+        return MPICommunicationBackend(sub, timeout=self.timeout, validate=self.validate, group=name)
+
+    def shutdown(self) -> None:
+        """Stop the send thread and free a sub-group's communicator (``COMM_WORLD`` stays for MPI's own finalize)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)
+        if self._comm is not self._MPI.COMM_WORLD:
+            self._comm.Free()

@@ -1,0 +1,20 @@
+"""Backends the multi-rank tests run on: in-memory and Gloo always, MPI when ``mpirun`` and ``mpi4py`` exist."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpudist.testing import mpi_unavailable
+
+MPI = pytest.param(
+    "mpi",
+    marks=(pytest.mark.mpi, pytest.mark.skipif(mpi_unavailable() is not None, reason=f"MPI: {mpi_unavailable()}")),
+)
+"""The ``mpi`` backend as a parameter: marked ``mpi``, skipped with the reason when mpirun or mpi4py is missing."""
+
+ALL = ["inmemory", "gloo", MPI]
+
+
+def mpi_world(world: int):
+    """``("mpi", world)`` as a (backend, world) parameter pair, marked and skipped like :data:`MPI`."""
+    return pytest.param("mpi", world, marks=MPI.marks, id=f"mpi-{world}")
