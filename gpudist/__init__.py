@@ -52,6 +52,8 @@ __all__ = [
     "FSDPModel",
     "GlooCommunicationBackend",
     "InMemoryCommunicationBackend",
+    "MPICommunicationBackend",
+    "NCCLCommunicationBackend",
     "OptimizationResult",
     "ReductionOperation",
     "ShardedModel",
@@ -70,3 +72,12 @@ __all__ = [
     "read_manifest",
     "save_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    """``gpudist.MPICommunicationBackend`` and ``gpudist.NCCLCommunicationBackend`` import their extras on use."""
+    if name in ("MPICommunicationBackend", "NCCLCommunicationBackend"):
+        from . import comm
+
+        return getattr(comm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

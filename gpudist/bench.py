@@ -91,18 +91,9 @@ def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
     else:
         ours = lambda: comm.all_gather(inp, out)
     variants: dict[str, Callable[[], None]] = {}
-    if baseline and comm.name == "gloo":
-        import torch.distributed as dist
-
-        # torch 2.13 renamed the tensor forms (*_single) and warns on the old names; 2.11 has only the old ones.
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        torch_op = {
-            "all_reduce": lambda: dist.all_reduce(inp),
-            "reduce_scatter": lambda: reduce_scatter(out, inp),
-            "all_gather": lambda: all_gather(out, inp),
-        }[op]
-        variants["torch"] = torch_op
+    raw = _raw_call(comm, op, inp, out) if baseline else None
+    if raw is not None:
+        variants["baseline"] = raw
 
         def unchecked() -> None:
             with comm.unchecked():
@@ -113,26 +104,65 @@ def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
     return variants
 
 
+BASELINES = {"gloo": "torch.distributed", "mpi": "mpi4py", "nccl": "cupy.cuda.nccl"}
+"""What each backend is compared with: the library's own call on the same group, in the same processes."""
+
+
+def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch.Tensor) -> Callable[[], None] | None:
+    """The same op through the transport's own library on the same group (the overhead baseline), or None."""
+    if comm.name == "gloo":
+        import torch.distributed as dist
+
+        # torch 2.13 renamed the tensor forms (*_single) and warns on the old names; 2.11 has only the old ones.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return {"all_reduce": lambda: dist.all_reduce(inp), "reduce_scatter": lambda: reduce_scatter(out, inp),
+                "all_gather": lambda: all_gather(out, inp)}[op]  # fmt: skip
+    if comm.name == "mpi":
+        from mpi4py import MPI
+
+        mpi, a, b = comm._comm, inp.numpy(), out.numpy()
+        counts = split_sizes(inp.numel() if op == "reduce_scatter" else out.numel(), comm.world_size)
+        return {"all_reduce": lambda: mpi.Allreduce(MPI.IN_PLACE, a), "reduce_scatter": lambda: mpi.Reduce_scatter(
+                a, b, counts), "all_gather": lambda: mpi.Allgather(a, b)}[op]  # fmt: skip
+    if comm.name == "nccl":
+        nccl, lib = comm._comm, comm._lib
+        stream = lambda: torch.cuda.current_stream(comm.device).cuda_stream
+        calls = {"all_reduce": lambda: nccl.allReduce(inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32,
+                                                      lib.NCCL_SUM, stream()),
+                 "reduce_scatter": lambda: nccl.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
+                                                              lib.NCCL_FLOAT32, lib.NCCL_SUM, stream()),
+                 "all_gather": lambda: nccl.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), lib.NCCL_FLOAT32,
+                                                      stream())}  # fmt: skip
+        return calls[op]
+    return None
+
+
 def interleaved_times(comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int,
                       rounds: int, warmup: bool = True) -> dict[str, float]:  # fmt: skip
     """Seconds per call of each variant on every rank of ``comm``: one warm-up call each, then ``rounds`` rounds
     in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits all alike.
     Each round counts at its slowest rank's pace; the median round is returned."""
+    cuda = comm.device.type == "cuda"
     for fn in variants.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
             comm.barrier()
+            if cuda:
+                torch.cuda.synchronize(comm.device)
             start = time.perf_counter()
             for _ in range(steps):
                 fn()
+            if cuda:  # GPU ops are only enqueued: the round ends when the device is done
+                torch.cuda.synchronize(comm.device)
             times[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(_slowest(comm, ts)) for name, ts in times.items()}
 
 
 def _slowest(comm: CommunicationBackend, seconds: list[float]) -> list[float]:
-    t = torch.tensor(seconds, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64, device=comm.device)
     comm.all_reduce(t, "max")
     return t.tolist()
 
@@ -155,21 +185,24 @@ def sweep(
     while size <= max_bytes:
         for op in ops:
             count = max(n, size // 4 // n * n)  # elements, a multiple of the world size
+            dev = comm.device
             if op == "all_reduce":
-                inp = torch.ones(count, dtype=dtype)
+                inp = torch.ones(count, dtype=dtype, device=dev)
                 out = inp
             elif op == "reduce_scatter":
-                inp = torch.ones(count, dtype=dtype)
-                out = torch.empty(split_sizes(count, n)[comm.rank], dtype=dtype)
+                inp = torch.ones(count, dtype=dtype, device=dev)
+                out = torch.empty(split_sizes(count, n)[comm.rank], dtype=dtype, device=dev)
             else:
-                out = torch.empty(count, dtype=dtype)
-                inp = torch.ones(split_sizes(count, n)[comm.rank], dtype=dtype)
+                out = torch.empty(count, dtype=dtype, device=dev)
+                inp = torch.ones(split_sizes(count, n)[comm.rank], dtype=dtype, device=dev)
             variants = _variants(comm, op, inp, out, baseline)
             for fn in variants.values():  # warm up every variant
                 fn()
             # Calibrate the number of iterations per round so one round of a variant takes ~target_seconds.
             start = time.perf_counter()
             variants["gpudist"]()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             once = _slowest(comm, [time.perf_counter() - start])[0]
             iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
             seconds = interleaved_times(comm, variants, iters, rounds, warmup=False)
@@ -185,35 +218,47 @@ def sweep(
             t = row[key]
             row[f"{name}_algbw_GBps"] = row["bytes"] / t / 1e9
             row[f"{name}_busbw_GBps"] = row["bytes"] / t / 1e9 * bus
-        if "torch_s" in row:
-            row["ratio_busbw_vs_torch"] = row["torch_s"] / row["gpudist_s"]
-            row["ratio_busbw_nocheck_vs_torch"] = row["torch_s"] / row["gpudist_nocheck_s"]
+        if "baseline_s" in row:
+            row["ratio_busbw_vs_baseline"] = row["baseline_s"] / row["gpudist_s"]
+            row["ratio_busbw_nocheck_vs_baseline"] = row["baseline_s"] / row["gpudist_nocheck_s"]
     return rows
 
 
 def format_table(rows: list[dict], world_size: int, backend: str) -> str:
-    has_torch = any("torch_s" in r for r in rows)
+    has_base = any("baseline_s" in r for r in rows)
+    base = BASELINES.get(backend, "baseline")
     head = f"# gpudist collectives: backend={backend} world_size={world_size} dtype=float32 (times: median of rounds)\n"
     cols = f"{'op':>15} {'size(B)':>11} {'count':>10} {'time(us)':>10} {'algbw':>8} {'busbw':>8}"
-    if has_torch:
-        cols += f" {'torch(us)':>10} {'busbw':>8} {'ratio':>6} {'nocheck':>8} {'ratio':>6}"
+    if has_base:
+        cols += f" {'raw(us)':>10} {'busbw':>8} {'ratio':>6} {'nocheck':>8} {'ratio':>6}"
     lines = [head + cols]
     for r in rows:
         line = (f"{r['op']:>15} {r['bytes']:>11} {r['count']:>10} {r['gpudist_s'] * 1e6:>10.1f} "
                 f"{r['gpudist_algbw_GBps']:>8.3f} {r['gpudist_busbw_GBps']:>8.3f}")
-        if has_torch:
-            line += (f" {r['torch_s'] * 1e6:>10.1f} {r['torch_busbw_GBps']:>8.3f} {r['ratio_busbw_vs_torch']:>6.2f}"
-                     f" {r['gpudist_nocheck_s'] * 1e6:>8.1f} {r['ratio_busbw_nocheck_vs_torch']:>6.2f}")
+        if has_base:
+            line += (f" {r['baseline_s'] * 1e6:>10.1f} {r['baseline_busbw_GBps']:>8.3f}"
+                     f" {r['ratio_busbw_vs_baseline']:>6.2f} {r['gpudist_nocheck_s'] * 1e6:>8.1f}"
+                     f" {r['ratio_busbw_nocheck_vs_baseline']:>6.2f}")
         lines.append(line)
-    if has_torch:
-        lines.append("# ratio = gpudist busbw / torch.distributed busbw on the same group (1.00 = no overhead); "
-                     "nocheck = validate=False")
+    if has_base:
+        lines.append(f"# raw = {base} called directly on the same group; ratio = gpudist busbw / raw busbw (1.00 = no "
+                     "overhead); nocheck = validate=False")
     return "\n".join(lines)
 
 
 def _sweep_rank(comm: CommunicationBackend, **kwargs) -> list[dict]:
     torch.manual_seed(0)
     return sweep(comm, **kwargs)
+
+
+def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
+    """A spawned Gloo rank builds the NCCL group of the same ranks (one GPU each, or several ranks per GPU where
+    NCCL allows it) and sweeps over NCCL."""
+    from .comm.nccl import NCCLCommunicationBackend
+
+    device = comm.rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    return _sweep_rank(NCCLCommunicationBackend.from_bootstrap(comm, device=device), **kwargs)
 
 
 def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None,
@@ -226,10 +271,15 @@ def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str |
         rows = run_ranks(_sweep_rank, world_size, "inmemory", timeout=600.0, **kwargs)[0]
     elif backend == "gloo":
         rows = spawn(_sweep_rank, world_size, timeout=600.0, **kwargs)[0]
+    elif backend == "mpi" and available_backends()["mpi"] == "available":
+        rows = run_ranks(_sweep_rank, world_size, "mpi", timeout=600.0, **kwargs)[0]
+    elif backend == "nccl" and available_backends()["nccl"] == "available":
+        rows = spawn(_sweep_rank_nccl, world_size, timeout=600.0, **kwargs)[0]
     else:
         reason = available_backends().get(backend, "unknown backend")
         raise SystemExit(f"gpudist bench collectives: backend '{backend}' is unavailable here: {reason}")
     doc = {"benchmark": "collectives", "backend": backend, "world_size": world_size, "environment": environment(),
+           "baseline": BASELINES.get(backend),
            "settings": {k: v for k, v in kwargs.items()}, "rows": rows}
     print(format_table(rows, world_size, backend))
     if json_path is not None:

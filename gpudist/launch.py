@@ -117,7 +117,8 @@ def available_backends() -> dict[str, str]:
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True) -> CommunicationBackend:
     """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
 
-    ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo. The rendezvous
+    ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed; else MPI when ``mpirun``
+    (Open MPI or MPICH) started the process and mpi4py is installed; else Gloo. The rendezvous
     store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set).
     ``timeout`` bounds every op in seconds; ``validate`` turns on the cross-rank consistency check.
     """
@@ -125,8 +126,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
         raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")
     env = detect_environment()
     available = available_backends()
-    if backend == "auto":
-        backend = "nccl" if available["nccl"] == "available" else "gloo"
+    if backend == "auto":  # NCCL on GPUs; under mpirun on CPU, MPI itself; otherwise Gloo
+        mpi = env.launcher in ("openmpi", "mpich") and available["mpi"] == "available"
+        backend = "nccl" if available["nccl"] == "available" else "mpi" if mpi else "gloo"
     if available[backend] != "available":
         raise CommunicationError(f"backend '{backend}' is unavailable: {available[backend]}", op="init", group="world",
                                  rank=env.rank)
@@ -137,6 +139,17 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
                 f"{env.world_size} processes; use backend='gloo', or gpudist.testing.run_ranks for threads"
             )
         return InMemoryCommunicationBackend(0, 1, group=f"init-{os.getpid()}", timeout=timeout)
+    if backend == "mpi":
+        from .comm.mpi import MPICommunicationBackend
+
+        return MPICommunicationBackend(timeout=timeout, validate=validate)
+    if backend == "nccl":
+        from .comm.nccl import NCCLCommunicationBackend
+
+        device = env.local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return NCCLCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port,
+                                               device=device, timeout=timeout, validate=validate)  # fmt: skip
     if torch.distributed.is_initialized():
         return GlooCommunicationBackend(timeout=timeout, validate=validate)
     return GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,

@@ -25,9 +25,23 @@ __all__ = [
     "CommunicationTimeoutError",
     "GlooCommunicationBackend",
     "InMemoryCommunicationBackend",
+    "MPICommunicationBackend",
+    "NCCLCommunicationBackend",
     "OpStats",
     "ReductionOperation",
     "Work",
     "shard_range",
     "split_sizes",
 ]
+
+
+_OPTIONAL = {"MPICommunicationBackend": ".mpi", "NCCLCommunicationBackend": ".nccl"}
+
+
+def __getattr__(name: str):
+    """The MPI and NCCL backends import on first use: mpi4py and CuPy are optional extras."""
+    if name in _OPTIONAL:
+        import importlib
+
+        return getattr(importlib.import_module(_OPTIONAL[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

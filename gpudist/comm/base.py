@@ -376,9 +376,10 @@ class CommunicationBackend(ABC):
         Transports that check signatures with a round trip (:meth:`_check`) provide it."""
         raise NotImplementedError
 
-    def _check(self, sig: Signature) -> None:
-        """Raise CollectiveMismatchError on every rank unless all ranks pass the same signature (when validating)."""
-        if not self.validate or self.world_size == 1:
+    def _check(self, sig: Signature, validate: bool | None = None) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same signature (when validating;
+        ``validate`` overrides ``self.validate``, for transports that run the check later on another thread)."""
+        if not (self.validate if validate is None else validate) or self.world_size == 1:
             return
         mine = torch.tensor(sig.encode(), dtype=torch.int64)
         everyone = torch.empty(self.world_size * SIGNATURE_LEN, dtype=torch.int64)

@@ -1,26 +1,31 @@
 """MPI backend: CPU tensors between processes started by ``mpirun``/``mpiexec``/``srun``, through ``mpi4py``.
 
-Tensors go to MPI as numpy views of their memory (no copy). Every op is MPI's non-blocking form (``Iallreduce``,
-``Ireduce_scatter``, ``Iallgatherv``, ...), completed by polling with a deadline, so a peer that never arrives
-raises :class:`CommunicationTimeoutError` after ``timeout`` seconds instead of hanging. Uneven reduce-scatter
-and all-gather shares are MPI's vector forms (no padding). Sub-groups are ``Comm.Split``.
+Tensors go to MPI as numpy views of their memory (no copy). Collectives run in issue order on one communication
+thread per backend, with MPI's blocking calls: Open MPI's tuned blocking algorithms measured 5-80x faster here
+than its non-blocking (``Iallreduce``...) ones, which also only progress while someone polls. So ``async_op=True``
+overlaps for real (the thread communicates while the caller computes; mpi4py releases the GIL), and a blocking
+op waits for the thread at most ``timeout`` seconds, then raises :class:`CommunicationTimeoutError` naming op,
+group and rank and marks the backend unusable (the thread stays stuck in MPI: end the job with :meth:`abort`).
+Uneven reduce-scatter and all-gather shares use MPI's vector forms (no padding). Sub-groups are ``Comm.Split``.
 
 MPI has no bf16 or fp16 reduction: those are reduced in fp32 and rounded once at the end (more accurate than a
 transport that rounds after every addition). AVERAGE is SUM divided by the group size. Messages are counted in
 elements, so one tensor may hold at most 2**31 - 1 elements (MPI's int count).
 
-MPI only progresses when it is called: an op started with ``async_op=True`` advances while this rank waits on
-it (or on any other op), not while it computes. Like the Gloo backend, collectives first exchange a 14-int64
-signature (``validate=True``) and raise :class:`CollectiveMismatchError` on every rank before a mismatched op
-is sent; ``send`` learns the receiver's posted shape first (a background thread, so a blocking ``send`` and the
-peer's ``recv`` can meet in any order), and a mismatch raises on both ranks.
+Like the Gloo backend, collectives first exchange a 14-int64 signature (``validate=True``) and raise
+:class:`CollectiveMismatchError` on every rank before a mismatched op is sent. ``send``/``recv`` are MPI's
+non-blocking point-to-point calls polled with the timeout (so a blocking ``send`` and the peer's ``recv`` can meet
+in any order); the sender first learns the receiver's posted shape (a second thread; MPI_THREAD_MULTIPLE), and a
+mismatch raises on both ranks.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -82,6 +87,7 @@ class MPICommunicationBackend(CommunicationBackend):
                      ReductionOperation.PRODUCT: MPI.PROD}  # fmt: skip
         self._subgroups = 0
         self._sender: ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue | None = None  # the communication thread's work, started on first use
 
     @property
     def device(self) -> torch.device:
@@ -114,8 +120,57 @@ class MPICommunicationBackend(CommunicationBackend):
         return Work(wait, lambda: self._MPI.Request.Testall(list(requests)))
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
-        bufs = (_buffer(mine), _buffer(everyone))
-        self._poll([self._comm.Iallgather(*bufs)], op)
+        self._comm.Allgather(_buffer(mine), _buffer(everyone))  # on the communication thread, before the op
+
+    def _collective(self, sig: Signature, call: Callable[[], None], then: Callable[[], None] | None = None) -> Work:
+        """Queue ``call`` (a blocking MPI collective) behind the ones before it on the communication thread, after
+        the signature check; the Work waits for it at most ``timeout`` seconds from when it starts."""
+        validate = self.validate  # as the caller's unchecked() block says now, not when the thread gets to it
+        future: Future = Future()
+        started: list[float] = []
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            started.append(time.monotonic())
+            try:
+                self._check(sig, validate)
+                call()
+                if then is not None:
+                    then()
+                future.set_result(None)
+            except BaseException as e:  # handed to the waiter
+                future.set_exception(e)
+
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._queue,), name=f"gpudist-mpi-r{self.rank}",
+                             daemon=True).start()  # fmt: skip
+        self._queue.put(run)
+        submitted = time.monotonic()
+
+        def wait() -> None:
+            while True:
+                try:
+                    return future.result(timeout=0.05)
+                except TimeoutError:
+                    pass
+                begun = started[0] if started else None
+                # Queued behind other ops: those time out first; a run that never starts is bounded by 2 timeouts.
+                if (begun is not None and time.monotonic() - begun > self.timeout) or (
+                        time.monotonic() - submitted > 2 * self.timeout):  # fmt: skip
+                    raise self._error(f"timed out after {self.timeout:g}s: a peer never called {sig.op}, hangs, or "
+                                      "died", sig.op, CommunicationTimeoutError)  # fmt: skip
+
+        return Work(wait, future.done)
+
+    @staticmethod
+    def _serve(work: queue.SimpleQueue) -> None:
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            item()
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -139,45 +194,38 @@ class MPICommunicationBackend(CommunicationBackend):
     # -- the ops -----------------------------------------------------------------------------------------------------
 
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
-        self._check(sig)
         work = self._reduced(tensor)
         buf = _buffer(work)
-        request = self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op])
-        return self._work([request], "all_reduce", self._finish(work, tensor, op), keep=(work, buf))
+        return self._collective(sig, lambda: self._comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]),
+                                self._finish(work, tensor, op))  # fmt: skip
 
     def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
-        self._check(sig)
         counts = split_sizes(inp.numel(), self.world_size)
         send = self._reduced(inp)
         recv = torch.empty(out.numel(), dtype=torch.float32) if out.dtype in _NARROW else out.view(-1)
         bufs = (_buffer(send), _buffer(recv))
-        request = self._comm.Ireduce_scatter(*bufs, counts, op=self._ops[op])
-        return self._work([request], "reduce_scatter", self._finish(recv, out, op), keep=(send, recv, *bufs))
+        return self._collective(sig, lambda: self._comm.Reduce_scatter(*bufs, counts, op=self._ops[op]),
+                                self._finish(recv, out, op))  # fmt: skip
 
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
-        self._check(sig)
         counts = split_sizes(out.numel(), self.world_size)
         displs = [sum(counts[:r]) for r in range(self.world_size)]
         recv = _buffer(out)
         mine = out.view(-1)[displs[self.rank] : displs[self.rank] + counts[self.rank]]
         # In place when inp already is out's own range (ZeRO's updated shard); MPI then sends it from there.
         send = self._MPI.IN_PLACE if inp.numel() and inp.data_ptr() == mine.data_ptr() else _buffer(inp)
-        request = self._comm.Iallgatherv(send, [recv, (counts, displs)])
-        return self._work([request], "all_gather", keep=(inp, send, recv))
+        return self._collective(sig, lambda: self._comm.Allgatherv(send, [recv, (counts, displs)]))
 
     def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
-        self._check(sig)
         buf = _buffer(tensor)
-        return self._work([self._comm.Ibcast(buf, root=src)], "broadcast", keep=(buf,))
+        return self._collective(sig, lambda: self._comm.Bcast(buf, root=src))
 
     def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
-        self._check(sig)
         bufs = (_buffer(inp), _buffer(out))
-        return self._work([self._comm.Ialltoall(*bufs)], "all_to_all", keep=bufs)
+        return self._collective(sig, lambda: self._comm.Alltoall(*bufs))
 
     def _barrier(self, sig: Signature) -> Work:
-        self._check(sig)
-        return self._work([self._comm.Ibarrier()], "barrier")
+        return self._collective(sig, self._comm.Barrier)
 
     # Point-to-point, validated as in the Gloo backend: the receiver first tells the sender what it posted
     # (_HANDSHAKE); the sender answers with its own signature (_STATUS) and then the payload, or zeros of the posted
@@ -227,18 +275,25 @@ class MPICommunicationBackend(CommunicationBackend):
         return self._work(requests, "recv", then=check, keep=bufs)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
-        self._check(sig)
         self._subgroups += 1
         member = self.rank in ranks
         color = 0 if member else self._MPI.UNDEFINED
-        sub = self._comm.Split(color, ranks.index(self.rank) if member else 0)
+        split: list = []
+        self._wait(self._collective(sig, lambda: split.append(self._comm.Split(color, ranks.index(self.rank) if member
+                                                                               else 0))), "new_group")  # fmt: skip
         if not member:
             return None
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
-        return MPICommunicationBackend(sub, timeout=self.timeout, validate=self.validate, group=name)
+        return MPICommunicationBackend(split[0], timeout=self.timeout, validate=self.validate, group=name)
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole MPI job now (``MPI_Abort``): the way out after a timeout left a rank stuck inside MPI."""
+        self._comm.Abort(code)
 
     def shutdown(self) -> None:
-        """Stop the send thread and free a sub-group's communicator (``COMM_WORLD`` stays for MPI's own finalize)."""
+        """Stop the threads and free a sub-group's communicator (``COMM_WORLD`` stays for MPI's own finalize)."""
+        if self._queue is not None:
+            self._queue.put(None)
         if self._sender is not None:
             self._sender.shutdown(wait=False, cancel_futures=True)
         if self._comm is not self._MPI.COMM_WORLD:

@@ -1,0 +1,340 @@
+"""NCCL backend: CUDA tensors, NCCL driven directly through CuPy's bindings (``cupy.cuda.nccl``).
+
+Every op is enqueued on torch's *current* CUDA stream with the tensors' ``data_ptr()``, so it is ordered with the
+torch kernels before and after it exactly as a torch kernel would be: no extra synchronization, no copies, and
+torch's caching allocator needs no ``record_stream``. ``async_op=True`` returns a :class:`Work` whose ``wait()``
+makes the current stream wait on a CUDA event recorded after the op (``Work.synchronize()`` also blocks the host).
+
+The unique id travels through torch's ``TCPStore`` (:meth:`NCCLCommunicationBackend.create`, from ``MASTER_ADDR``
+and ``MASTER_PORT``) or through any bootstrap backend (:meth:`NCCLCommunicationBackend.from_bootstrap`, e.g. the
+Gloo or MPI backend of the same processes).
+
+- Uneven reduce-scatter / all-gather (the :func:`split_sizes` rule): one ``ncclReduce`` / ``ncclBroadcast`` per
+  rank's range inside one NCCL group call, straight from and into the caller's buffers (no padding); even sizes
+  use ``ncclReduceScatter`` / ``ncclAllGather`` (in place when ``inp`` already is ``out``'s own range).
+- AVERAGE: ``ncclAvg`` where the NCCL library has it (>= 2.10), otherwise SUM and one scaling kernel. gpudist's
+  strategies instead fold the 1/N into their pack kernels and send SUM, so they never pay the extra pass.
+- dtypes: fp32, fp64, fp16, int64, int32, int8, uint8, and bf16 where CuPy exposes ``NCCL_BFLOAT16``.
+- Timeouts: a watchdog thread polls the CUDA event of every op in flight; one that has not completed after
+  ``timeout`` seconds (or ``ncclCommGetAsyncError`` reporting an error) makes it abort the communicator
+  (``ncclCommAbort``, which releases kernels stuck waiting for a dead peer) and mark the backend broken: the
+  next op or ``wait()`` raises :class:`CommunicationTimeoutError` naming op, group and rank, instead of hanging.
+- Consistency check (``validate=True``): one all-gather of the 14-int64 signature, read on the host, so it
+  costs a device synchronization per op; gpudist's strategies turn it off around ops that agree by construction
+  (``comm.unchecked()``). ``send``/``recv`` shapes are not cross-checked on NCCL (the handshake the CPU backends
+  use would serialize on the stream); a mismatched pair times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .base import (
+    DEFAULT_TIMEOUT,
+    CommunicationBackend,
+    CommunicationError,
+    CommunicationTimeoutError,
+    ReductionOperation,
+    Signature,
+    Work,
+    shard_range,
+)
+
+__all__ = ["NCCLCommunicationBackend", "nccl_version"]
+
+_ID_BYTES = 128
+
+
+def _nccl():
+    """CuPy's NCCL module, or a CommunicationError saying which extra to install."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise CommunicationError(
+            f"the NCCL backend needs CuPy with NCCL ({e}); install the extra matching your CUDA: "
+            "pip install 'gpudist[cuda12]' or 'gpudist[cuda13]'", op="init", group="world",
+        ) from e
+    if not getattr(nccl, "available", True):
+        raise CommunicationError("CuPy is installed but libnccl was not found; install the nvidia-nccl-cu12/-cu13 "
+                                 "wheel or a system NCCL", op="init", group="world")  # fmt: skip
+    return nccl
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL runtime version as (major, minor, patch), or None when CuPy/NCCL is missing."""
+    try:
+        code = _nccl().get_version()
+    except (CommunicationError, RuntimeError):
+        return None
+    return (code // 10000, code // 100 % 100, code % 100) if code >= 10000 else (code // 1000, code // 100 % 10,
+                                                                                  code % 100)  # fmt: skip
+
+
+class _InFlight:
+    __slots__ = ("deadline", "event", "op")
+
+    def __init__(self, event: torch.cuda.Event, op: str, deadline: float):
+        self.event, self.op, self.deadline = event, op, deadline
+
+
+class NCCLCommunicationBackend(CommunicationBackend):
+    """One rank of an NCCL communicator on one CUDA device; build it with :meth:`create`, :meth:`from_bootstrap`
+    or ``gpudist.init("nccl")``."""
+
+    name = "nccl"
+
+    def __init__(self, rank: int, world_size: int, unique_id: Sequence[int], *,
+                 device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
+                 group: str = "world"):  # fmt: skip
+        super().__init__(rank, world_size, group, timeout)
+        if not torch.cuda.is_available():
+            raise CommunicationError("the NCCL backend needs a CUDA device; torch sees none (use the Gloo or MPI "
+                                     "backend on CPU)", op="init", group=group, rank=rank)  # fmt: skip
+        self._lib = _nccl()
+        index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.validate = validate
+        self._types = {torch.float32: self._lib.NCCL_FLOAT32, torch.float64: self._lib.NCCL_FLOAT64,
+                       torch.float16: self._lib.NCCL_FLOAT16, torch.int64: self._lib.NCCL_INT64,
+                       torch.int32: self._lib.NCCL_INT32, torch.int8: self._lib.NCCL_INT8,
+                       torch.uint8: self._lib.NCCL_UINT8}  # fmt: skip
+        if hasattr(self._lib, "NCCL_BFLOAT16"):
+            self._types[torch.bfloat16] = self._lib.NCCL_BFLOAT16
+        self._avg = getattr(self._lib, "NCCL_AVG", None)
+        self._ops = {ReductionOperation.SUM: self._lib.NCCL_SUM, ReductionOperation.MAX: self._lib.NCCL_MAX,
+                     ReductionOperation.MIN: self._lib.NCCL_MIN, ReductionOperation.PRODUCT: self._lib.NCCL_PROD}
+        with torch.cuda.device(self._device):
+            try:
+                self._comm = self._lib.NcclCommunicator(world_size, tuple(int(b) for b in unique_id), rank)
+            except RuntimeError as e:
+                raise CommunicationError(f"ncclCommInitRank failed: {e}", op="init", group=group, rank=rank) from e
+        self._subgroups = 0
+        self._inflight: list[_InFlight] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name=f"gpudist-nccl-watchdog-r{rank}", daemon=True)
+        self._watchdog.start()
+
+    # -- construction ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def unique_id() -> list[int]:
+        """A fresh NCCL unique id (128 signed bytes as ints): rank 0 makes it, every rank passes it to ``__init__``."""
+        return list(_nccl().get_unique_id())
+
+    @classmethod
+    def from_bootstrap(cls, bootstrap: CommunicationBackend, *, device: int | torch.device | None = None,
+                       timeout: float | None = None, validate: bool = True) -> NCCLCommunicationBackend:  # fmt: skip
+        """The NCCL group of the same ranks as ``bootstrap`` (a CPU backend), whose rank 0 broadcasts the id."""
+        ident = torch.zeros(_ID_BYTES, dtype=torch.int64)
+        if bootstrap.rank == 0:
+            ident.copy_(torch.tensor(cls.unique_id(), dtype=torch.int64))
+        bootstrap.broadcast(ident, src=0)
+        return cls(bootstrap.rank, bootstrap.world_size, ident.tolist(), device=device,
+                   timeout=bootstrap.timeout if timeout is None else timeout, validate=validate)  # fmt: skip
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
+               device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
+               store: torch.distributed.Store | None = None) -> NCCLCommunicationBackend:  # fmt: skip
+        """Join through torch's TCPStore at ``master_addr:master_port`` (rank 0 hosts it and publishes the id)."""
+        from .gloo import create_store
+
+        if store is None:
+            store = create_store(master_addr, master_port, rank, world_size, timeout)
+        key = "gpudist/nccl/unique_id"
+        if rank == 0:
+            store.set(key, bytes(b & 0xFF for b in cls.unique_id()))
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        ident = [b - 256 if b > 127 else b for b in store.get(key)]
+        return cls(rank, world_size, ident, device=device, timeout=timeout, validate=validate)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- machinery ---------------------------------------------------------------------------------------------------
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    def _dtype(self, t: torch.Tensor, op: str) -> int:
+        if t.dtype not in self._types:
+            raise TypeError(f"{op}: {t.dtype} is not supported by this CuPy/NCCL build (bf16 needs CuPy with "
+                            "NCCL_BFLOAT16 and NCCL >= 2.10); cast to float32 or upgrade cupy")  # fmt: skip
+        return self._types[t.dtype]
+
+    def _check_tensor(self, op: str, tensor: torch.Tensor, what: str = "tensor") -> None:
+        super()._check_tensor(op, tensor, what)
+        if tensor.device != self._device:
+            raise ValueError(f"{op}: {what} is on {tensor.device} but this NCCL rank drives {self._device}; move it "
+                             f"there (tensor.to('{self._device}'))")  # fmt: skip
+        self._dtype(tensor, op)
+
+    def _enqueued(self, op: str, then=None) -> Work:
+        """Record an event after the op just enqueued and hand it to the watchdog; the Work waits on the event."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        with self._lock:
+            self._inflight.append(_InFlight(event, op, time.monotonic() + self.timeout))
+
+        def wait() -> None:
+            self._raise_if_broken(op)
+            torch.cuda.current_stream(self._device).wait_event(event)
+            if then is not None:
+                then()
+
+        return Work(wait, event.query)
+
+    def _watch(self) -> None:
+        """Watchdog: abort the communicator when an op outlives the timeout or NCCL reports an async error."""
+        while not self._stop.wait(0.05):
+            with self._lock:
+                self._inflight = [f for f in self._inflight if not f.event.query()]
+                late = next((f for f in self._inflight if time.monotonic() > f.deadline), None)
+            problem = None
+            try:
+                self._comm.check_async_error()
+            except RuntimeError as e:
+                problem = self._error(f"NCCL reported an asynchronous error: {e}", "async")
+            if late is not None and problem is None:
+                problem = self._error(f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or "
+                                      "died; the NCCL communicator was aborted", late.op,
+                                      CommunicationTimeoutError)  # fmt: skip
+            if problem is not None:
+                self._mark_broken(problem)
+                try:
+                    self._comm.abort()
+                finally:
+                    self._stop.set()
+
+    def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
+        src, dst = mine.to(self._device), torch.empty(everyone.numel(), dtype=torch.int64, device=self._device)
+        self._comm.allGather(src.data_ptr(), dst.data_ptr(), src.numel(), self._lib.NCCL_INT64, self._stream())
+        self._enqueued(op)
+        everyone.copy_(dst.cpu())  # waits for the device: the check needs the values on the host
+        self._raise_if_broken(op)
+
+    def _translate(self, error: BaseException, op: str) -> CommunicationError:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return self._error(f"NCCL error: {text}", op)
+
+    def _reduce_op(self, op: ReductionOperation):
+        """(NCCL op, post-scale or None) for ``op``: AVERAGE is ncclAvg when available, else SUM then divide."""
+        if op is not ReductionOperation.AVERAGE:
+            return self._ops[op], None
+        if self._avg is not None:
+            return self._avg, None
+        return self._ops[ReductionOperation.SUM], 1.0 / self.world_size
+
+    # -- the ops -----------------------------------------------------------------------------------------------------
+
+    def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        nccl_op, scale = self._reduce_op(op)
+        self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "all_reduce"),
+                             nccl_op, self._stream())  # fmt: skip
+        if scale is not None:
+            tensor.mul_(scale)
+        return self._enqueued("all_reduce")
+
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+        self._check(sig)
+        nccl_op, scale = self._reduce_op(op)
+        dtype, stream, n, size = self._dtype(inp, "reduce_scatter"), self._stream(), inp.numel(), inp.element_size()
+        if n % self.world_size == 0:
+            self._comm.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), dtype, nccl_op, stream)
+        else:  # uneven shares: one reduce to each rank of its range, fused into one group call
+            self._lib.groupStart()
+            try:
+                for r in range(self.world_size):
+                    start, end = shard_range(n, self.world_size, r)
+                    if end > start:
+                        self._comm.reduce(inp.data_ptr() + start * size, out.data_ptr(), end - start, dtype, nccl_op,
+                                          r, stream)  # fmt: skip
+            finally:
+                self._lib.groupEnd()
+        if scale is not None:
+            out.mul_(scale)
+        return self._enqueued("reduce_scatter")
+
+    def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        dtype, stream, n, size = self._dtype(out, "all_gather"), self._stream(), out.numel(), out.element_size()
+        if n % self.world_size == 0:  # in place when inp is out's own range (NCCL allows exactly that alias)
+            self._comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), dtype, stream)
+            return self._enqueued("all_gather")
+        self._lib.groupStart()  # uneven shares: one broadcast of each rank's range straight into out
+        try:
+            for r in range(self.world_size):
+                start, end = shard_range(n, self.world_size, r)
+                if end > start:
+                    src = inp.data_ptr() if r == self.rank else out.data_ptr() + start * size
+                    self._comm.broadcast(src, out.data_ptr() + start * size, end - start, dtype, r, stream)
+        finally:
+            self._lib.groupEnd()
+        return self._enqueued("all_gather")
+
+    def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        self._check(sig)
+        self._comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "broadcast"),
+                             src, self._stream())  # fmt: skip
+        return self._enqueued("broadcast")
+
+    def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        self._check(sig)
+        dtype, stream = self._dtype(inp, "all_to_all"), self._stream()
+        part, size = inp.numel() // self.world_size, inp.element_size()
+        self._lib.groupStart()
+        try:
+            for r in range(self.world_size):
+                self._comm.send(inp.data_ptr() + r * part * size, part, dtype, r, stream)
+                self._comm.recv(out.data_ptr() + r * part * size, part, dtype, r, stream)
+        finally:
+            self._lib.groupEnd()
+        return self._enqueued("all_to_all")
+
+    def _barrier(self, sig: Signature) -> Work:
+        self._check(sig)
+        token = torch.zeros(1, device=self._device)
+        self._comm.allReduce(token.data_ptr(), token.data_ptr(), 1, self._lib.NCCL_FLOAT32, self._lib.NCCL_SUM,
+                             self._stream())  # fmt: skip
+        work = self._enqueued("barrier")
+        return Work(lambda: (work.wait(), torch.cuda.current_stream(self._device).synchronize()), work.is_completed)
+
+    def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
+        self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "send"), dst, self._stream())
+        return self._enqueued("send")
+
+    def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
+        self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "recv"), src, self._stream())
+        return self._enqueued("recv")
+
+    def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
+        self._check(sig)
+        self._subgroups += 1
+        ident = torch.zeros(_ID_BYTES, dtype=torch.int64, device=self._device)
+        if self.rank == ranks[0]:
+            ident.copy_(torch.tensor(self.unique_id(), dtype=torch.int64))
+        self._comm.broadcast(ident.data_ptr(), ident.data_ptr(), _ID_BYTES, self._lib.NCCL_INT64, ranks[0],
+                             self._stream())  # fmt: skip
+        self._enqueued("new_group")
+        values = ident.tolist()
+        self._raise_if_broken("new_group")
+        if self.rank not in ranks:
+            return None
+        name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
+        return NCCLCommunicationBackend(ranks.index(self.rank), len(ranks), values, device=self._device,
+                                        timeout=self.timeout, validate=self.validate, group=name)  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop the watchdog and destroy the communicator (after the device finished its queued ops)."""
+        self._stop.set()
+        if self.healthy:
+            torch.cuda.synchronize(self._device)
+            self._comm.destroy()
