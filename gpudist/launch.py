@@ -117,8 +117,9 @@ def available_backends() -> dict[str, str]:
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True) -> CommunicationBackend:
     """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
 
-    ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed; else MPI when ``mpirun``
-    (Open MPI or MPICH) started the process and mpi4py is installed; else Gloo. The rendezvous
+    ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo (under mpirun
+    too: the rank and size come from Open MPI's or MPICH's variables). ``backend="mpi"`` uses MPI itself
+    (``mpirun`` must have started the processes; no rendezvous port). The rendezvous
     store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set).
     ``timeout`` bounds every op in seconds; ``validate`` turns on the cross-rank consistency check.
     """
@@ -126,9 +127,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
         raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")
     env = detect_environment()
     available = available_backends()
-    if backend == "auto":  # NCCL on GPUs; under mpirun on CPU, MPI itself; otherwise Gloo
-        mpi = env.launcher in ("openmpi", "mpich") and available["mpi"] == "available"
-        backend = "nccl" if available["nccl"] == "available" else "mpi" if mpi else "gloo"
+    if backend == "auto":
+        backend = "nccl" if available["nccl"] == "available" else "gloo"
     if available[backend] != "available":
         raise CommunicationError(f"backend '{backend}' is unavailable: {available[backend]}", op="init", group="world",
                                  rank=env.rank)

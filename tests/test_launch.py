@@ -14,7 +14,7 @@ import pytest
 import gpudist
 from gpudist.comm import CommunicationError, InMemoryCommunicationBackend
 from gpudist.launch import detect_environment
-from gpudist.testing import free_port
+from gpudist.testing import free_port, mpi_launcher, mpi_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +107,23 @@ def test_init_joins_a_multi_process_job(launcher):
     assert out[0]["listen"] == "127.0.0.1"
 
 
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_unavailable() is not None, reason=f"MPI: {mpi_unavailable()}")
+def test_init_mpi_under_mpirun(tmp_path):
+    """``gpudist.init("mpi")`` in processes mpirun started: one MPI group of 3 with the launcher's ranks, no port.
+    Catches the MPI backend failing to import or to take rank and size from the communicator."""
+    script = tmp_path / "rank.py"
+    text = RANK_SCRIPT.replace("gpudist.init(timeout=60)", 'gpudist.init("mpi", timeout=60)')
+    text = text.replace("print(json.dumps(", 'open(f"{os.environ[\'OUT\']}/{comm.rank}.json", "w").write(json.dumps(')
+    script.write_text(text.replace("flush=True)", ")"))
+    env = dict(os.environ, MASTER_PORT="1", OUT=str(tmp_path), OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    out = subprocess.run([*mpi_launcher(3), sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         env=env)  # fmt: skip
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert [(r["rank"], r["world"], r["sum"], r["backend"]) for r in rows] == [(i, 3, 6.0, "mpi") for i in range(3)], (
+        out.stdout[-2000:] + out.stderr[-2000:])
+
+
 def test_init_single_process_without_launcher():
     """A plain `python script.py` is rank 0 of 1 with no network rendezvous at all."""
     out = run_job(1, lambda r, w: {})
@@ -128,7 +145,7 @@ def test_gpudist_bench_collectives(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     header = next(line for line in out.stdout.splitlines() if "size(B)" in line)
-    for column in ("time(us)", "algbw", "busbw", "torch(us)", "ratio"):
+    for column in ("time(us)", "algbw", "busbw", "raw(us)", "ratio"):
         assert column in header
     doc = json.loads(path.read_text())
     assert {r["op"] for r in doc["rows"]} == {"all_reduce", "reduce_scatter", "all_gather"}

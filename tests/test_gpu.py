@@ -1,0 +1,167 @@
+"""The GPU tier (marker ``gpu``; runs when CUDA is present, skipped with the reason otherwise): NCCL through every op,
+every strategy on CUDA tensors (in-memory ranks at world size 2-4, NCCL at world size 1, and several NCCL ranks on
+one GPU where NCCL >= 2.30 allows it). The compiled Triton kernels are tested against their references by the
+``cuda`` cases of tests/test_kernels.py and tests/test_kernels_compression.py (same marker).
+
+    pytest -m gpu            # what a single-GPU CI runner runs
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpudist
+from gpudist.comm import ReductionOperation, split_sizes
+from gpudist.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+needs_nccl = pytest.mark.skipif(not HAS_CUPY, reason="CuPy (gpudist[cuda12] or [cuda13]) is not installed")
+
+PAIRS = {
+    "ddp": (gpudist.DDPModel, gpudist.DDPOptimizer),
+    "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer),
+    "zero2": (gpudist.ZeRO2Model, gpudist.ZeRO2Optimizer),
+    "zero3": (gpudist.ZeRO3Model, gpudist.ZeRO3Optimizer),
+    "fsdp": (gpudist.FSDPModel, gpudist.ZeRO3Optimizer),
+}
+STEPS, BATCH = 5, 16
+TOL = {"rtol": 1e-4, "atol": 1e-5}  # TF32 is off (below); the fused CUDA kernels differ from torch by ulps
+
+
+def net(device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(9, 33), nn.GELU(), nn.Linear(33, 17), nn.GELU(), nn.Linear(17, 5)).to(device)
+
+
+def batch(step: int, device, rank: int = 0, world: int = 1):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(BATCH, 9, generator=g), torch.randn(BATCH, 5, generator=g)
+    per = BATCH // world
+    return x[rank * per : (rank + 1) * per].to(device), y[rank * per : (rank + 1) * per].to(device)
+
+
+def reference(device) -> torch.Tensor:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = net(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step, device)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+
+
+def train(comm, strategy: str) -> torch.Tensor:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = comm.device
+    config = gpudist.ShardingConfiguration(comm)
+    model_cls, opt_cls = PAIRS[strategy]
+    model = model_cls(net(device), config)
+    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    for step in range(STEPS):
+        x, y = batch(step, device, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.gather_full_parameters().cpu()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", list(PAIRS))
+def test_strategy_on_cuda_inmemory(strategy, world):
+    """Catches device mix-ups in the strategies (a CPU temporary on the CUDA path, a stream-ordering bug between the
+    compiled pack/step kernels and the copies): N CUDA ranks equal one CUDA process on the global batch."""
+    results = run_ranks(train, world, "inmemory", device="cuda", strategy=strategy)
+    expected = reference("cuda")
+    for r in results:
+        torch.testing.assert_close(r, expected, **TOL)
+
+
+def nccl_solo() -> gpudist.NCCLCommunicationBackend:
+    from gpudist.comm.nccl import NCCLCommunicationBackend
+
+    return NCCLCommunicationBackend(0, 1, NCCLCommunicationBackend.unique_id(), device=torch.cuda.current_device())
+
+
+@needs_nccl
+def test_nccl_world_one_every_op():
+    """Catches a wrong NCCL dtype/op mapping, pointer offsets, or a missing stream order: every op of the contract
+    on one rank gives the identity results, in fp32, bf16 (where CuPy has it) and int64."""
+    comm = nccl_solo()
+    dtypes = [torch.float32, torch.int64] + ([torch.bfloat16] if torch.bfloat16 in comm._types else [])
+    for dtype in dtypes:
+        x = (torch.arange(13, device="cuda") - 6).to(dtype)
+        for op in ("sum", "max", "min", "product") + (("average",) if dtype.is_floating_point else ()):
+            t = x.clone()
+            comm.all_reduce(t, op)
+            assert torch.equal(t, x), (dtype, op)
+        out = torch.empty(split_sizes(13, 1)[0], dtype=dtype, device="cuda")
+        comm.reduce_scatter(x, out, ReductionOperation.SUM)
+        assert torch.equal(out, x)
+        gathered = torch.empty(13, dtype=dtype, device="cuda")
+        comm.all_gather(x, gathered)
+        assert torch.equal(gathered, x)
+        t = x.clone()
+        comm.broadcast(t, 0)
+        assert torch.equal(t, x)
+        moved = torch.empty_like(x[:12])
+        comm.all_to_all(x[:12].contiguous(), moved)
+        assert torch.equal(moved, x[:12])
+        work = comm.all_reduce(t, "sum", async_op=True)
+        work.wait()
+        torch.cuda.synchronize()
+        assert work.is_completed()
+    comm.barrier()
+    assert comm.new_group([0]).world_size == 1
+    with pytest.raises(ValueError, match="cpu"):
+        comm.all_reduce(torch.ones(3))  # a CPU tensor on the NCCL backend: clear error before anything is sent
+    comm.shutdown()
+
+
+@needs_nccl
+@pytest.mark.parametrize("strategy", list(PAIRS))
+def test_strategy_on_nccl_world_one(strategy):
+    """Catches a strategy that cannot drive the NCCL backend (e.g. host tensors handed to it for the norm)."""
+    comm = nccl_solo()
+    try:
+        torch.testing.assert_close(train(comm, strategy), reference("cuda"), **TOL)
+    finally:
+        comm.shutdown()
+
+
+def _nccl_ranks(comm, strategy: str) -> torch.Tensor:
+    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # read when the communicator is created
+    from gpudist.comm.nccl import NCCLCommunicationBackend
+
+    nccl = NCCLCommunicationBackend.from_bootstrap(comm, device=0)
+    try:
+        x = torch.full((7,), float(nccl.rank + 1), device="cuda")
+        nccl.all_reduce(x)
+        assert torch.equal(x.cpu(), torch.full((7,), float(sum(range(1, nccl.world_size + 1)))))
+        return train(nccl, strategy)
+    finally:
+        nccl.shutdown()
+
+
+@needs_nccl
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_multi_rank_nccl_on_one_gpu(strategy):
+    """Where NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1) lets two ranks share one GPU: real multi-rank NCCL
+    collectives, and a strategy equal to one process. Catches uneven reduce-scatter/all-gather group calls."""
+    from gpudist.comm.nccl import nccl_version
+
+    version = nccl_version()
+    if version is None or version < (2, 30, 0):
+        pytest.skip(f"NCCL {version} refuses two ranks on one GPU (needs >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    results = run_ranks(_nccl_ranks, 2, "gloo", timeout=120.0, strategy=strategy)
+    for r in results:
+        torch.testing.assert_close(r, reference("cuda"), **TOL)
