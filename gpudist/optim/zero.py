@@ -176,6 +176,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
             if view is not None:
                 self._grad = view
                 return
+            if self._grad.numel() and self._grad.untyped_storage().data_ptr() == self._storage_of(model):
+                self._grad = torch.empty_like(self._grad)  # do not write into the model's gradients
             for start, length, at in self._segment_spans():
                 kernels.pack(self._grad_views_for(start, length), self._grad[at : at + length])
             return
@@ -194,6 +196,11 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 return None  # e.g. dropped by zero_grad and no backward since: take the copying path
         start, length = self._segments[0]
         return flat[start : start + length]
+
+    @staticmethod
+    def _storage_of(model) -> int | None:
+        flat = getattr(model, "flat_grads", None)
+        return None if flat is None else flat.untyped_storage().data_ptr()
 
     def _reduce_scatter_gradients(self) -> None:
         raise NotImplementedError
