@@ -623,6 +623,12 @@ class CommunicationBackend(ABC):
             raise ValueError(f"{op}: {what}={peer} is this rank itself; a rank cannot {op} to/from itself")
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (transport errors carry long C++ traces), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _stable_hash(values: Sequence[int]) -> int:
     h = 1469598103934665603
     for v in values:

@@ -34,6 +34,7 @@ from .base import (
     ReductionOperation,
     Signature,
     Work,
+    first_line,
     p2p_mismatch_error,
     shard_range,
 )
@@ -220,7 +221,7 @@ class GlooCommunicationBackend(CommunicationBackend):
     # -- machinery ---------------------------------------------------------------------------------------------------
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = first_line(error)
         if "Timed out" in text or "timed out" in text or "Timeout" in text:
             return self._error(
                 f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died ({text})",

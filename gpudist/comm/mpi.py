@@ -38,6 +38,7 @@ from .base import (
     ReductionOperation,
     Signature,
     Work,
+    first_line,
     p2p_mismatch_error,
     split_sizes,
 )
@@ -173,7 +174,7 @@ class MPICommunicationBackend(CommunicationBackend):
             item()
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = first_line(error)
         return self._error(f"MPI error: {text}", op)
 
     def _reduced(self, t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from .base import (
     ReductionOperation,
     Signature,
     Work,
+    first_line,
     shard_range,
 )
 
@@ -221,7 +222,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._raise_if_broken(op)
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = first_line(error)
         return self._error(f"NCCL error: {text}", op)
 
     def _reduce_op(self, op: ReductionOperation):
