@@ -6,6 +6,7 @@ in-memory backend. See README.md for the strategy guide and DESIGN.md for the ar
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import compression
 from .checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -28,6 +29,7 @@ from .launch import init
 from .models import DDPModel, FSDPModel, ShardedModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from .optim import (
     DDPOptimizer,
+    GradientCompressionOptimizer,
     OptimizationResult,
     ShardedOptimizer,
     ZeRO1Optimizer,
@@ -51,6 +53,7 @@ __all__ = [
     "DDPOptimizer",
     "FSDPModel",
     "GlooCommunicationBackend",
+    "GradientCompressionOptimizer",
     "InMemoryCommunicationBackend",
     "MPICommunicationBackend",
     "NCCLCommunicationBackend",
@@ -66,6 +69,7 @@ __all__ = [
     "ZeRO3Model",
     "ZeRO3Optimizer",
     "__version__",
+    "compression",
     "init",
     "latest_checkpoint",
     "load_checkpoint",

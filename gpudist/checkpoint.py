@@ -41,6 +41,7 @@ from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
 from .models.base import ShardedModel, module_segments, module_table
 from .optim.base import ShardedOptimizer
+from .optim.compression import GradientCompressionOptimizer
 from .optim.zero import _FlatShardOptimizer
 
 __all__ = ["CheckpointError", "CheckpointInfo", "latest_checkpoint", "load_checkpoint", "read_manifest",
@@ -132,9 +133,46 @@ def _scalar(value) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _residual_spans(opt: GradientCompressionOptimizer, segmap: dict[int, Segments]):
+    """Each compressed buffer's channel, with its elements in canonical coordinates: (buffer position, length,
+    name, position in name)."""
+    for key, channel in opt.hook.channels.items():
+        spans = []
+        for pos, length, param, at in opt.hook.buffers[key].spans:
+            for ppos, n, name, c in _canonical(segmap.get(id(param), []), at, at + length):
+                spans.append((pos + ppos - at, n, name, c))
+        yield channel, spans
+
+
+def _residual_pieces(opt: GradientCompressionOptimizer, segmap: dict[int, Segments], rank: int,
+                     world: int) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """Error-feedback residuals as checkpoint pieces. A worker residual is per rank (``residual.worker.<rank>``, the
+    whole buffer); server residuals are one canonical tensor split over the ranks (``residual.server``)."""
+    pieces: dict[str, torch.Tensor] = {}
+    for channel, spans in _residual_spans(opt, segmap):
+        worker, server = channel.worker_residual(), channel.server_residual()
+        for pos, n, name, c in spans:
+            if worker is not None:
+                pieces[f"residual.worker.{rank}|{name}|{c}"] = worker[pos : pos + n].detach().cpu().clone()
+            if server is not None:
+                start, values = server
+                a, b = max(pos, start), min(pos + n, start + values.numel())
+                if a < b:
+                    piece = values[a - start : b - start]
+                    pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
+    meta = {"compressor": repr(opt.compressor), "steps": opt.hook.steps, "world_size": world,
+            "error_feedback": opt.hook.error_feedback}  # fmt: skip
+    return pieces, meta
+
+
 def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel: dict[str, int], rank: int,
                       world: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:  # fmt: skip
     """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description."""
+    if isinstance(opt, GradientCompressionOptimizer):
+        target = opt.inner if opt.inner is not None else opt.optimizer
+        pieces, scalars, desc = _optimizer_pieces(target, segmap, replicated, numel, rank, world)
+        residuals, meta = _residual_pieces(opt, segmap, rank, world)
+        return {**pieces, **residuals}, scalars, {**desc, "compression": meta}
     pieces: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float]] = {}
 
@@ -431,6 +469,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segments],
                      apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
     """Read the optimizer state this rank needs; return a function that installs it (after the parameters)."""
+    if isinstance(opt, GradientCompressionOptimizer):
+        return _stage_compression(opt, body, reader, segmap, apply)
     saved = body.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{reader.path} holds no optimizer state; load it with optimizer=None, or save one")
@@ -520,6 +560,47 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
         torch_opt.load_state_dict({"state": state, "param_groups": groups_sd})
 
     return finish_torch
+
+
+def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _Reader, segmap: dict[int, Segments],
+                       apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+    """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
+    worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
+    pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
+    finish_inner = _stage_optimizer(opt.inner if opt.inner is not None else opt.optimizer, body, reader, segmap, apply)
+    meta = (body.get("optimizer") or {}).get("compression")
+    rank, world = opt.comm.rank, opt.comm.world_size
+    staged = []
+    for channel, spans in _residual_spans(opt, segmap):
+        worker = server = None
+        if meta is not None and channel.worker is not None:
+            saved_world = int(meta["world_size"])
+            kinds = [f"residual.worker.{rank}"] if saved_world == world else \
+                [f"residual.worker.{r}" for r in range(saved_world)]  # fmt: skip
+            worker = torch.zeros(channel.numel, dtype=torch.float32)
+            for pos, n, name, c in spans:
+                if all(reader.has(kind, name) for kind in kinds):
+                    total = sum(reader.read(kind, name, c, n, torch.float32) for kind in kinds)
+                    worker[pos : pos + n] = total / len(kinds)
+        held = channel.server_residual()
+        if meta is not None and held is not None:
+            start, values = held
+            server = torch.zeros(values.numel(), dtype=torch.float32)
+            for pos, n, name, c in spans:
+                a, b = max(pos, start), min(pos + n, start + values.numel())
+                if a < b and reader.has("residual.server", name):
+                    part = reader.read("residual.server", name, c + a - pos, b - a, torch.float32)
+                    server[a - start : b - start] = part
+        staged.append((channel, worker, server))
+
+    def finish() -> None:
+        finish_inner()
+        for channel, worker, server in staged:
+            channel.load_residuals(worker, server)
+        if meta is not None:
+            opt.hook.steps = int(meta["steps"])
+
+    return finish
 
 
 ShardedModel._checkpoint_io = (save_checkpoint, load_checkpoint)  # save_model/load_model of every strategy

@@ -18,6 +18,7 @@ from .kernels.bucket import FLOAT_DTYPES
 
 __all__ = [
     "BucketPartition",
+    "BufferSpec",
     "FlatBuffer",
     "GradientBucket",
     "assign_buckets",
@@ -104,6 +105,30 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_c
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A flat gradient buffer that one collective communicates: its size, the collective, and which parameter
+    elements it holds (what a communication hook needs to keep per-buffer state, and a checkpoint to name it)."""
+
+    numel: int
+    op: str
+    """``"all_reduce"`` or ``"reduce_scatter"``."""
+    spans: tuple[tuple[int, int, torch.nn.Parameter, int], ...]
+    """(position in the buffer, length, parameter, position in the flattened parameter)."""
+
+    @classmethod
+    def of(cls, params: Sequence[torch.nn.Parameter], op: str, lo: int = 0, hi: int | None = None) -> BufferSpec:
+        """Elements ``[lo, hi)`` of the parameters' flat layout (all of it by default)."""
+        layout = FlatLayout.of(list(params))
+        hi = layout.total if hi is None else hi
+        spans = []
+        for p, offset, numel in zip(params, layout.offsets, layout.numels, strict=True):
+            a, b = max(lo, offset), min(hi, offset + numel)
+            if a < b:
+                spans.append((a - lo, b - a, p, a - offset))
+        return cls(hi - lo, op, tuple(spans))
 
 
 @dataclass(frozen=True)

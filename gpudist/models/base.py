@@ -64,6 +64,7 @@ class ShardedModel(nn.Module):
         self.module = module
         self.config = config
         self.last_step_bytes = 0
+        self._comm_hook = None  # set by register_comm_hook (strategies that support it)
         self._bytes_mark = self.comm.stats.total_bytes
         self.initialize_sharding()
         config._models.add(self)
@@ -287,6 +288,7 @@ class ShardedModel(nn.Module):
             "parameter_count": self.parameter_count(),
             "bytes_per_step": self.last_step_bytes,
             "memory_per_rank": self.memory_per_rank(),
+            **({"compression": self._comm_hook.report()} if self._comm_hook is not None else {}),
         }
 
 

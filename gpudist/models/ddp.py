@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import torch
 
 from .. import kernels
-from ..comm import ReductionOperation
-from ..flat import FlatBuffer, FlatLayout, GradientBucket, assign_buckets, broadcast_tensors
+from ..comm import ReductionOperation, Work
+from ..flat import BufferSpec, FlatBuffer, FlatLayout, GradientBucket, assign_buckets, broadcast_tensors
 from .base import ShardedModel
 
 __all__ = ["DDPModel"]
@@ -80,6 +80,24 @@ class DDPModel(ShardedModel):
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
 
+    # -- communication hook ---------------------------------------------------------------------------------------
+
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        """What each bucket communicates, by bucket index (for a communication hook and its checkpoints)."""
+        return {b.index: BufferSpec.of(b.params, "all_reduce") for b in self._buckets}
+
+    def register_comm_hook(self, hook) -> None:
+        """Route every bucket through ``hook.all_reduce(bucket_index, flat_grads)``, which must average the bucket
+        over ranks in place (e.g. compressed; :class:`gpudist.GradientCompressionOptimizer` installs one). The hook
+        runs when the bucket is ready, in bucket order on every rank, and replaces the plain all-reduce (and the
+        ``communication_dtype`` cast: the hook decides what travels)."""
+        if not callable(getattr(hook, "all_reduce", None)):
+            raise TypeError(f"a comm hook needs an all_reduce(bucket_index, tensor) method, got {type(hook).__name__}")
+        if self._comm_hook is not None and hook is not None and hook is not self._comm_hook:
+            raise ValueError(f"{type(self).__name__} already has a comm hook ({type(self._comm_hook).__name__}); "
+                             "build one optimizer that communicates per model")  # fmt: skip
+        self._comm_hook = hook
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside the block only accumulate locally; the first backward
@@ -138,6 +156,10 @@ class DDPModel(ShardedModel):
         n = self.world_size
         if not self._views:
             kernels.pack(self._grads_of(bucket), bucket.grads.data)
+        if self._comm_hook is not None:  # synchronous: a compressed all-reduce is several dependent collectives
+            self._comm_hook.all_reduce(bucket.index, bucket.grads.data)
+            self._pending.append((bucket, Work()))
+            return
         if bucket.wire is bucket.grads.data:
             op, wire = ReductionOperation.AVERAGE, bucket.wire
         else:  # low-precision wire: cast and pre-divide by N in one pass, sum, widen back after
@@ -149,7 +171,7 @@ class DDPModel(ShardedModel):
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
         """Runs once the bucket's collective completed: put the result where the gradients live."""
-        if bucket.wire is not bucket.grads.data:
+        if bucket.wire is not bucket.grads.data and self._comm_hook is None:
             bucket.grads.data.copy_(bucket.wire)
         if not self._views:
             kernels.unpack(bucket.grads.data, self._grads_of(bucket))

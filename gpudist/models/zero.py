@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..comm import ReductionOperation
-from ..flat import GradientBucket, partition_buckets
+from ..comm import ReductionOperation, Work
+from ..flat import BufferSpec, GradientBucket, partition_buckets
 from .base import ShardedModel
 from .ddp import DDPModel
 
@@ -61,14 +61,31 @@ class ZeRO2Model(DDPModel):
         """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order)."""
         return sorted(b.part.segment for b in self._buckets)
 
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        return {b.index: BufferSpec.of(b.params, "reduce_scatter") for b in self._buckets}
+
+    def register_comm_hook(self, hook) -> None:
+        """As :meth:`DDPModel.register_comm_hook`, with ``hook.reduce_scatter(bucket_index, flat_grads, out)``: ``out``
+        gets this rank's piece (:func:`gpudist.comm.split_sizes`) of the bucket's average over ranks."""
+        if not callable(getattr(hook, "reduce_scatter", None)):
+            raise TypeError(f"a ZeRO-2 comm hook needs a reduce_scatter(bucket_index, inp, out) method, got "
+                            f"{type(hook).__name__}")  # fmt: skip
+        self._comm_hook = hook
+
     def _launch(self, bucket: GradientBucket) -> None:
-        sent = torch.empty(bucket.numel, dtype=self._wire_dtype, device=self.owned_grads.device)
-        kernels.pack(self._grads_of(bucket), sent, scale=1.0 / self.world_size)
+        hook = self._comm_hook
+        wire_dtype = self.owned_grads.dtype if hook is not None else self._wire_dtype
+        sent = torch.empty(bucket.numel, dtype=wire_dtype, device=self.owned_grads.device)
+        kernels.pack(self._grads_of(bucket), sent, scale=1.0 if hook is not None else 1.0 / self.world_size)
         for p in bucket.params:
             p.grad = None  # the full gradient is in the bucket now; free it
-        received = torch.empty(bucket.part.owned_numel, dtype=self._wire_dtype, device=sent.device)
-        with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-            work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
+        received = torch.empty(bucket.part.owned_numel, dtype=wire_dtype, device=sent.device)
+        if hook is not None:
+            hook.reduce_scatter(bucket.index, sent, received)
+            work = Work()
+        else:
+            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
+                work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
         bucket.in_flight = (sent, received)
         self._pending.append((bucket, work))
 

@@ -1,8 +1,9 @@
 """Optimizer strategies: ShardedOptimizer (base) and one module per strategy family."""
 
 from .base import OptimizationResult, ShardedOptimizer
+from .compression import GradientCompressionOptimizer
 from .ddp import DDPOptimizer
 from .zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-__all__ = ["DDPOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer",
-           "ZeRO3Optimizer"]
+__all__ = ["DDPOptimizer", "GradientCompressionOptimizer", "OptimizationResult", "ShardedOptimizer",
+           "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer"]

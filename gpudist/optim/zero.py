@@ -19,7 +19,7 @@ from .. import kernels
 from ..comm import ReductionOperation, shard_range
 from ..comm.base import _stable_hash
 from ..config import ShardingConfiguration
-from ..flat import FlatBuffer, partition_buckets
+from ..flat import BufferSpec, FlatBuffer, partition_buckets
 from ..models.base import same_on_every_rank
 from ..models.zero3 import ZeRO3Model
 from .base import ShardedOptimizer
@@ -104,6 +104,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         elif self._kind == "sgd" and any(g["momentum"] != 0 for g in self.param_groups):
             self._state = {"momentum_buffer": torch.zeros_like(self._grad, dtype=torch.float32)}
         self._inner: torch.optim.Optimizer | None = None
+        self._comm_hook = None
         self.last_step_skipped, self.last_grad_norm = False, math.nan
         if self._kind is None:
             self._views = [nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length))
@@ -204,6 +205,15 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _reduce_scatter_gradients(self) -> None:
         raise NotImplementedError
+
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        """What this optimizer reduce-scatters itself when used with a plain module, by buffer index."""
+        raise NotImplementedError
+
+    def register_comm_hook(self, hook) -> None:
+        """Used with a plain module: reduce-scatter every gradient buffer through ``hook.reduce_scatter(index, inp,
+        out)`` (``out`` = this rank's piece of the average over ranks) instead of the plain reduce-scatter."""
+        self._comm_hook = hook
 
     # -- stepping ---------------------------------------------------------------------------------------------------
 
@@ -341,9 +351,16 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
         start, end = shard_range(self._flat.layout.total, self.comm.world_size, self.comm.rank)
         return [(start, end - start)]
 
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        return {0: BufferSpec.of(self._flat_params, "reduce_scatter")}
+
     def _reduce_scatter_gradients(self) -> None:
         full = torch.empty(self._flat.layout.total, dtype=self._grad.dtype, device=self._grad.device)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._flat_params]
+        if self._comm_hook is not None:
+            kernels.pack(grads, full)
+            self._comm_hook.reduce_scatter(0, full, self._grad)
+            return
         kernels.pack(grads, full, scale=1.0 / self.comm.world_size)
         self.comm.reduce_scatter(full, self._grad, ReductionOperation.SUM)
 
@@ -409,14 +426,21 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
             )
         self._grad = owned  # the model's reduce-scattered pieces, same order: step them in place, no copy
 
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        return {i: BufferSpec.of(self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel)
+                for i, part in enumerate(self._parts)}  # fmt: skip
+
     def _reduce_scatter_gradients(self) -> None:
-        n = self.comm.world_size
-        for part in self._parts:
+        hook = self._comm_hook
+        for i, part in enumerate(self._parts):
             views = self._grad_views_for(part.flat_offset, part.numel)
             sent = torch.empty(part.numel, dtype=self._grad.dtype, device=self._grad.device)
-            kernels.pack(views, sent, scale=1.0 / n)
-            self.comm.reduce_scatter(sent, self._grad[part.owned_at : part.owned_at + part.owned_numel],
-                                     ReductionOperation.SUM)  # fmt: skip
+            out = self._grad[part.owned_at : part.owned_at + part.owned_numel]
+            kernels.pack(views, sent, scale=1.0 if hook is not None else 1.0 / self.comm.world_size)
+            if hook is not None:
+                hook.reduce_scatter(i, sent, out)
+            else:
+                self.comm.reduce_scatter(sent, out, ReductionOperation.SUM)
 
     def _gather_parameters(self) -> None:
         dtype = self._flat.data.dtype
