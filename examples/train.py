@@ -68,6 +68,12 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     comm_dtype: str = "fp32"
+    compression: str | None = None
+    """A gpudist.compression spec ("topk:0.01", "int8", "1bit"): gradients travel compressed, with error feedback
+    (GradientCompressionOptimizer around the strategy's optimizer; ddp, zero1 and zero2)."""
+    compression_warmup: int = 10
+    """Uncompressed steps before compression starts."""
+    error_feedback: bool = True
     out: str = "runs/ddp-w2"
     log_every: int = 25
     seq_len: int = 64
@@ -112,6 +118,9 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
     model = model_cls(net, config)
     opt = optim_cls(make_optimizer(model.parameters(), cfg.lr), config)
+    if cfg.compression is not None:
+        opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
+                                                   error_feedback=cfg.error_feedback)  # fmt: skip
     # The wrapper is a torch.optim.Optimizer sharing the inner one's param_groups, so schedulers work unchanged.
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=cfg.steps))
     tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -179,6 +188,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         "replicas_identical": identical,
         "replica_max_abs_diff": max_diff,
         "metadata": model.get_model_metadata(),
+        "compression": opt.communication_report() if cfg.compression is not None else None,
         "comm_stats": comm.stats.as_dict(),
         "sample": SyntheticCorpus.decode(generate(trained, [VOCAB.index("the")], 40, cfg.seed)),
         "environment": environment(),
@@ -266,6 +276,12 @@ def report(metrics: dict[str, Any], out: Path) -> None:
     print(f"  {metrics['tokens_per_s'] / 1e3:.1f}k tokens/s, communication "
           f"{metrics['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
           f"replicas identical: {metrics['replicas_identical']}")
+    if metrics.get("compression"):
+        c = metrics["compression"]
+        print(f"  compression {c['compressor']['name']} (error feedback: {c['error_feedback']}): sent "
+              f"{c['total']['sent_bytes'] / 2**20:.1f} MiB vs {c['total']['dense_bytes'] / 2**20:.1f} MiB dense "
+              f"({100 * c['total']['ratio']:.1f}% over the run, {100 * c['last_step']['ratio']:.1f}% per step after "
+              f"{c['warmup_steps']} warm-up steps)")
     print(f"  sample: {metrics['sample']}")
     print(f"  wrote {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'model.safetensors'}")
 
@@ -363,6 +379,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="model initialisation and corpus")
     parser.add_argument("--comm-dtype", choices=list(COMM_DTYPES), default=defaults.comm_dtype,
                         help="dtype gradients travel in (bf16 halves the bytes)")
+    parser.add_argument("--compression", default=None,
+                        help="compress gradients: topk:RATIO (e.g. topk:0.01), int8, 1bit (ddp, zero1, zero2)")
+    parser.add_argument("--compression-warmup", type=int, default=defaults.compression_warmup,
+                        help="uncompressed steps before compression starts")
+    parser.add_argument("--no-error-feedback", action="store_true",
+                        help="drop what compression loses instead of sending it later (for comparison)")
     parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
@@ -386,9 +408,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                      f"so every rank gets an equal slice")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
+    if args.compression is not None:
+        try:
+            gpudist.compression.parse_compressor(args.compression)
+        except ValueError as e:
+            parser.error(f"--compression: {e}")
+        if args.strategy not in ("ddp", "zero1", "zero2"):
+            parser.error(f"--compression works with --strategy ddp, zero1 or zero2, not {args.strategy!r} (ZeRO-3 "
+                         "gathers parameters, which have no error feedback to absorb compression)")
+        if args.compression_warmup < 0:
+            parser.error(f"--compression-warmup must be >= 0, got {args.compression_warmup}")
+    suffix = f"-{args.compression.replace(':', '')}" if args.compression else ""
     cfg = TrainConfig(strategy=args.strategy, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
                       seed=args.seed, comm_dtype=args.comm_dtype, log_every=args.log_every,
-                      out=args.out or f"runs/{args.strategy}-w{world}")
+                      compression=args.compression, compression_warmup=args.compression_warmup,
+                      error_feedback=not args.no_error_feedback,
+                      out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
 
 

@@ -1,0 +1,374 @@
+"""gpudist.compression and GradientCompressionOptimizer: compressed collectives against the plain ones, error feedback
+conservation, parity with DDP when nothing is dropped, accounting, checkpoints across world sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import (
+    DDPModel,
+    DDPOptimizer,
+    GradientCompressionOptimizer,
+    ReductionOperation,
+    ShardingConfiguration,
+    ZeRO1Model,
+    ZeRO1Optimizer,
+    ZeRO2Model,
+    ZeRO2Optimizer,
+    ZeRO3Model,
+)
+from gpudist.compression import (
+    CompressedChannel,
+    IdentityCompressor,
+    Int8Compressor,
+    OneBitCompressor,
+    TopKCompressor,
+    parse_compressor,
+)
+from gpudist.comm import split_sizes
+from gpudist.testing import run_ranks
+
+from .backends import MPI
+from .test_ddp import batch, flat, fresh_net, initial_state
+
+CPU = torch.device("cpu")
+LOSSY = {"topk": TopKCompressor(0.05), "int8": Int8Compressor(), "1bit": OneBitCompressor(block_size=64),
+         "int8-stochastic": Int8Compressor(block_size=32, stochastic=True)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ compressors
+
+
+def test_wire_formats_meet_the_byte_targets():
+    """Catches a compressor whose payload (scales and indices included) is larger than the issue's targets: top-k 1%
+    <= 2.5%, int8 <= 27%, 1-bit <= 4% of dense fp32, or whose declared size disagrees with what it really sends."""
+    n = 1 << 20
+    dense = 4 * n
+    assert TopKCompressor(0.01).payload_bytes(n) / dense <= 0.025
+    assert Int8Compressor().payload_bytes(n) / dense <= 0.27
+    assert OneBitCompressor().payload_bytes(n) / dense <= 0.04
+    assert IdentityCompressor().payload_bytes(n) == dense
+    # The declared size is what the codes weigh.
+    x = torch.randn(4096)
+    for codec in (Int8Compressor(), OneBitCompressor(), IdentityCompressor()):
+        codes = codec.encode(x, None, seed=0)
+        assert sum(c.numel() * c.element_size() for c in codes) == codec.payload_bytes(4096)
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ("topk:0.01", TopKCompressor), ("topk:0.5:threshold", TopKCompressor), ("int8", Int8Compressor),
+    ("int8:128", Int8Compressor), ("1bit", OneBitCompressor), ("1bit:512", OneBitCompressor),
+    ("none", IdentityCompressor)])  # fmt: skip
+def test_parse_compressor(spec, expected):
+    """Catches a command-line spec that builds the wrong compressor or drops its argument."""
+    c = parse_compressor(spec)
+    assert type(c) is expected
+    if spec == "int8:128":
+        assert c.block_size == 128
+    if spec == "topk:0.5:threshold":
+        assert (c.ratio, c.mode) == (0.5, "threshold")
+
+
+@pytest.mark.parametrize(("spec", "match"), [("topk", "not one of"), ("topk:0", "ratio=0"), ("topk:2", "ratio=2"),
+                                             ("int8:100", "power of two"), ("gzip", "not one of"),
+                                             ("topk:0.1:fast", "mode")])  # fmt: skip
+def test_bad_compressor_specs_name_the_value(spec, match):
+    """Catches a bad spec that is accepted silently or fails with an error that does not say what is wrong."""
+    with pytest.raises(ValueError, match=match):
+        parse_compressor(spec)
+
+
+# ------------------------------------------------------------------------------------------------------ collectives
+
+
+def lossless_vs_plain(comm, compressor=None, n=0):
+    torch.manual_seed(comm.rank)
+    out = []
+    for scatter in (False, True):
+        channel = CompressedChannel(comm, compressor, n, device=CPU, scatter=scatter)
+        for _ in range(3):  # later calls skip the cross-rank check: still right
+            g = torch.randn(n)
+            plain = g.clone()
+            comm.all_reduce(plain, ReductionOperation.AVERAGE)
+            if scatter:
+                lo = sum(split_sizes(n, comm.world_size)[: comm.rank])
+                mine = torch.empty(split_sizes(n, comm.world_size)[comm.rank])
+                channel.reduce_scatter(g, mine)
+                out.append((mine, plain[lo : lo + mine.numel()]))
+            else:
+                channel.all_reduce(g)
+                out.append((g, plain))
+    return out
+
+
+@pytest.mark.parametrize(("backend", "world"), [("inmemory", 2), ("inmemory", 3), ("inmemory", 4), ("gloo", 2),
+                                                ("gloo", 3), pytest.param(MPI.values[0], 2, marks=MPI.marks)])  # fmt: skip
+@pytest.mark.parametrize("compressor", [IdentityCompressor(), TopKCompressor(1.0)], ids=["two-phase", "sparse"])
+def test_lossless_compressed_collectives_equal_the_plain_ones(backend, world, compressor):
+    """Compression turned off (fp32 codes through the two-phase all-reduce; top-k with k = n through the sparse
+    all-gather): the result must equal the plain all-reduce / reduce-scatter. Catches chunks sent to the wrong rank,
+    padding that leaks into the result, uneven ranges (1001 and 7 elements over 3-4 ranks) cut wrongly, a missing or
+    doubled 1/N, and top-k sets that are summed on the wire instead of scatter-added."""
+    for n in (1001, 7):
+        for results in run_ranks(lossless_vs_plain, world, backend, compressor=compressor, n=n):
+            for got, want in results:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def conservation(comm, compressor=None, n=0, scatter=False, steps=12):
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    channel = CompressedChannel(comm, compressor, n, device=CPU, scatter=scatter)
+    sizes = split_sizes(n, comm.world_size)
+    lo, size = sum(sizes[: comm.rank]), sizes[comm.rank]
+    applied = torch.zeros(n if not scatter else size, dtype=torch.float64)
+    true = torch.zeros_like(applied)
+    for step in range(steps):
+        g = torch.randn(n, generator=gen) * (1 + step % 3) + (0.5 if comm.rank else -0.5)
+        plain = g.clone()
+        comm.all_reduce(plain, ReductionOperation.AVERAGE)
+        if scatter:
+            out = torch.empty(size)
+            channel.reduce_scatter(g, out)
+            applied += out.double()
+            true += plain[lo : lo + size].double()
+        else:
+            channel.all_reduce(g)
+            applied += g.double()
+            true += plain.double()
+    worker = channel.worker_residual().clone()
+    comm.all_reduce(worker, ReductionOperation.AVERAGE)  # pending on the workers: the mean of their residuals
+    pending = worker.double() if not scatter else worker[lo : lo + size].double()
+    if channel.server_residual() is not None:  # the two-phase all-reduce's second quantization
+        server = torch.zeros(n)
+        start, values = channel.server_residual()
+        server[start : start + values.numel()] = values
+        comm.all_reduce(server, ReductionOperation.SUM)
+        pending = pending + server.double()
+    return applied, pending, true
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", list(LOSSY))
+@pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+def test_error_feedback_conserves_the_gradient_sum(world, name, scatter):
+    """Error feedback loses nothing: after 12 steps, the sum of the applied (averaged) updates plus what is still
+    pending (mean of the worker residuals, plus the server residual) equals the sum of the true averaged gradients.
+    Catches a residual not updated in place, the server residual missing from phase 2, a residual kept for padding,
+    and a residual on the wrong scale (per-rank sums vs averages). The compressed results also really differ from
+    the plain ones (the test is not passing because nothing was compressed)."""
+    for applied, pending, true in run_ranks(conservation, world, "inmemory", compressor=LOSSY[name], n=1000,
+                                            scatter=scatter):  # fmt: skip
+        torch.testing.assert_close(applied + pending, true, rtol=0, atol=2e-5 * float(true.abs().max()))
+        assert float((applied - true).abs().max()) > 1e-3
+
+
+def test_without_error_feedback_the_loss_is_not_kept():
+    """``error_feedback=False`` keeps no residual (and then the applied sum drifts from the true one)."""
+
+    def rank(comm):
+        channel = CompressedChannel(comm, TopKCompressor(0.1), 100, device=CPU, error_feedback=False)
+        g = torch.arange(100, dtype=torch.float32) * (comm.rank + 1)
+        channel.all_reduce(g)
+        return channel.worker_residual(), int((g != 0).sum())
+
+    for residual, nonzero in run_ranks(rank, 2, "inmemory"):
+        assert residual is None and nonzero <= 20
+
+
+def test_channel_rejects_a_buffer_of_another_size():
+    """Catches a hook called with a buffer that is not the one its residual was sized for (silent misalignment)."""
+
+    def rank(comm):
+        channel = CompressedChannel(comm, Int8Compressor(), 100, device=CPU)
+        with pytest.raises(ValueError, match="flat tensor of 100 elements"):
+            channel.all_reduce(torch.zeros(99))
+        return True
+
+    assert all(run_ranks(rank, 2, "inmemory"))
+
+
+# ------------------------------------------------------------------------------------------------------- optimizer
+
+SETUPS = ["plain", "ddp", "zero1", "zero2", "zero1-plain", "zero2-plain"]
+
+
+def build(comm, state, setup, compressor=None, error_feedback=True, warmup_steps=0, config_kw=None):
+    """One of the supported pairings, uncompressed (compressor None) or wrapped in a GradientCompressionOptimizer."""
+    config = ShardingConfiguration(comm, **({"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001} | (config_kw or {})))
+    net = fresh_net(state)
+    model_cls, opt_cls = {"plain": (None, DDPOptimizer), "ddp": (DDPModel, DDPOptimizer),
+                          "zero1": (ZeRO1Model, ZeRO1Optimizer), "zero2": (ZeRO2Model, ZeRO2Optimizer),
+                          "zero1-plain": (None, ZeRO1Optimizer), "zero2-plain": (None, ZeRO2Optimizer)}[setup]  # fmt: skip
+    model = model_cls(net, config) if model_cls is not None else net
+    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    if compressor is not None:
+        opt = GradientCompressionOptimizer(opt, config, compressor, warmup_steps=warmup_steps,
+                                           error_feedback=error_feedback)  # fmt: skip
+    return net, model, opt
+
+
+def train(comm, state=None, setup="ddp", compressor=None, steps=6, **kw):
+    net, model, opt = build(comm, state, setup, compressor, **kw)
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(net)
+
+
+@pytest.mark.parametrize(("backend", "world"), [("inmemory", 2), ("inmemory", 3), ("gloo", 2)])
+@pytest.mark.parametrize("setup", SETUPS)
+def test_topk_with_k_equal_n_matches_uncompressed_training(backend, world, setup):
+    """Top-k with k = n sends everything: training must equal the same setup uncompressed (DDP / ZeRO-1 / ZeRO-2,
+    with their model wrappers or a plain module) after 6 Adam steps, exactly for the all-reduce paths. Catches the
+    hook not installed (gradients never averaged: replicas drift), installed twice (averaged twice), a ZeRO-2 piece
+    taken from the wrong range, and the optimizer stepping before the compressed gradients arrived. Lossy compressors
+    must keep every replica identical too (everyone applies the same decoded average)."""
+    state = initial_state()
+    reference = run_ranks(train, world, backend, state=state, setup=setup)[0]
+    exact = run_ranks(train, world, backend, state=state, setup=setup, compressor="topk:1.0")
+    # AVERAGE on the wire (DDP, ZeRO-1 models) is exact; the others pre-scale by 1/N and sum (a few ulps apart)
+    tol = {"rtol": 0, "atol": 0} if setup in ("ddp", "zero1") else {"rtol": 1e-5, "atol": 1e-7}
+    for params in exact:
+        torch.testing.assert_close(params, reference, **tol)
+    for spec in ("int8", "1bit", "topk:0.1"):
+        replicas = run_ranks(train, world, backend, state=state, setup=setup, compressor=spec)
+        assert all(torch.equal(p, replicas[0]) for p in replicas), spec
+        assert not torch.equal(replicas[0], reference)
+
+
+def accounting(comm, warmup_steps=2):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))  # 33k parameters: padding is negligible
+    torch.manual_seed(1 + comm.rank)
+    config = ShardingConfiguration(comm)
+    model = DDPModel(net, config)
+    opt = GradientCompressionOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), config, "int8",
+                                       warmup_steps=warmup_steps)  # fmt: skip
+    reports = []
+    for _ in range(4):
+        before = comm.stats.bytes_of("all_to_all")
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        meta = model.get_model_metadata()["compression"]
+        reports.append((meta["compressing"], meta["last_step"]["ratio"], comm.stats.bytes_of("all_to_all") - before))
+    return reports, opt.communication_report()
+
+
+def test_warmup_then_compression_with_byte_accounting():
+    """The first ``warmup_steps`` steps are dense (ratio 1, no all-to-all), then int8 sends <= 27% of the dense bytes,
+    and get_model_metadata() reports it. Catches warm-up that never ends or never happens, and accounting that counts
+    the dense equivalent as sent."""
+    for reports, report in run_ranks(accounting, 2, "inmemory"):
+        assert [r[0] for r in reports] == [False, True, True, True]  # whether the *next* step compresses
+        assert reports[0][1] == reports[1][1] == 1.0 and reports[0][2] == reports[1][2] == 0
+        assert 0.25 <= reports[2][1] <= 0.27 and reports[3][2] > 0
+        assert report["steps"] == 4 and report["total"]["sent_bytes"] < report["total"]["dense_bytes"]
+
+
+def test_bad_pairings_and_arguments_are_refused():
+    """Each unsupported pairing or bad argument fails at construction with an error naming it, before any step."""
+
+    def rank(comm):
+        state = initial_state()
+        config = ShardingConfiguration(comm)
+        errors = []
+        cases = [
+            lambda: GradientCompressionOptimizer(torch.optim.SGD(ZeRO3Model(fresh_net(state), config).parameters(),
+                                                                 lr=0.1), config, "int8"),  # fmt: skip
+            lambda: GradientCompressionOptimizer(torch.optim.SGD(ZeRO2Model(fresh_net(state), config).parameters(),
+                                                                 lr=0.1), config, "int8"),  # fmt: skip
+            lambda: GradientCompressionOptimizer(torch.optim.SGD(fresh_net(state).parameters(), lr=0.1), config,
+                                                 "int8", warmup_steps=-1),  # fmt: skip
+            lambda: GradientCompressionOptimizer(torch.optim.SGD(fresh_net(state).parameters(), lr=0.1), config,
+                                                 "zip"),  # fmt: skip
+        ]
+        for case in cases:
+            with pytest.raises((TypeError, ValueError)) as info:
+                case()
+            errors.append(str(info.value))
+        return errors
+
+    errors = run_ranks(rank, 2, "inmemory")[0]
+    assert "ZeRO3Model is not supported" in errors[0]
+    assert "ZeRO2Model pairs with a ZeRO2Optimizer" in errors[1]
+    assert "warmup_steps=-1" in errors[2]
+    assert "'zip'" in errors[3]
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+
+
+def residuals_by_name(opt, comm, net):
+    """Worker residual (this rank's) and the full server residual (gathered), per parameter name."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    worker, server = {}, {}
+    for key, channel in opt.hook.channels.items():
+        w, held = channel.worker_residual(), channel.server_residual()
+        for pos, n, p, at in opt.hook.buffers[key].spans:
+            name = names[id(p)]
+            worker.setdefault(name, torch.zeros(p.numel()))[at : at + n] = w[pos : pos + n]
+            full = server.setdefault(name, torch.zeros(p.numel()))
+            if held is not None:
+                start, values = held
+                a, b = max(pos, start), min(pos + n, start + values.numel())
+                if a < b:
+                    full[at + a - pos : at + b - pos] = values[a - start : b - start]
+    for values in server.values():
+        comm.all_reduce(values, ReductionOperation.SUM)
+    return worker, server
+
+
+def save_at(comm, state=None, path=None, setup="ddp", compressor="int8", steps=4):
+    net, model, opt = build(comm, state, setup, compressor)
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    gpudist.save_checkpoint(path, model, opt, step=steps)
+    worker, server = residuals_by_name(opt, comm, net)
+    for values in worker.values():
+        comm.all_reduce(values, ReductionOperation.AVERAGE)  # what another world size must take back
+    same_net, _, same = build(comm, state, setup, compressor)
+    same.load_state_dict(opt.state_dict())  # same world size: state_dict round trip
+    mine = residuals_by_name(opt, comm, net)[0]
+    assert all(torch.equal(values, mine[name]) for name, values in residuals_by_name(same, comm, same_net)[0].items())
+    return worker, server, opt.hook.steps
+
+
+def load_at(comm, state=None, path=None, setup="ddp", compressor="int8"):
+    net, model, opt = build(comm, state, setup, compressor)
+    gpudist.load_checkpoint(path, model, opt)
+    worker, server = residuals_by_name(opt, comm, net)
+    with pytest.raises(ValueError, match="load across world sizes through"):
+        other = dict(opt.state_dict())
+        other["compression"] = {**other["compression"], "world_size": 4}
+        opt.load_state_dict(other)
+    return worker, server, opt.hook.steps
+
+
+@pytest.mark.parametrize(("setup", "compressor"), [("ddp", "int8"), ("ddp", "topk:0.1"), ("zero2", "1bit")])
+def test_residuals_survive_a_checkpoint_at_another_world_size(tmp_path, setup, compressor):
+    """Residuals saved at N=4 and loaded at N=2: every new rank's worker residual is the mean of the 4 saved ones
+    (so the pending update, mean over ranks, is unchanged), the server residual is the same full tensor, and the
+    step count (warm-up) carries over. Catches residuals left out of checkpoints (DeepSpeed's 1-bit Adam resets
+    them), residuals attached to the wrong parameter or offset after resharding, and a same-size state_dict
+    round trip that loses them."""
+    state = initial_state()
+    path = tmp_path / "ckpt"
+    saved = run_ranks(save_at, 4, "inmemory", state=state, path=path, setup=setup, compressor=compressor)
+    assert any(float(v.abs().max()) > 0 for v in saved[0][0].values())  # something was pending
+    for worker, server, steps in run_ranks(load_at, 2, "inmemory", state=state, path=path, setup=setup,
+                                           compressor=compressor):  # fmt: skip
+        assert steps == saved[0][2] == 4
+        for name, values in saved[0][0].items():
+            torch.testing.assert_close(worker[name], values, rtol=1e-6, atol=1e-7)
+        for name, values in saved[0][1].items():
+            torch.testing.assert_close(server[name], values, rtol=0, atol=0)
