@@ -68,6 +68,8 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     comm_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    """"adamw" or "sgd" (momentum 0.9)."""
     compression: str | None = None
     """A gpudist.compression spec ("topk:0.01", "int8", "1bit"): gradients travel compressed, with error feedback
     (GradientCompressionOptimizer around the strategy's optimizer; ddp, zero1 and zero2)."""
@@ -87,8 +89,11 @@ def available_strategies() -> list[str]:
     return [name for name, classes in STRATEGIES.items() if all(hasattr(gpudist, c) for c in classes)]
 
 
-def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
-    """The inner optimizer every strategy wraps (and the single-process reference uses unwrapped)."""
+def make_optimizer(params: Any, lr: float, kind: str = "adamw") -> torch.optim.Optimizer:
+    """The inner optimizer every strategy wraps (and the single-process reference uses unwrapped). ``"sgd"`` is
+    momentum SGD, the setting error feedback was designed for (use --lr about 0.03)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
@@ -117,7 +122,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     comm_dtype = COMM_DTYPES[cfg.comm_dtype]
     config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
     model = model_cls(net, config)
-    opt = optim_cls(make_optimizer(model.parameters(), cfg.lr), config)
+    opt = optim_cls(make_optimizer(model.parameters(), cfg.lr, cfg.optimizer), config)
     if cfg.compression is not None:
         opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
                                                    error_feedback=cfg.error_feedback)  # fmt: skip
@@ -379,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="model initialisation and corpus")
     parser.add_argument("--comm-dtype", choices=list(COMM_DTYPES), default=defaults.comm_dtype,
                         help="dtype gradients travel in (bf16 halves the bytes)")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer,
+                        help="inner optimizer: adamw (default) or momentum sgd (try --lr 0.03)")
     parser.add_argument("--compression", default=None,
                         help="compress gradients: topk:RATIO (e.g. topk:0.01), int8, 1bit (ddp, zero1, zero2)")
     parser.add_argument("--compression-warmup", type=int, default=defaults.compression_warmup,
@@ -421,7 +428,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     suffix = f"-{args.compression.replace(':', '')}" if args.compression else ""
     cfg = TrainConfig(strategy=args.strategy, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
                       seed=args.seed, comm_dtype=args.comm_dtype, log_every=args.log_every,
-                      compression=args.compression, compression_warmup=args.compression_warmup,
+                      optimizer=args.optimizer, compression=args.compression,
+                      compression_warmup=args.compression_warmup,
                       error_feedback=not args.no_error_feedback,
                       out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
