@@ -89,14 +89,14 @@ def lossless_vs_plain(comm, compressor=None, n=0):
     torch.manual_seed(comm.rank)
     out = []
     for scatter in (False, True):
-        channel = CompressedChannel(comm, compressor, n, device=CPU, scatter=scatter)
+        channel = CompressedChannel(comm, compressor, n, device=comm.device, scatter=scatter)
         for _ in range(3):  # later calls skip the cross-rank check: still right
-            g = torch.randn(n)
+            g = torch.randn(n).to(comm.device)
             plain = g.clone()
             comm.all_reduce(plain, ReductionOperation.AVERAGE)
             if scatter:
                 lo = sum(split_sizes(n, comm.world_size)[: comm.rank])
-                mine = torch.empty(split_sizes(n, comm.world_size)[comm.rank])
+                mine = torch.empty(split_sizes(n, comm.world_size)[comm.rank], device=comm.device)
                 channel.reduce_scatter(g, mine)
                 out.append((mine, plain[lo : lo + mine.numel()]))
             else:
@@ -124,17 +124,18 @@ def test_lossless_compressed_collectives_equal_the_plain_ones(backend, world, co
 
 def conservation(comm, compressor=None, n=0, scatter=False, steps=12):
     gen = torch.Generator().manual_seed(100 + comm.rank)
-    channel = CompressedChannel(comm, compressor, n, device=CPU, scatter=scatter)
+    device = comm.device
+    channel = CompressedChannel(comm, compressor, n, device=device, scatter=scatter)
     sizes = split_sizes(n, comm.world_size)
     lo, size = sum(sizes[: comm.rank]), sizes[comm.rank]
-    applied = torch.zeros(n if not scatter else size, dtype=torch.float64)
+    applied = torch.zeros(n if not scatter else size, dtype=torch.float64, device=device)
     true = torch.zeros_like(applied)
     for step in range(steps):
-        g = torch.randn(n, generator=gen) * (1 + step % 3) + (0.5 if comm.rank else -0.5)
+        g = (torch.randn(n, generator=gen) * (1 + step % 3) + (0.5 if comm.rank else -0.5)).to(device)
         plain = g.clone()
         comm.all_reduce(plain, ReductionOperation.AVERAGE)
         if scatter:
-            out = torch.empty(size)
+            out = torch.empty(size, device=device)
             channel.reduce_scatter(g, out)
             applied += out.double()
             true += plain[lo : lo + size].double()
@@ -146,12 +147,12 @@ def conservation(comm, compressor=None, n=0, scatter=False, steps=12):
     comm.all_reduce(worker, ReductionOperation.AVERAGE)  # pending on the workers: the mean of their residuals
     pending = worker.double() if not scatter else worker[lo : lo + size].double()
     if channel.server_residual() is not None:  # the two-phase all-reduce's second quantization
-        server = torch.zeros(n)
+        server = torch.zeros(n, device=device)
         start, values = channel.server_residual()
         server[start : start + values.numel()] = values
         comm.all_reduce(server, ReductionOperation.SUM)
         pending = pending + server.double()
-    return applied, pending, true
+    return applied.cpu(), pending.cpu(), true.cpu()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -123,7 +123,7 @@ def _block_size(cls: str, block_size: object) -> int:
 
 class Int8Compressor(QuantizingCompressor):
     """int8 codes with one fp32 scale (``absmax / 127``) per block: ``1 + 4 / block_size`` bytes per element
-    (26.6% of fp32 at 256). Round to nearest even, or ``stochastic`` (unbiased; seeded per step and rank)."""
+    (25.4% of fp32 at 256). Round to nearest even, or ``stochastic`` (unbiased; seeded per step and rank)."""
 
     name = "int8"
     payload_dtypes = (torch.int8, torch.float32)
