@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .. import kernels
+from ..kernels.quantize import _check_block_size
 
 __all__ = ["Compressor", "IdentityCompressor", "Int8Compressor", "OneBitCompressor", "QuantizingCompressor",
            "TopKCompressor", "parse_compressor"]  # fmt: skip
@@ -114,11 +115,10 @@ class QuantizingCompressor(Compressor):
 
 
 def _block_size(cls: str, block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not (
-        32 <= block_size <= 4096 and block_size & (block_size - 1) == 0
-    ):
-        raise ValueError(f"{cls}: block_size={block_size!r} must be a power of two between 32 and 4096 (e.g. 256)")
-    return block_size
+    try:
+        return _check_block_size(block_size)  # the kernels' own rule, checked before any kernel runs
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{cls}: {e}") from None
 
 
 class Int8Compressor(QuantizingCompressor):

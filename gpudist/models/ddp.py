@@ -82,18 +82,23 @@ class DDPModel(ShardedModel):
 
     # -- communication hook ---------------------------------------------------------------------------------------
 
+    _hook_op = "all_reduce"
+    """The collective a comm hook replaces for each bucket (ZeRO-2: ``"reduce_scatter"``)."""
+
     def gradient_buffers(self) -> dict[int, BufferSpec]:
         """What each bucket communicates, by bucket index (for a communication hook and its checkpoints)."""
-        return {b.index: BufferSpec.of(b.params, "all_reduce") for b in self._buckets}
+        return {b.index: BufferSpec.of(b.params, self._hook_op) for b in self._buckets}
 
     def register_comm_hook(self, hook) -> None:
-        """Route every bucket through ``hook.all_reduce(bucket_index, flat_grads)``, which must average the bucket
-        over ranks in place (e.g. compressed; :class:`gpudist.GradientCompressionOptimizer` installs one). The hook
-        runs when the bucket is ready, in bucket order on every rank, and replaces the plain all-reduce (and the
-        ``communication_dtype`` cast: the hook decides what travels)."""
-        if not callable(getattr(hook, "all_reduce", None)):
-            raise TypeError(f"a comm hook needs an all_reduce(bucket_index, tensor) method, got {type(hook).__name__}")
-        if self._comm_hook is not None and hook is not None and hook is not self._comm_hook:
+        """Route every bucket through the hook instead of the plain collective: ``hook.all_reduce(bucket_index,
+        flat_grads)`` must average the bucket over ranks in place (ZeRO-2: ``hook.reduce_scatter(bucket_index,
+        flat_grads, out)`` puts this rank's piece of the average, per :func:`gpudist.comm.split_sizes`, in ``out``).
+        :class:`gpudist.GradientCompressionOptimizer` installs one. The hook runs when the bucket is ready, in bucket
+        order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels."""
+        if not callable(getattr(hook, self._hook_op, None)):
+            raise TypeError(f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
+                            f"got {type(hook).__name__}")  # fmt: skip
+        if self._comm_hook is not None and hook is not self._comm_hook:
             raise ValueError(f"{type(self).__name__} already has a comm hook ({type(self._comm_hook).__name__}); "
                              "build one optimizer that communicates per model")  # fmt: skip
         self._comm_hook = hook

@@ -6,7 +6,7 @@ import torch
 
 from .. import kernels
 from ..comm import ReductionOperation, Work
-from ..flat import BufferSpec, GradientBucket, partition_buckets
+from ..flat import GradientBucket, partition_buckets
 from .base import ShardedModel
 from .ddp import DDPModel
 
@@ -32,6 +32,7 @@ class ZeRO2Model(DDPModel):
     """
 
     strategy = "zero2"
+    _hook_op = "reduce_scatter"
 
     @property
     def _views(self) -> bool:
@@ -60,17 +61,6 @@ class ZeRO2Model(DDPModel):
     def owned_segments(self) -> list[tuple[int, int]]:
         """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order)."""
         return sorted(b.part.segment for b in self._buckets)
-
-    def gradient_buffers(self) -> dict[int, BufferSpec]:
-        return {b.index: BufferSpec.of(b.params, "reduce_scatter") for b in self._buckets}
-
-    def register_comm_hook(self, hook) -> None:
-        """As :meth:`DDPModel.register_comm_hook`, with ``hook.reduce_scatter(bucket_index, flat_grads, out)``: ``out``
-        gets this rank's piece (:func:`gpudist.comm.split_sizes`) of the bucket's average over ranks."""
-        if not callable(getattr(hook, "reduce_scatter", None)):
-            raise TypeError(f"a ZeRO-2 comm hook needs a reduce_scatter(bucket_index, inp, out) method, got "
-                            f"{type(hook).__name__}")  # fmt: skip
-        self._comm_hook = hook
 
     def _launch(self, bucket: GradientBucket) -> None:
         hook = self._comm_hook
