@@ -76,6 +76,8 @@ class TrainConfig:
     compression_warmup: int = 10
     """Uncompressed steps before compression starts."""
     error_feedback: bool = True
+    compress_momentum: bool = False
+    """Communicate the momentum instead of the gradient (momentum SGD, ddp; what 1-bit needs to converge)."""
     out: str = "runs/ddp-w2"
     log_every: int = 25
     seq_len: int = 64
@@ -125,7 +127,8 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     opt = optim_cls(make_optimizer(model.parameters(), cfg.lr, cfg.optimizer), config)
     if cfg.compression is not None:
         opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
-                                                   error_feedback=cfg.error_feedback)  # fmt: skip
+                                                   error_feedback=cfg.error_feedback,
+                                                   compress="momentum" if cfg.compress_momentum else "gradients")
     # The wrapper is a torch.optim.Optimizer sharing the inner one's param_groups, so schedulers work unchanged.
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=cfg.steps))
     tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -283,7 +286,8 @@ def report(metrics: dict[str, Any], out: Path) -> None:
           f"replicas identical: {metrics['replicas_identical']}")
     if metrics.get("compression"):
         c = metrics["compression"]
-        print(f"  compression {c['compressor']['name']} (error feedback: {c['error_feedback']}): sent "
+        print(f"  compression {c['compressor']['name']} of {c['compress']} (error feedback: {c['error_feedback']}): "
+              "sent "
               f"{c['total']['sent_bytes'] / 2**20:.1f} MiB vs {c['total']['dense_bytes'] / 2**20:.1f} MiB dense "
               f"({100 * c['total']['ratio']:.1f}% over the run, {100 * c['last_step']['ratio']:.1f}% per step after "
               f"{c['warmup_steps']} warm-up steps)")
@@ -392,6 +396,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                         help="uncompressed steps before compression starts")
     parser.add_argument("--no-error-feedback", action="store_true",
                         help="drop what compression loses instead of sending it later (for comparison)")
+    parser.add_argument("--compress-momentum", action="store_true",
+                        help="communicate the momentum instead of the gradient (with --optimizer sgd and --strategy "
+                             "ddp; 1-bit converges with it)")
     parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
@@ -425,12 +432,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                          "gathers parameters, which have no error feedback to absorb compression)")
         if args.compression_warmup < 0:
             parser.error(f"--compression-warmup must be >= 0, got {args.compression_warmup}")
+    if args.compress_momentum and (args.compression is None or args.optimizer != "sgd" or args.strategy != "ddp"):
+        parser.error("--compress-momentum needs --compression, --optimizer sgd and --strategy ddp (momentum "
+                     "compression keeps the full momentum on every rank)")
     suffix = f"-{args.compression.replace(':', '')}" if args.compression else ""
     cfg = TrainConfig(strategy=args.strategy, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
                       seed=args.seed, comm_dtype=args.comm_dtype, log_every=args.log_every,
                       optimizer=args.optimizer, compression=args.compression,
                       compression_warmup=args.compression_warmup,
-                      error_feedback=not args.no_error_feedback,
+                      error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
                       out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
 

@@ -41,7 +41,7 @@ from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
 from .models.base import ShardedModel, module_segments, module_table
 from .optim.base import ShardedOptimizer
-from .optim.compression import GradientCompressionOptimizer
+from .optim.compression import GradientCompressionOptimizer, check_compress_mode
 from .optim.zero import _FlatShardOptimizer
 
 __all__ = ["CheckpointError", "CheckpointInfo", "latest_checkpoint", "load_checkpoint", "read_manifest",
@@ -161,7 +161,7 @@ def _residual_pieces(opt: GradientCompressionOptimizer, segmap: dict[int, Segmen
                     piece = values[a - start : b - start]
                     pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
     meta = {"compressor": repr(opt.compressor), "steps": opt.hook.steps, "world_size": world,
-            "error_feedback": opt.hook.error_feedback}  # fmt: skip
+            "error_feedback": opt.hook.error_feedback, "compress": opt.compress}  # fmt: skip
     return pieces, meta
 
 
@@ -567,8 +567,10 @@ def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _R
     """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
     worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
     pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
-    finish_inner = _stage_optimizer(opt.inner if opt.inner is not None else opt.optimizer, body, reader, segmap, apply)
     meta = (body.get("optimizer") or {}).get("compression")
+    if meta is not None:
+        check_compress_mode(opt, meta)
+    finish_inner = _stage_optimizer(opt.inner if opt.inner is not None else opt.optimizer, body, reader, segmap, apply)
     rank, world = opt.comm.rank, opt.comm.world_size
     staged = []
     for channel, spans in _residual_spans(opt, segmap):

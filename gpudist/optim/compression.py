@@ -25,9 +25,11 @@ class CompressionHook:
     and the byte accounting of every step."""
 
     def __init__(self, comm, compressor: Compressor, buffers: dict[int, BufferSpec], *, warmup_steps: int,
-                 error_feedback: bool):  # fmt: skip
+                 error_feedback: bool, local_gradients: bool = False):  # fmt: skip
         self.comm, self.compressor, self.buffers = comm, compressor, buffers
         self.warmup_steps, self.error_feedback = warmup_steps, error_feedback
+        self.local_gradients = local_gradients
+        """After warm-up, leave every rank's own gradients in place (momentum compression communicates at step)."""
         device = next((s[2].device for spec in buffers.values() for s in spec.spans), torch.device("cpu"))
         self.channels = {key: CompressedChannel(comm, compressor, spec.numel, device=device,
                                                 scatter=spec.op == "reduce_scatter", error_feedback=error_feedback)
@@ -50,7 +52,13 @@ class CompressionHook:
         return channel
 
     def all_reduce(self, key: int, tensor: torch.Tensor) -> None:
+        if self.local_gradients and self.compressing:
+            return
         self._channel(key, "all_reduce").all_reduce(tensor, compress=self.compressing)
+
+    def all_reduce_compressed(self, key: int, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` (buffer ``key``'s layout) compressed, whatever the warm-up says."""
+        self._channel(key, "all_reduce").all_reduce(tensor, compress=True)
 
     def reduce_scatter(self, key: int, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._channel(key, "reduce_scatter").reduce_scatter(inp, out, compress=self.compressing)
@@ -72,6 +80,7 @@ class CompressionHook:
         return {
             "compressor": self.compressor.describe(),
             "error_feedback": self.error_feedback,
+            "compress": "momentum" if self.local_gradients else "gradients",
             "warmup_steps": self.warmup_steps,
             "steps": self.steps,
             "compressing": self.compressing,
@@ -92,16 +101,30 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 
     ``compressor``: a :mod:`gpudist.compression` compressor or its spec string (``"topk:0.01"``, ``"int8"``,
     ``"1bit"``). The first ``warmup_steps`` steps communicate uncompressed (early gradients are large and
-    change fast). Residuals (worker and server) are part of :meth:`state_dict` and of gpudist checkpoints,
-    saved per rank and resharded when loaded at another world size. ``communication_report()`` and the model's
+    change fast).
+
+    ``compress="momentum"`` (momentum SGD only, replicated state: a plain module or ``DDPModel``) communicates
+    the momentum instead of the gradient, the way DeepSpeed's 1-bit Adam does: after warm-up each rank forms
+    ``mu * m + g_local`` (plus weight decay), the compressed all-reduce averages it with error feedback, and the
+    average becomes everyone's momentum buffer and the update. Uncompressed it is exactly momentum SGD. Sign
+    (1-bit) compression needs it: the momentum changes slowly, so the residual stays small, while compressing
+    raw gradients with error feedback piles large entries into the residual (measured in the README).
+
+    Residuals (worker and server) are part of :meth:`state_dict` and of gpudist checkpoints, saved per rank and
+    resharded when loaded at another world size. ``communication_report()`` and the model's
     ``get_model_metadata()["compression"]`` give the bytes sent against the dense equivalent.
     """
 
     strategy = "compression"
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration,
-                 compressor: Compressor | str, *, warmup_steps: int = 0, error_feedback: bool = True):  # fmt: skip
+                 compressor: Compressor | str, *, warmup_steps: int = 0, error_feedback: bool = True,
+                 compress: str = "gradients"):  # fmt: skip
         inner = optimizer if isinstance(optimizer, ShardedOptimizer) else None
+        if compress not in ("gradients", "momentum"):
+            raise ValueError(f"GradientCompressionOptimizer: compress={compress!r}; use 'gradients' or 'momentum'")
+        if compress == "momentum":
+            _check_momentum_target(inner, inner.optimizer if inner is not None else optimizer)
         if inner is not None:
             if isinstance(inner, ZeRO3Optimizer) or not isinstance(inner, (DDPOptimizer, ZeRO1Optimizer,
                                                                             ZeRO2Optimizer)):  # fmt: skip
@@ -137,8 +160,10 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             params = [p for p in self._params() if p.requires_grad]
             cap = config.bucket_cap_bytes()
             self._buckets = [[params[i] for i in sorted(ix)] for ix in assign_buckets(params, cap, cap)]
+        self.compress = compress
         self.hook = CompressionHook(self.comm, compressor, self._communicator.gradient_buffers(),
-                                    warmup_steps=warmup_steps, error_feedback=error_feedback)  # fmt: skip
+                                    warmup_steps=warmup_steps, error_feedback=error_feedback,
+                                    local_gradients=compress == "momentum")  # fmt: skip
         if self._communicator is not self:
             self._communicator.register_comm_hook(self.hook)
 
@@ -164,9 +189,42 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     # -- stepping --------------------------------------------------------------------------------------------------
 
     def step(self, closure=None):
-        loss = self.inner.step(closure) if self.inner is not None else super().step(closure)
+        if self.compress == "momentum" and self.hook.compressing:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._momentum_step()
+        else:
+            loss = self.inner.step(closure) if self.inner is not None else super().step(closure)
         self.hook.end_step()
         return loss
+
+    @torch.no_grad()
+    def _momentum_step(self) -> None:
+        """Momentum SGD with the momentum communicated: ``m = avg_compressed(mu * m + g + wd * p)``, ``p -= lr * m``
+        (torch.optim.SGD's update, with the average moved from the gradient to the momentum)."""
+        group_of = {p: g for g in self.optimizer.param_groups for p in g["params"]}
+        state = self.optimizer.state
+        for key, spec in self.hook.buffers.items():
+            device = spec.spans[0][2].device if spec.spans else torch.device("cpu")
+            flat = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+            for pos, n, p, at in spec.spans:
+                group, piece = group_of[p], flat[pos : pos + n]
+                if p.grad is not None:
+                    piece.copy_(p.grad.reshape(-1)[at : at + n])
+                if group["weight_decay"]:
+                    piece.add_(p.detach().reshape(-1)[at : at + n], alpha=group["weight_decay"])
+                buf = state[p].get("momentum_buffer")
+                if buf is not None:
+                    piece.add_(buf.reshape(-1)[at : at + n], alpha=group["momentum"])
+            self.hook.all_reduce_compressed(key, flat)
+            for pos, n, p, at in spec.spans:
+                buf = state[p].get("momentum_buffer")
+                if buf is None:
+                    buf = state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                buf.reshape(-1)[at : at + n].copy_(flat[pos : pos + n])
+                p.detach().reshape(-1)[at : at + n].add_(flat[pos : pos + n], alpha=-group_of[p]["lr"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.inner is not None:
@@ -190,7 +248,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             residuals[key] = {"worker": None if worker is None else worker.clone(),
                               "server": None if server is None else server[1].clone()}  # fmt: skip
         return {"inner": inner, "compression": {"steps": self.hook.steps, "world_size": self.comm.world_size,
-                                                "rank": self.comm.rank, "residuals": residuals}}  # fmt: skip
+                                                "rank": self.comm.rank, "compress": self.compress,
+                                                "residuals": residuals}}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("compression") if isinstance(state_dict, dict) else None
@@ -204,6 +263,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
                 f"{self.comm.world_size} and buffers {sorted(self.hook.channels)}; load across world sizes through "
                 "gpudist.save_checkpoint / load_checkpoint, which reshard residuals"
             )
+        check_compress_mode(self, meta)
         if self.inner is not None:
             self.inner.load_state_dict(state_dict["inner"])
         else:
@@ -211,3 +271,31 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         for key, channel in self.hook.channels.items():
             channel.load_residuals(meta["residuals"][key]["worker"], meta["residuals"][key]["server"])
         self.hook.steps = int(meta["steps"])
+
+
+def check_compress_mode(opt: GradientCompressionOptimizer, meta: dict) -> None:
+    """Residuals of compressed gradients and of compressed momentum are different quantities: refuse to mix them."""
+    saved = meta.get("compress", "gradients")
+    if saved != opt.compress:
+        raise ValueError(f"GradientCompressionOptimizer: the state was saved with compress={saved!r}, this optimizer "
+                         f"has compress={opt.compress!r}; build it with compress={saved!r} to resume")  # fmt: skip
+
+
+def _check_momentum_target(inner: ShardedOptimizer | None, optimizer: torch.optim.Optimizer) -> None:
+    """compress="momentum" needs replicated momentum SGD state; say what to change otherwise."""
+    if inner is not None and not isinstance(inner, DDPOptimizer):
+        raise TypeError(f"GradientCompressionOptimizer(compress='momentum') needs every rank's full momentum, which "
+                        f"{type(inner).__name__} shards; use compress='gradients' with ZeRO, or a DDPOptimizer / "
+                        "torch optimizer")  # fmt: skip
+    if type(optimizer) is not torch.optim.SGD:
+        raise TypeError(f"GradientCompressionOptimizer(compress='momentum') runs momentum SGD (torch.optim.SGD), got "
+                        f"{type(optimizer).__name__}; use compress='gradients' for other optimizers")  # fmt: skip
+    for i, group in enumerate(optimizer.param_groups):
+        bad = {k: group.get(k) for k, ok in (("momentum", group.get("momentum", 0) > 0),
+                                             ("dampening", not group.get("dampening")),
+                                             ("nesterov", not group.get("nesterov")),
+                                             ("maximize", not group.get("maximize"))) if not ok}  # fmt: skip
+        if bad:
+            raise ValueError(f"GradientCompressionOptimizer(compress='momentum'): param group {i} has "
+                             f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}; it needs momentum > 0, "
+                             "dampening=0, nesterov=False, maximize=False")  # fmt: skip
