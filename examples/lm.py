@@ -273,3 +273,34 @@ class TinyLM(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position of every sequence (nats)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class _Embed(nn.Module):
+    """TinyLM's input: token plus position embeddings (the first block of :func:`as_sequential`)."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding, seq_len: int):
+        super().__init__()
+        self.tok, self.pos, self.seq_len = tok, pos, seq_len
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.seq_len}")
+        return self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+
+
+class _Head(nn.Module):
+    """TinyLM's output: final LayerNorm and the (tied) head (the last block of :func:`as_sequential`)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def as_sequential(model: TinyLM) -> nn.Sequential:
+    """The same TinyLM (same parameter objects) as blocks in order, for pipeline parallelism: embeddings, each
+    transformer block, final LN + head. The head stays tied to the token embedding, across stages too."""
+    return nn.Sequential(_Embed(model.tok, model.pos, model.seq_len), *model.blocks, _Head(model.ln_f, model.head))

@@ -26,7 +26,7 @@ from .comm import (
 )
 from .config import ShardingConfiguration
 from .launch import init
-from .models import DDPModel, FSDPModel, ShardedModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from .models import DDPModel, FSDPModel, PipelineParallelModel, ShardedModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from .optim import (
     DDPOptimizer,
     GradientCompressionOptimizer,
@@ -58,6 +58,7 @@ __all__ = [
     "MPICommunicationBackend",
     "NCCLCommunicationBackend",
     "OptimizationResult",
+    "PipelineParallelModel",
     "ReductionOperation",
     "ShardedModel",
     "ShardedOptimizer",

@@ -1,0 +1,86 @@
+"""ParallelLayout: how ``world_size`` ranks factor into pipeline x data x tensor parallel groups.
+
+Ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline (Megatron-LM's order): tensor
+groups are consecutive ranks (the most traffic, so on one node first), and a pipeline stage is a contiguous block
+of ``data_parallel_size * tensor_parallel_size`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ParallelLayout", "make_groups"]
+
+DIMENSIONS = ("pipeline", "data", "tensor")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """``rank = (pipeline_rank * data_parallel_size + data_rank) * tensor_parallel_size + tensor_rank``."""
+
+    world_size: int
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                data_parallel_size: int = -1) -> ParallelLayout:  # fmt: skip
+        """Validate the factors; ``data_parallel_size=-1`` takes the ranks left over. The error names every factor."""
+        sizes = {"pipeline_parallel_size": pipeline_parallel_size, "tensor_parallel_size": tensor_parallel_size}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or \
+                (data_parallel_size < 1 and data_parallel_size != -1):  # fmt: skip
+            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1, or -1 for the ranks "
+                             "left over")  # fmt: skip
+        model = pipeline_parallel_size * tensor_parallel_size
+        if data_parallel_size == -1:
+            if world_size % model:
+                raise ValueError(f"pp({pipeline_parallel_size}) * tp({tensor_parallel_size}) = {model} does not "
+                                 f"divide world_size({world_size}); choose sizes whose product divides it")  # fmt: skip
+            data_parallel_size = world_size // model
+        if model * data_parallel_size != world_size:
+            raise ValueError(f"pp({pipeline_parallel_size}) * dp({data_parallel_size}) * tp({tensor_parallel_size}) "
+                             f"= {model * data_parallel_size} != world_size({world_size}); make the product equal "
+                             "the world size, or pass data_parallel_size=-1")  # fmt: skip
+        return cls(world_size, pipeline_parallel_size, data_parallel_size, tensor_parallel_size)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pipeline_rank, data_rank, tensor_rank)`` of ``rank``."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+    def rank_of(self, pipeline_rank: int, data_rank: int, tensor_rank: int) -> int:
+        return (pipeline_rank * self.data_parallel_size + data_rank) * self.tensor_parallel_size + tensor_rank
+
+    def groups(self, dimension: str) -> list[list[int]]:
+        """Every group of ``dimension`` ("pipeline", "data" or "tensor"): the ranks that differ only in it."""
+        if dimension not in DIMENSIONS:
+            raise ValueError(f"dimension={dimension!r}; use one of {DIMENSIONS}")
+        sizes = (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size)
+        axis = DIMENSIONS.index(dimension)
+        groups = []
+        for rank in range(self.world_size):
+            coords = self.coords(rank)
+            if coords[axis] == 0:
+                groups.append([self.rank_of(*coords[:axis], i, *coords[axis + 1 :]) for i in range(sizes[axis])])
+        return groups
+
+    def describe(self) -> str:
+        return (f"pp={self.pipeline_parallel_size} x dp={self.data_parallel_size} x tp={self.tensor_parallel_size} "
+                f"= {self.world_size} ranks")  # fmt: skip
+
+
+def make_groups(comm, groups: list[list[int]], required: bool = True):
+    """Create every group in ``groups`` (collective: each rank of ``comm`` calls it with the same list) and return
+    this rank's (None if it is in none and not ``required``). Groups of one rank are created too."""
+    mine = None
+    for ranks in groups:
+        group = comm.new_group(ranks)
+        if group is not None:
+            mine = group
+    if mine is None and required:
+        raise ValueError(f"rank {comm.rank} is in none of the groups {groups}")
+    return mine

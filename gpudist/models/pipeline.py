@@ -1,0 +1,471 @@
+"""PipelineParallelModel: consecutive blocks of a model on consecutive ranks, fed micro-batch by micro-batch.
+
+Each stage holds only its blocks. A training step splits this replica's batch into ``micro_batches`` pieces;
+activations travel forward and their gradients backward with the backend's send/recv, in the order of the
+schedule:
+
+- ``"gpipe"``: every micro-batch forward, then every backward. Stage ``s`` keeps all ``m`` micro-batches'
+  activations alive at once.
+- ``"1f1b"`` (default): ``p - s - 1`` warm-up forwards, then one forward and one backward alternately, then the
+  remaining backwards (PipeDream-flush, as Megatron-LM and ``torch.distributed.pipelining.Schedule1F1B``). Same
+  bubble, ``(p - 1) / (m + p - 1)`` of the step, but stage ``s`` keeps at most ``p - s`` micro-batches in flight.
+
+The loss is computed on the last stage (``loss_fn`` must average over its micro-batch, like
+``F.cross_entropy``) and returned on every rank. Parameters shared between stages (a language model's tied
+embedding and output head) are kept on each stage that uses them and their gradients are summed between those
+stages after backward. With ``world_size = num_stages x d``, ``d`` replicas of the pipeline train on their own
+slices of the batch and average gradients, stage by stage, at the end of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..comm import ReductionOperation
+from ..config import ShardingConfiguration
+from ..flat import FlatBuffer
+from .base import ShardedModel, module_table
+from .layout import ParallelLayout, make_groups
+
+__all__ = ["PipelineParallelModel", "partition_blocks", "schedule_bubble", "stage_schedule"]
+
+SCHEDULES = ("1f1b", "gpipe")
+_META_LEN = 10  # [ndim, dtype code, up to 8 sizes]: the shape message that precedes a step's first activation
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Splitting and scheduling (pure functions: the tests and the benchmark use them directly)
+
+
+def partition_blocks(costs: Sequence[int], num_stages: int, balance: str | Sequence[int] = "parameters") -> list[int]:
+    """Blocks per stage for blocks of the given ``costs`` (parameter counts).
+
+    ``balance="parameters"`` minimises the largest stage's cost over contiguous splits (every stage gets at least
+    one block); ``"uniform"`` gives equal block counts (the first stages one more when they do not divide);
+    a sequence of block counts is used as given after checking it.
+    """
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(f"num_stages={num_stages} is more than the model's {n} blocks; every stage needs a block")
+    if not isinstance(balance, str):
+        counts = [int(c) for c in balance]
+        if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
+            raise ValueError(f"balance={list(balance)} must give {num_stages} block counts >= 1 summing to the "
+                             f"model's {n} blocks")  # fmt: skip
+        return counts
+    if balance == "uniform":
+        return [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
+    if balance != "parameters":
+        raise ValueError(f"balance={balance!r}; use 'parameters', 'uniform' or a list of blocks per stage")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the smallest possible largest stage when the first i blocks form k stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(num_stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def stage_schedule(schedule: str, num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order in which ``stage`` runs forwards ``("F", m)`` and backwards ``("B", m)``."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
+    warmup = min(num_stages - stage - 1, micro_batches)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(micro_batches - warmup):
+        order += [("F", warmup + m), ("B", m)]
+    return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+
+
+def schedule_bubble(orders: Sequence[Sequence[tuple[str, int]]], forward_cost: float = 1.0,
+                    backward_cost: float = 2.0) -> float:  # fmt: skip
+    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, each op starting as soon as
+    its input arrived (``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` after ``B(s+1, m)``) and the stage is free.
+    For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
+    p = len(orders)
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * p
+    position = [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            kind, m = orders[s][position[s]]
+            dep = ("F", s - 1, m) if kind == "F" and s > 0 else ("B", s + 1, m) if kind == "B" and s < p - 1 else None
+            if kind == "B" and s == p - 1:
+                dep = ("F", s, m)
+            if dep is not None and dep not in done:
+                continue
+            start = max(clock[s], done[dep] if dep is not None else 0.0)
+            clock[s] = done[(kind, s, m)] = start + (forward_cost if kind == "F" else backward_cost)
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError("the stage orders deadlock: some op waits for one that never runs")
+    makespan = max(clock)
+    busy = sum(len(order) for order in orders) / 2 * (forward_cost + backward_cost)
+    return 1.0 - busy / (p * makespan)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class _Stage(nn.Sequential):
+    """One stage's blocks; keeps the blocks' names in the full model."""
+
+
+class PipelineParallelModel(ShardedModel):
+    """Pipeline parallelism: ``module`` (an ``nn.Sequential`` or a list of blocks) split into ``num_stages``
+    stages of consecutive blocks, one per rank (``num_stages`` defaults to the world size; a smaller count that
+    divides it makes ``world_size / num_stages`` data-parallel replicas of the pipeline).
+
+    Stages are balanced by parameter count (``balance="parameters"``), ``"uniform"`` in block count, or given as
+    a list of blocks per stage. Each block takes and returns one tensor. Train with :meth:`train_step`, which runs
+    the ``schedule`` ("1f1b" or "gpipe") over ``micro_batches`` micro-batches and returns the replica's loss on
+    every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the output on
+    every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
+    activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe).
+    Communication per step: each micro-batch's activation and its gradient across every stage boundary.
+    """
+
+    strategy = "pipeline"
+
+    def __init__(self, module: nn.Module | Sequence[nn.Module], config: ShardingConfiguration,
+                 num_stages: int | None = None, micro_batches: int = 4, schedule: str = "1f1b",
+                 balance: str | Sequence[int] = "parameters"):  # fmt: skip
+        if isinstance(module, (list, tuple, nn.ModuleList)):
+            module = nn.Sequential(*module)
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"PipelineParallelModel splits an nn.Sequential or a list of blocks, got "
+                            f"{type(module).__name__}; pass its layers in order, e.g. nn.Sequential(embed, *blocks, "
+                            "head), each taking and returning one tensor")  # fmt: skip
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+        world = config.backend.world_size
+        self._setup = {"layout": ParallelLayout.resolve(world, num_stages or world), "balance": balance}
+        self.micro_batches, self.schedule = micro_batches, schedule
+        super().__init__(module, config)
+
+    # -- construction ----------------------------------------------------------------------------------------------
+
+    def initialize_sharding(self) -> None:
+        self._check_same_model()
+        full: nn.Sequential = self.module
+        layout: ParallelLayout = self._setup["layout"]
+        self.layout = layout
+        self.pipeline_parallel_rank, self.data_parallel_rank, self.tensor_parallel_rank = layout.coords(self.rank)
+        blocks = list(full)
+        seen: set[int] = set()
+        costs = []
+        for block in blocks:  # a parameter shared with an earlier block costs nothing more
+            costs.append(sum(p.numel() for p in block.parameters() if id(p) not in seen))
+            seen.update(id(p) for p in block.parameters())
+        counts = partition_blocks(costs, layout.pipeline_parallel_size, self._setup["balance"])
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        self.stage_blocks = [(a, a + c) for a, c in zip(starts, counts, strict=True)]
+        """``[first, end)`` block indices of every stage."""
+
+        # Where each parameter of the full model lives: its offset in the full vector and the stages that hold it.
+        self._table = module_table(full)
+        named = list(full.named_parameters())
+        self._full_numel = sum(p.numel() for _, p in named)
+        offsets, offset = {}, 0
+        for _, p in named:
+            offsets[id(p)], offset = offset, offset + p.numel()
+        holders: dict[int, list[int]] = {}
+        for s, (a, b) in enumerate(self.stage_blocks):
+            for block in blocks[a:b]:
+                for p in block.parameters():
+                    if s not in holders.setdefault(id(p), []):
+                        holders[id(p)].append(s)
+        # The full vector is the stages' owned parameters (first holder owns) concatenated in stage order.
+        self._stage_numel = [sum(p.numel() for _, p in named if holders[id(p)][0] == s) for s in range(len(counts))]
+
+        stage = self.pipeline_parallel_rank
+        a, b = self.stage_blocks[stage]
+        self.module = _Stage()
+        for i, block in enumerate(blocks[a:b]):  # keep the full model's block names ("3", not "0")
+            self.module.add_module(str(a + i), block)
+        params = list(self.module.parameters())
+        self._offset_of = {id(p): offsets[id(p)] for p in params}
+        self._owned = [p for p in params if holders[id(p)][0] == stage]
+        self._stage_params = params
+
+        pp_groups = layout.groups("pipeline")
+        self.pipeline_group = make_groups(self.comm, pp_groups)
+        self.data_group = make_groups(self.comm, layout.groups("data"))
+        # Tied parameters: one group per set of stages sharing parameters, per (data, tensor) position.
+        tied_sets = sorted({tuple(h) for h in holders.values() if len(h) > 1})
+        self._tied: list[tuple[Any, list[nn.Parameter]]] = []
+        for stages in tied_sets:
+            group = make_groups(self.comm, [[ranks[s] for s in stages] for ranks in pp_groups], required=False)
+            if stage in stages:
+                shared = [p for p in params if tuple(holders[id(p)]) == stages]
+                self._tied.append((group, shared))
+        self.last_schedule: dict[str, Any] = {}
+
+    # -- sizes and ranks ---------------------------------------------------------------------------------------------
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.layout.pipeline_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.pipeline_parallel_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline_parallel_rank == self.num_stages - 1
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return any(param is p for p in self._stage_params)
+
+    # -- point to point ----------------------------------------------------------------------------------------------
+
+    def _peer(self, offset: int) -> int:
+        """Rank, in the pipeline group, of the stage ``offset`` away."""
+        return self.pipeline_parallel_rank + offset
+
+    def _send(self, tensor: torch.Tensor, offset: int, pending: list) -> None:
+        with self.pipeline_group.unchecked():  # shapes agreed by the step's shape message
+            pending.append((self.pipeline_group.send(tensor.contiguous(), self._peer(offset), async_op=True), tensor))
+
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
+        with self.pipeline_group.unchecked():
+            self.pipeline_group.recv(buf, self._peer(offset))
+        return buf
+
+    def _send_meta(self, tensor: torch.Tensor, pending: list) -> None:
+        if tensor.dim() > _META_LEN - 2 or tensor.dtype not in _DTYPES:
+            raise ValueError(f"PipelineParallelModel: stage {self.pipeline_parallel_rank} output of shape "
+                             f"{tuple(tensor.shape)} and dtype {tensor.dtype} cannot be sent; use at most "
+                             f"{_META_LEN - 2} dimensions and one of {_DTYPES}")  # fmt: skip
+        meta = torch.zeros(_META_LEN, dtype=torch.int64)
+        meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        self._send(meta, +1, pending)
+
+    def _recv_meta(self) -> tuple[torch.Size, torch.dtype]:
+        meta = self._recv(torch.Size([_META_LEN]), torch.int64, -1).tolist()
+        return torch.Size(meta[2 : 2 + meta[0]]), _DTYPES[meta[1]]
+
+    # -- training ----------------------------------------------------------------------------------------------------
+
+    def _stage_output(self, output: Any) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"PipelineParallelModel: stage {self.pipeline_parallel_rank} (blocks "
+                            f"{self.stage_blocks[self.pipeline_parallel_rank]}) returned {type(output).__name__}; "
+                            "every block must return one tensor")  # fmt: skip
+        return output
+
+    def _micro(self, value: Any, what: str) -> list[Any]:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"PipelineParallelModel.train_step: {what} must be a tensor, got {type(value).__name__}")
+        if value.shape[0] % self.micro_batches:
+            raise ValueError(f"PipelineParallelModel.train_step: {what} has batch size {value.shape[0]}, not a "
+                             f"multiple of micro_batches={self.micro_batches}; pass a batch divisible by it (each "
+                             "micro-batch must have the same size so their mean losses average to the batch's)")
+        return list(value.chunk(self.micro_batches))
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
+        """One pipelined step on this replica's batch (every stage of the replica passes the same ``inputs`` and
+        ``targets``; only the first stage reads ``inputs``, only the last ``targets``). Gradients are accumulated
+        over the micro-batches, summed over stages for shared parameters and averaged over replicas; then
+        ``optimizer.step()`` and ``zero_grad()`` if given. Returns the replica's mean loss on every rank."""
+        self.train()
+        m = self.micro_batches
+        xs = self._micro(inputs, "inputs") if self.is_first_stage else None
+        ts = self._micro(targets, "targets") if self.is_last_stage else None
+        order = stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, m)
+        pending: list = []
+        in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        losses = torch.zeros(m, dtype=torch.float64)
+        shape = None
+        max_in_flight = 0
+        busy = 0.0
+        started = time.perf_counter()
+        for kind, i in order:
+            if kind == "F":
+                if self.is_first_stage:
+                    x = xs[i]
+                else:
+                    if shape is None:
+                        shape = self._recv_meta()
+                    x = self._recv(*shape, -1)
+                    x.requires_grad_(x.is_floating_point())
+                t0 = time.perf_counter()
+                y = self._stage_output(self.module(x))
+                if self.is_last_stage:
+                    y = loss_fn(y, ts[i])
+                    if not isinstance(y, torch.Tensor) or y.numel() != 1:
+                        raise ValueError(f"loss_fn must return a scalar tensor, got {type(y).__name__} "
+                                         f"{tuple(getattr(y, 'shape', ()))}")  # fmt: skip
+                    losses[i] = float(y.detach())
+                busy += time.perf_counter() - t0
+                if not self.is_last_stage:
+                    if i == 0:
+                        self._send_meta(y, pending)
+                    self._send(y.detach(), +1, pending)
+                in_flight[i] = (x, y)
+                max_in_flight = max(max_in_flight, len(in_flight))
+            else:
+                x, y = in_flight.pop(i)
+                grad = None if self.is_last_stage else self._recv(y.shape, y.dtype, +1)
+                t0 = time.perf_counter()
+                if self.is_last_stage:
+                    (y / m).backward()
+                else:
+                    torch.autograd.backward(y, grad)
+                busy += time.perf_counter() - t0
+                if not self.is_first_stage:
+                    self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending)
+        for work, _ in pending:
+            work.wait()
+        self.last_schedule = {"order": order, "max_in_flight": max_in_flight,
+                              "busy_s": busy, "step_s": time.perf_counter() - started}  # fmt: skip
+        self.synchronize_gradients()
+        loss = losses.mean().reshape(1) if self.is_last_stage else torch.zeros(1, dtype=torch.float64)
+        self.pipeline_group.broadcast(loss, self.num_stages - 1)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        return float(loss)
+
+    @torch.no_grad()
+    def synchronize_gradients(self) -> None:
+        """Sum shared parameters' gradients over the stages holding them, then average over replicas."""
+        for group, shared in self._tied:
+            _reduce_grads(group, shared, ReductionOperation.SUM)
+        if self.data_parallel_size > 1:
+            _reduce_grads(self.data_group, self._stage_params, ReductionOperation.AVERAGE)
+        self._mark_step_bytes()
+
+    # -- inference ---------------------------------------------------------------------------------------------------
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step."""
+        if torch.is_grad_enabled() and self.training:
+            raise RuntimeError("PipelineParallelModel: call train_step(inputs, targets, loss_fn, optimizer) to train "
+                               "(the backward pass is scheduled across ranks); forward runs without gradients, e.g. "
+                               "in predict() or under torch.no_grad()")  # fmt: skip
+        pending: list = []
+        with torch.no_grad():
+            x = inputs if self.is_first_stage else self._recv(*self._recv_meta(), -1)
+            y = self._stage_output(self.module(x))
+            if not self.is_last_stage:
+                self._send_meta(y, pending)
+                self._send(y, +1, pending)
+            for work, _ in pending:
+                work.wait()
+            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            if self.is_last_stage:
+                meta[0], meta[1] = y.dim(), _DTYPES.index(y.dtype)
+                meta[2 : 2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+            last = self.num_stages - 1
+            self.pipeline_group.broadcast(meta, last)
+            shape, dtype = torch.Size(meta[2 : 2 + int(meta[0])].tolist()), _DTYPES[int(meta[1])]
+            out = y.contiguous() if self.is_last_stage else torch.empty(shape, dtype=dtype, device=self.comm.device)
+            self.pipeline_group.broadcast(out, last)
+        return out
+
+    # -- parameters as one flat vector -------------------------------------------------------------------------------
+
+    def parameter_count(self) -> int:
+        return self._full_numel
+
+    def parameter_table(self) -> list[dict]:
+        return self._table
+
+    def gather_full_parameters(self) -> torch.Tensor:
+        """The full model's parameters in its ``parameters()`` order, identical on every rank (collective)."""
+        width = max(self._stage_numel)
+        mine = torch.zeros(width, dtype=torch.float32, device=self.comm.device)
+        if self._owned:
+            own = torch.cat([p.detach().reshape(-1).float() for p in self._owned])
+            mine[: own.numel()] = own
+        everyone = torch.empty(width * self.num_stages, dtype=torch.float32, device=self.comm.device)
+        self.pipeline_group.all_gather(mine, everyone)
+        return torch.cat([everyone[s * width : s * width + n] for s, n in enumerate(self._stage_numel)])
+
+    def set_parameters(self, flat: torch.Tensor) -> None:
+        """Overwrite this stage's parameters (shared ones included) from the full vector (same on every rank)."""
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self._full_numel:
+            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise ValueError(f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
+                             f"parameter count), got {shape}")  # fmt: skip
+        with torch.no_grad():
+            for p in self._stage_params:
+                at = self._offset_of[id(p)]
+                p.copy_(flat[at : at + p.numel()].view_as(p))
+
+    def clone(self) -> ShardedModel:
+        raise NotImplementedError("PipelineParallelModel holds one stage per rank; build a new one from the full "
+                                  "module to copy it")  # fmt: skip
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("PipelineParallelModel does not save models yet: gather_full_parameters() gives "
+                                  "the full parameter vector on every rank")  # fmt: skip
+
+    def checkpoint_segments(self):
+        raise NotImplementedError("PipelineParallelModel does not write checkpoints yet: gather_full_parameters() "
+                                  "gives the full parameter vector on every rank")  # fmt: skip
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        meta = super().get_model_metadata()
+        meta.update({"layout": self.layout.describe(), "stage": self.pipeline_parallel_rank,
+                     "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank], "schedule": self.schedule,
+                     "micro_batches": self.micro_batches,
+                     "stage_parameter_count": sum(p.numel() for p in self._stage_params)})  # fmt: skip
+        return meta
+
+
+def _reduce_grads(group, params: list[nn.Parameter], op: ReductionOperation) -> None:
+    """All-reduce the gradients of ``params`` in ``group`` through one flat buffer (missing gradients count 0)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if not grads or group.world_size == 1:
+        return
+    flat = FlatBuffer.empty_like(grads, zero=False)
+    kernels.pack(grads, flat.data)
+    group.all_reduce(flat.data, op)
+    kernels.unpack(flat.data, grads)

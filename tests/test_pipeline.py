@@ -1,0 +1,244 @@
+"""PipelineParallelModel: splitting, schedules (order, bubble, activations in flight) and training parity with a
+single process on the global batch, on the in-memory and Gloo backends."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gpudist
+from gpudist import PipelineParallelModel, ShardingConfiguration
+from gpudist.models.layout import ParallelLayout
+from gpudist.models.pipeline import partition_blocks, schedule_bubble, stage_schedule
+from gpudist.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from lm import TinyLM, as_sequential, lm_loss
+
+# ------------------------------------------------------------------------------------------------- splitting, layout
+
+
+def test_partition_blocks_balances_parameters():
+    """Balanced splits minimise the largest stage (a greedy split would put 10+1 together and leave 1 alone);
+    uniform splits count blocks; given counts are checked. Catches off-by-one cuts and empty stages."""
+    assert partition_blocks([10, 1, 1, 10], 2) == [2, 2]
+    assert partition_blocks([1, 1, 1, 1, 8], 2) == [4, 1]
+    counts = partition_blocks([5] * 6, 4, "parameters")
+    assert sum(counts) == 6 and min(counts) >= 1 and max(counts) == 2
+    assert partition_blocks([1] * 7, 3, "uniform") == [3, 2, 2]
+    assert partition_blocks([1] * 5, 2, [4, 1]) == [4, 1]
+    for balance, match in [([3, 3], "summing to the model's 5 blocks"), ([5, 0], "block counts >= 1"),
+                           ("even", "balance='even'")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            partition_blocks([1] * 5, 2, balance)
+    with pytest.raises(ValueError, match="num_stages=6 is more than the model's 5 blocks"):
+        partition_blocks([1] * 5, 6)
+
+
+def test_parallel_layout_orders_tensor_fastest_and_names_every_factor():
+    """rank = (pp * dp + dp_rank) * tp + tp_rank; groups per dimension; a bad product names every factor."""
+    layout = ParallelLayout.resolve(8, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert layout.data_parallel_size == 2
+    assert layout.groups("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pipeline") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(layout.rank_of(*layout.coords(r)) == r for r in range(8))
+    with pytest.raises(ValueError, match=r"pp\(2\) \* dp\(3\) \* tp\(2\) = 12 != world_size\(8\)"):
+        ParallelLayout.resolve(8, 2, 2, 3)
+    with pytest.raises(ValueError, match=r"pp\(3\) \* tp\(1\) = 3 does not divide world_size\(8\)"):
+        ParallelLayout.resolve(8, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 4), (4, 2), (4, 4), (4, 8), (3, 5)])
+def test_schedules_have_the_theoretical_bubble_and_bounded_activations(schedule, stages, micro):
+    """Every stage runs each micro-batch's forward and backward once; replaying the orders with forward cost 1 and
+    backward cost 2 gives the bubble (p-1)/(m+p-1); 1F1B keeps at most p - s micro-batches in flight on stage s,
+    GPipe all m. Catches a schedule that serialises stages (larger bubble), deadlocks (the replay raises), runs a
+    backward before its forward, or lets 1F1B's warm-up grow."""
+    orders = [stage_schedule(schedule, stages, s, micro) for s in range(stages)]
+    for order in orders:
+        assert sorted(order) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+        assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(micro))
+    assert schedule_bubble(orders) == pytest.approx((stages - 1) / (micro + stages - 1))
+    for s, order in enumerate(orders):
+        alive, peak = 0, 0
+        for kind, _ in order:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == (micro if schedule == "gpipe" else min(stages - s, micro))
+
+
+# ----------------------------------------------------------------------------------------------------- parity
+
+D = 8
+
+
+def _mlp(blocks: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(D, D), nn.Tanh()) if i % 2 else nn.Linear(D, D)
+                           for i in range(blocks)])  # fmt: skip
+
+
+_MLP = _mlp()
+
+
+def mlp() -> nn.Sequential:
+    """The same 6-block model on every rank (a copy: in-memory ranks are threads sharing torch's global RNG)."""
+    return copy.deepcopy(_MLP)
+
+
+def global_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+
+
+def reference(steps: int = 3, build=mlp, batch=global_batch, loss_fn=F.mse_loss) -> tuple[torch.Tensor, list[float]]:
+    """Single-process training on the global batch."""
+    net = build()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
+
+
+def pipeline_train(comm, stages=None, micro=4, schedule="1f1b", steps=3, build=mlp, batch=global_batch,
+                   loss_fn=F.mse_loss, balance="parameters"):  # fmt: skip
+    config = ShardingConfiguration(comm)
+    model = PipelineParallelModel(build(), config, num_stages=stages, micro_batches=micro, schedule=schedule,
+                                  balance=balance)  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    dp, d = model.data_parallel_size, model.data_parallel_rank
+    for step in range(steps):
+        x, y = batch(step)
+        n = x.shape[0] // dp
+        losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], loss_fn, opt))
+    return model.gather_full_parameters(), losses, model.last_schedule["max_in_flight"], model.stage_blocks
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("world", "micro"), [(2, 1), (2, 4), (4, 2), (4, 8)])
+def test_pipeline_matches_single_process_training(world, micro, schedule):
+    """2 and 4 stages, 1-8 micro-batches, both schedules, 3 Adam steps (in-memory): parameters (gathered on every
+    rank) and the loss returned on every rank equal single-process training on the global batch. Catches
+    micro-batch gradients not accumulated or not scaled by 1/m, an activation gradient sent to the wrong
+    micro-batch, a stage stepping on partial gradients, and a loss reported from the wrong stage."""
+    want, want_losses = reference()
+    results = run_ranks(pipeline_train, world, "inmemory", micro=micro, schedule=schedule)
+    for params, losses, _, _ in results:
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+    peaks = [r[2] for r in results]
+    assert peaks == ([micro] * world if schedule == "gpipe" else [min(world - s, micro) for s in range(world)])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_on_gloo(schedule):
+    """The same parity over Gloo processes (real send/recv between address spaces), 2 stages, 4 micro-batches."""
+    want, want_losses = reference()
+    for params, losses, _, _ in run_ranks(pipeline_train, 2, "gloo", micro=4, schedule=schedule):
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_pipeline_with_data_parallel_replicas():
+    """2 stages x 2 replicas (world 4): each replica trains on its half of the global batch and gradients are
+    averaged per stage, so training equals one process on the whole batch. Catches gradients averaged over the
+    wrong group (across stages) or not at all (replicas drift), and the loss of one replica reported as global."""
+    want, _ = reference()
+    results = run_ranks(pipeline_train, 4, "inmemory", stages=2, micro=2)
+    for params, _, _, blocks in results:
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert blocks == [(0, 3), (3, 6)]
+
+
+def lm() -> nn.Sequential:
+    return as_sequential(TinyLM(32, 16, n_layers=3, n_heads=2, seq_len=8, seed=0))
+
+
+def lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 32, (8, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_embedding_across_stages_matches_single_process(world):
+    """TinyLM (token embedding tied to the output head) split into 2 and 3 stages: the first and last stage each
+    hold the shared matrix and sum its gradients, so training equals a single process. Catches a tied parameter
+    updated from one stage's gradient only (the two copies drift apart) or counted twice in the full vector."""
+    want, want_losses = reference(build=lm, batch=lm_batch, loss_fn=lm_loss)
+    for params, losses, _, _ in run_ranks(pipeline_train, world, "inmemory", micro=2, build=lm, batch=lm_batch,
+                                          loss_fn=lm_loss):  # fmt: skip
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def predict_and_errors(comm):
+    config = ShardingConfiguration(comm)
+    model = PipelineParallelModel(mlp(), config, micro_batches=4)
+    x, y = global_batch(0)
+    out = model.predict(x)
+    errors = []
+    for call in (lambda: model(x), lambda: model.train_step(x[:6], y[:6], F.mse_loss)):
+        with pytest.raises((RuntimeError, ValueError)) as info:
+            call()
+        errors.append(str(info.value))
+    meta = model.get_model_metadata()
+    return out, errors, meta
+
+
+def test_predict_errors_and_metadata():
+    """predict() runs the whole pipeline and returns the model's output on every rank; training through forward
+    and a batch that micro_batches does not divide fail with errors naming the fix (before any send);
+    metadata names the stage and layout."""
+    want = mlp()(global_batch(0)[0]).detach()
+    for rank, (out, errors, meta) in enumerate(run_ranks(predict_and_errors, 2, "inmemory")):
+        torch.testing.assert_close(out, want)
+        assert "call train_step" in errors[0]
+        assert "batch size 6, not a multiple of micro_batches=4" in errors[1]
+        assert meta["stage"] == rank and meta["layout"] == "pp=2 x dp=1 x tp=1 = 2 ranks"
+        assert meta["parameter_count"] == sum(p.numel() for p in mlp().parameters())
+
+
+def bad_constructions(comm):
+    config = ShardingConfiguration(comm)
+    errors = []
+    for call in (lambda: PipelineParallelModel(nn.Linear(2, 2), config),
+                 lambda: PipelineParallelModel(mlp(), config, num_stages=3),
+                 lambda: PipelineParallelModel(mlp(), config, schedule="zigzag"),
+                 lambda: PipelineParallelModel(mlp(), config, micro_batches=0)):  # fmt: skip
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        errors.append(str(info.value))
+    return errors
+
+
+def test_bad_constructions_are_refused():
+    """A non-sequential module, a stage count that does not divide the world, an unknown schedule and zero
+    micro-batches are refused with errors naming the value."""
+    errors = run_ranks(bad_constructions, 4, "inmemory")[0]
+    assert "splits an nn.Sequential or a list of blocks, got Linear" in errors[0]
+    assert "pp(3) * tp(1) = 3 does not divide world_size(4)" in errors[1]
+    assert "schedule='zigzag'" in errors[2]
+    assert "micro_batches=0" in errors[3]
+
+
+def test_pipeline_is_exported():
+    assert gpudist.PipelineParallelModel is PipelineParallelModel
