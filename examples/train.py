@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lm import VOCAB, SyntheticCorpus, TinyLM, lm_loss  # examples/lm.py: a script's own folder is on sys.path
+
+# examples/lm.py: a script's own folder is on sys.path
+from lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss
 from safetensors.torch import save as st_save
 
 import gpudist
@@ -47,7 +49,10 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "zero2": ("ZeRO2Model", "ZeRO2Optimizer"),
     "zero3": ("ZeRO3Model", "ZeRO3Optimizer"),
     "fsdp": ("FSDPModel", "ZeRO3Optimizer"),
+    "pipeline": ("PipelineParallelModel", "DDPOptimizer"),
 }
+SCHEDULED = {"pipeline"}
+"""Strategies trained through model.train_step (their backward is scheduled across ranks), not loss.backward()."""
 COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # None: gradients' own dtype
 LAUNCHER_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 VAL_SEQUENCES = 256
@@ -76,6 +81,10 @@ class TrainConfig:
     compression_warmup: int = 10
     """Uncompressed steps before compression starts."""
     error_feedback: bool = True
+    pp: int = 2
+    """Pipeline stages (--strategy pipeline); the world size over pp is the number of data-parallel replicas."""
+    micro_batches: int = 4
+    """Micro-batches per step and replica (--strategy pipeline)."""
     compress_momentum: bool = False
     """Communicate the momentum instead of the gradient (momentum SGD, ddp; what 1-bit needs to converge)."""
     out: str = "runs/ddp-w2"
@@ -123,7 +132,12 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     net = make_model(cfg)
     comm_dtype = COMM_DTYPES[cfg.comm_dtype]
     config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
-    model = model_cls(net, config)
+    if cfg.strategy == "pipeline":
+        model = model_cls(as_sequential(net), config, num_stages=cfg.pp, micro_batches=cfg.micro_batches)
+        data_rank, data_size = model.data_parallel_rank, model.data_parallel_size  # each replica reads its slice
+    else:
+        model = model_cls(net, config)
+        data_rank, data_size = rank, world
     opt = optim_cls(make_optimizer(model.parameters(), cfg.lr, cfg.optimizer), config)
     if cfg.compression is not None:
         opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
@@ -141,15 +155,19 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     for step in range(cfg.steps):
         # Timed end to end as a user waits for it, data included (generating a rank's slice: ~4 ms of ~45 ms).
         t0, bytes0 = time.perf_counter(), comm.stats.total_bytes
-        x, y = corpus.batches(step, cfg.global_batch, rank, world)
-        loss = lm_loss(model(x), y)  # the idiomatic PyTorch loop, unchanged: the strategy works inside it
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        x, y = corpus.batches(step, cfg.global_batch, data_rank, data_size)
+        if cfg.strategy in SCHEDULED:
+            losses[step] = model.train_step(x, y, lm_loss, opt)  # forward, backward and step, scheduled
+        else:
+            loss = lm_loss(model(x), y)  # the idiomatic PyTorch loop, unchanged: the strategy works inside it
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[step] = loss.item()
         schedule.step()
-        losses[step] = loss.item()
         step_times.append(time.perf_counter() - t0)
-        comm_bytes.append(comm.stats.total_bytes - bytes0)
+        # Scheduled strategies talk through sub-groups (stages, replicas), which the model counts itself.
+        comm_bytes.append(model.last_step_bytes if cfg.strategy in SCHEDULED else comm.stats.total_bytes - bytes0)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             # The displayed loss is the global batch's (mean over ranks), as a single process would report it.
             # This small all-reduce sits outside the timed step, so bytes/step counts the strategy's traffic only.
@@ -396,6 +414,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                         help="uncompressed steps before compression starts")
     parser.add_argument("--no-error-feedback", action="store_true",
                         help="drop what compression loses instead of sending it later (for comparison)")
+    parser.add_argument("--pp", type=int, default=defaults.pp,
+                        help="pipeline stages for --strategy pipeline (the rest of the world is data parallel)")
+    parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches,
+                        help="micro-batches per step for --strategy pipeline")
     parser.add_argument("--compress-momentum", action="store_true",
                         help="communicate the momentum instead of the gradient (with --optimizer sgd and --strategy "
                              "ddp; 1-bit converges with it)")
@@ -432,6 +454,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                          "gathers parameters, which have no error feedback to absorb compression)")
         if args.compression_warmup < 0:
             parser.error(f"--compression-warmup must be >= 0, got {args.compression_warmup}")
+    if args.strategy == "pipeline":
+        if args.pp < 1 or world % args.pp:
+            parser.error(f"--pp {args.pp} must divide the world size {world} (the rest is data parallel)")
+        if args.pp > defaults.n_layers + 2:
+            parser.error(f"--pp {args.pp} is more than TinyLM's {defaults.n_layers + 2} pipeline blocks (embeddings, "
+                         f"{defaults.n_layers} transformer blocks, head)")
+        replica_batch = args.global_batch // (world // args.pp)
+        if args.micro_batches < 1 or replica_batch % args.micro_batches:
+            parser.error(f"--micro-batches {args.micro_batches} must divide each replica's batch of {replica_batch} "
+                         f"sequences (--global-batch {args.global_batch} over {world // args.pp} replicas)")
     if args.compress_momentum and (args.compression is None or args.optimizer != "sgd" or args.strategy != "ddp"):
         parser.error("--compress-momentum needs --compression, --optimizer sgd and --strategy ddp (momentum "
                      "compression keeps the full momentum on every rank)")
@@ -441,6 +473,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                       optimizer=args.optimizer, compression=args.compression,
                       compression_warmup=args.compression_warmup,
                       error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
+                      pp=args.pp, micro_batches=args.micro_batches,
                       out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
 

@@ -65,8 +65,9 @@ class ShardedModel(nn.Module):
         self.config = config
         self.last_step_bytes = 0
         self._comm_hook = None  # set by register_comm_hook (strategies that support it)
-        self._bytes_mark = self.comm.stats.total_bytes
+        self._bytes_mark = 0
         self.initialize_sharding()
+        self._bytes_mark = self._bytes_total()
         config._models.add(self)
 
     # -- the strategy's part ------------------------------------------------------------------------------------
@@ -143,8 +144,12 @@ class ShardedModel(nn.Module):
 
     def _mark_step_bytes(self) -> None:
         """Record the bytes communicated since the last mark as this step's (called when a step's sync ends)."""
-        total = self.comm.stats.total_bytes
+        total = self._bytes_total()
         self.last_step_bytes, self._bytes_mark = total - self._bytes_mark, total
+
+    def _bytes_total(self) -> int:
+        """Bytes this rank has communicated so far through the backends this model uses."""
+        return self.comm.stats.total_bytes
 
     # -- parameters as one flat vector ----------------------------------------------------------------------------
 

@@ -226,6 +226,7 @@ class PipelineParallelModel(ShardedModel):
                 shared = [p for p in params if tuple(holders[id(p)]) == stages]
                 self._tied.append((group, shared))
         self.last_schedule: dict[str, Any] = {}
+        self._groups = [self.pipeline_group, self.data_group, *(group for group, _ in self._tied)]
 
     # -- sizes and ranks ---------------------------------------------------------------------------------------------
 
@@ -252,6 +253,9 @@ class PipelineParallelModel(ShardedModel):
     @property
     def is_last_stage(self) -> bool:
         return self.pipeline_parallel_rank == self.num_stages - 1
+
+    def _bytes_total(self) -> int:
+        return sum(group.stats.total_bytes for group in {id(g): g for g in self._groups}.values())
 
     def manages(self, param: torch.Tensor) -> bool:
         return any(param is p for p in self._stage_params)
@@ -364,6 +368,7 @@ class PipelineParallelModel(ShardedModel):
         self.synchronize_gradients()
         loss = losses.mean().reshape(1) if self.is_last_stage else torch.zeros(1, dtype=torch.float64)
         self.pipeline_group.broadcast(loss, self.num_stages - 1)
+        self._mark_step_bytes()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
@@ -376,7 +381,6 @@ class PipelineParallelModel(ShardedModel):
             _reduce_grads(group, shared, ReductionOperation.SUM)
         if self.data_parallel_size > 1:
             _reduce_grads(self.data_group, self._stage_params, ReductionOperation.AVERAGE)
-        self._mark_step_bytes()
 
     # -- inference ---------------------------------------------------------------------------------------------------
 
