@@ -26,7 +26,16 @@ from .comm import (
 )
 from .config import ShardingConfiguration
 from .launch import init
-from .models import DDPModel, FSDPModel, PipelineParallelModel, ShardedModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from .models import (
+    DDPModel,
+    FSDPModel,
+    PipelineParallelModel,
+    ShardedModel,
+    TensorParallelModel,
+    ZeRO1Model,
+    ZeRO2Model,
+    ZeRO3Model,
+)
 from .optim import (
     DDPOptimizer,
     GradientCompressionOptimizer,
@@ -63,6 +72,7 @@ __all__ = [
     "ShardedModel",
     "ShardedOptimizer",
     "ShardingConfiguration",
+    "TensorParallelModel",
     "ZeRO1Model",
     "ZeRO1Optimizer",
     "ZeRO2Model",

@@ -3,7 +3,9 @@
 from .base import ShardedModel
 from .ddp import DDPModel
 from .pipeline import PipelineParallelModel
+from .tensor import TensorParallelModel
 from .zero import ZeRO1Model, ZeRO2Model
 from .zero3 import FSDPModel, ZeRO3Model
 
-__all__ = ["DDPModel", "FSDPModel", "PipelineParallelModel", "ShardedModel", "ZeRO1Model", "ZeRO2Model", "ZeRO3Model"]
+__all__ = ["DDPModel", "FSDPModel", "PipelineParallelModel", "ShardedModel", "TensorParallelModel", "ZeRO1Model",
+           "ZeRO2Model", "ZeRO3Model"]  # fmt: skip

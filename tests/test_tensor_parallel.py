@@ -1,0 +1,422 @@
+"""TensorParallelModel and its pieces against the unsplit single-process math.
+
+Tolerances. Layers and primitives: values and gradients within 1e-5/1e-6 (rtol/atol): the only difference from
+torch is the order of fp32 sums (row-parallel partial products, the vocabulary split of the softmax sums).
+Training parity on TinyLM: SGD with momentum within rtol 1e-5/atol 1e-6 after 5 steps (measured at most 1.2e-7
+apart). AdamW within rtol 1e-5/atol 2e-5: Adam divides each gradient by its own running RMS, so the fp32 reordering
+reaches the update unscaled where a gradient is a near-cancelling sum (the MLP weights): measured up to 9e-6 after
+5 steps at lr 1e-2, and 1.1e-5 for plain data parallelism (tp=1, dp=2), which reorders the same way DDP does. A
+real bug moves parameters by about lr = 1e-2 in one step. SGD is there because Adam hides a gradient scaled by a
+constant (e.g. a replicated gradient summed over the tensor group); SGD does not.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+
+from gpudist import InMemoryCommunicationBackend, ShardingConfiguration
+from gpudist.models.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelModel,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+    tinylm_plan,
+    vocab_parallel_cross_entropy,
+)
+from gpudist.testing import run_ranks
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAM_TOL = {"rtol": 1e-5, "atol": 2e-5}
+LM = {"vocab": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16, "seed": 0}
+GLOBAL_BATCH = 8
+STEPS = 5
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+}
+
+
+def lm():
+    """examples/lm.py as a module (examples/ is not a package; the gloo workers import it the same way)."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import lm as example
+
+    return example
+
+
+def lm_batch(size: int = GLOBAL_BATCH, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 64, (size, seq), generator=g), torch.randint(0, 64, (size, seq), generator=g)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def single_process_lm(opt_name: str, steps: int = STEPS) -> tuple[list[float], torch.Tensor]:
+    example = lm()
+    model = example.TinyLM(**LM)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    x, y = lm_batch()
+    losses = []
+    for _ in range(steps):
+        loss = example.lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, flat(model)
+
+
+def lone_rank(world: int) -> ShardingConfiguration:
+    """Rank 0 of a ``world``-rank group whose other ranks never come: any collective would time out (1 s), so an
+    error raised here instead was raised before communicating."""
+    return ShardingConfiguration(InMemoryCommunicationBackend(0, world, f"lone-{uuid.uuid4().hex}", timeout=1.0))
+
+
+# ---------------------------------------------------------------------------------------------- rank functions
+
+
+def check_primitives(comm):
+    n, r = comm.world_size, comm.rank
+
+    def per_rank(i: int, shape=(4, 6)) -> torch.Tensor:  # rank i's input: differs per rank so sums mean something
+        return torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape) * (i + 1) + 0.5 * i
+
+    def run(fn, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.clone().requires_grad_(True)
+        y = fn(x)
+        y.backward(upstream)
+        return y.detach(), x.grad
+
+    everyone = [per_rank(i) for i in range(n)]
+    y, g = run(lambda x: copy_to_tensor_parallel(x, comm), everyone[r], everyone[r] * 3)
+    torch.testing.assert_close(y, everyone[r], rtol=0, atol=0)
+    torch.testing.assert_close(g, sum(everyone) * 3, **TOL)
+    y, g = run(lambda x: reduce_from_tensor_parallel(x, comm), everyone[r], everyone[0])
+    torch.testing.assert_close(y, sum(everyone), **TOL)
+    torch.testing.assert_close(g, everyone[0], rtol=0, atol=0)
+    full = per_rank(0, (6, 6))
+    for dim in (0, -1):
+        local = [part.contiguous() for part in full.chunk(n, dim)]
+        upstream = [per_rank(i, (6, 6)).chunk(n, dim)[i] for i in range(n)]  # each rank's own gradient slice
+        y, g = run(lambda x, dim=dim: scatter_to_tensor_parallel(x, comm, dim), full, upstream[r])
+        torch.testing.assert_close(y, local[r], rtol=0, atol=0)
+        torch.testing.assert_close(g, torch.cat(upstream, dim), rtol=0, atol=0)
+        y, g = run(lambda x, dim=dim: gather_from_tensor_parallel(x, comm, dim), local[r], full * 2)
+        torch.testing.assert_close(y, full, rtol=0, atol=0)
+        torch.testing.assert_close(g, (full * 2).chunk(n, dim)[r], rtol=0, atol=0)
+
+
+def check_layers(comm):
+    """Each layer on tp ranks against its torch counterpart: outputs, input gradients and this rank's slice of the
+    weight gradients (sliced here by hand, independently of the library's split)."""
+    n, r = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(0)  # the same full layers and data on every rank
+    x = torch.randn(3, 5, 8, generator=g)
+    upstream = torch.randn(3, 5, 12, generator=g)
+    rows = slice(r * 12 // n, (r + 1) * 12 // n)
+
+    def grads(module: nn.Module, inp: torch.Tensor, up: torch.Tensor):
+        inp = inp.clone().requires_grad_(True)
+        out = module(inp)
+        out.backward(up)
+        return out.detach(), inp.grad
+
+    full = nn.Linear(8, 12)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(12, 8, generator=g))
+        full.bias.copy_(torch.randn(12, generator=g))
+    ref_y, ref_dx = grads(full, x, upstream)
+    for gather in (False, True):
+        col = ColumnParallelLinear.from_linear(full, comm, gather_output=gather)
+        y, dx = grads(col, x, upstream if gather else upstream[..., rows])
+        torch.testing.assert_close(y, ref_y if gather else ref_y[..., rows], **TOL)
+        torch.testing.assert_close(dx, ref_dx, **TOL)
+        torch.testing.assert_close(col.weight.grad, full.weight.grad[rows], **TOL)
+        torch.testing.assert_close(col.bias.grad, full.bias.grad[rows], **TOL)
+    # Fused q, k, v: rank r holds the r-th part of each of the 3 blocks of 4 outputs.
+    qkv = ColumnParallelLinear.from_linear(full, comm, gather_output=True, chunks=3)
+    y, dx = grads(qkv, x, upstream)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(dx, ref_dx, **TOL)
+    mine = torch.cat([block[r * 4 // n : (r + 1) * 4 // n] for block in full.weight.grad.split(4)])
+    torch.testing.assert_close(qkv.weight.grad, mine, **TOL)
+
+    full = nn.Linear(12, 8)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(8, 12, generator=g))
+        full.bias.copy_(torch.randn(8, generator=g))
+    wide = torch.randn(3, 5, 12, generator=g)
+    up8 = torch.randn(3, 5, 8, generator=g)
+    ref_y, ref_dx = grads(full, wide, up8)
+    row = RowParallelLinear.from_linear(full, comm, input_is_parallel=False)  # scatters the full input itself
+    y, dx = grads(row, wide, up8)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(dx, ref_dx, **TOL)
+    torch.testing.assert_close(row.weight.grad, full.weight.grad[:, rows], **TOL)
+    torch.testing.assert_close(row.bias.grad, full.bias.grad, **TOL)
+    row = RowParallelLinear.from_linear(full, comm)  # input arrives split
+    y, dx = grads(row, wide[..., rows], up8)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(dx, ref_dx[..., rows], **TOL)
+
+    emb = nn.Embedding(12, 6, padding_idx=5)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(12, 6, generator=g))
+    ids = torch.tensor([[0, 5, 11, 3], [7, 5, 2, 11]])
+    up6 = torch.randn(2, 4, 6, generator=g)
+    ref = emb(ids)
+    ref.backward(up6)
+    vocab = VocabParallelEmbedding.from_embedding(emb, comm)
+    out = vocab(ids)
+    out.backward(up6)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(vocab.weight.grad, emb.weight.grad[rows], **TOL)  # padding row: no gradient
+
+    logits = torch.randn(2, 7, 12, generator=g) * 4
+    targets = torch.randint(0, 12, (2, 7), generator=g)
+    targets[0, 2] = targets[1, 6] = -100  # ignored tokens count for nothing, as in F.cross_entropy
+    full_logits = logits.clone().requires_grad_(True)
+    ref_loss = F.cross_entropy(full_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    shard = logits[..., rows].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(shard, targets, comm, vocab_start=rows.start)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(shard.grad, full_logits.grad[..., rows], **TOL)
+
+
+def train_lm(comm, tp, opt_name, x, y, idiomatic=False, steps=STEPS):
+    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), tinylm_plan, tensor_parallel_size=tp)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    per = x.shape[0] // model.data_parallel_size
+    mine = slice(model.data_parallel_rank * per, (model.data_parallel_rank + 1) * per)  # this replica's rows
+    losses = []
+    for _ in range(steps):
+        if idiomatic:  # the plain loop: data-parallel averaging must happen inside backward
+            loss = model.cross_entropy(model(x[mine]), y[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        else:
+            losses.append(model.train_step(x[mine], y[mine], optimizer=opt))
+    return {"losses": losses, "params": model.gather_full_parameters(), "meta": model.get_model_metadata(),
+            "local_numel": sum(p.numel() for p in model.parameters()),
+            "ranks": (model.pipeline_parallel_rank, model.pipeline_parallel_size, model.data_parallel_rank,
+                      model.data_parallel_size, model.tensor_parallel_rank, model.tensor_parallel_size)}  # fmt: skip
+
+
+def train_mlp(comm, state, tp):
+    net = Mlp()
+    net.load_state_dict(state)
+    model = TensorParallelModel(net, ShardingConfiguration(comm), {"fc1": "colwise", "fc2": "rowwise"}, tp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        model.train_step(x, y, F.mse_loss, opt)
+    return {"params": model.gather_full_parameters(), "predict": model.predict(mlp_batch(0)[0]),
+            "shapes": [tuple(p.shape) for p in model.parameters()]}  # fmt: skip
+
+
+def save_trained(comm, path):
+    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), tinylm_plan)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    x, y = lm_batch()
+    for _ in range(2):
+        model.train_step(x, y, optimizer=opt)
+    model.save_model(path / "tp.safetensors")
+    with pytest.raises(NotImplementedError, match=r"save_model\('model.safetensors'\)"):
+        model.save_model(path / "folder")
+    twin = model.with_parameters(torch.zeros(model.parameter_count()))
+    assert twin.gather_full_parameters().abs().sum() == 0, "with_parameters did not set the clone"
+    twin.train_step(x, y, optimizer=OPTIMIZERS["sgd"](twin.parameters()))  # the clone trains on its own
+    return {"params": model.gather_full_parameters(), "predict": model.predict(x)}
+
+
+def load_saved(comm, path):
+    model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), tinylm_plan)
+    model.load_model(path / "tp.safetensors")
+    return model.gather_full_parameters()
+
+
+# ---------------------------------------------------------------------------------------------- a generic model
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.fc2 = nn.Linear(16, 5)
+        self.norm = nn.LayerNorm(5)
+
+    def forward(self, x):
+        return self.norm(self.fc2(torch.tanh(self.fc1(x))))
+
+
+def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(10, 6, generator=g), torch.randn(10, 5, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_primitives_forward_and_backward(world):
+    """Catches a primitive whose backward is not its forward's pair (copy <-> all-reduce, scatter <-> gather), a
+    gather/scatter that mixes up rank order or the dimension, and an all-reduce that mutates autograd's input."""
+    run_ranks(check_primitives, world, "inmemory")
+
+
+def test_primitives_on_a_group_of_one_return_the_input():
+    """Catches a group of one that still builds autograd nodes or calls the backend."""
+    comm = InMemoryCommunicationBackend(0, 1, f"solo-{uuid.uuid4().hex}")
+    x = torch.ones(3, 4)
+    for fn in (copy_to_tensor_parallel, reduce_from_tensor_parallel, scatter_to_tensor_parallel,
+               gather_from_tensor_parallel):  # fmt: skip
+        assert fn(x, comm) is x
+    assert comm.stats.total_calls == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layers_match_torch(tp):
+    """Catches a wrong shard (rows vs columns, q/k/v blocks not split per head), a bias added on every rank before
+    the reduce, an embedding that does not mask other ranks' ids or ignores padding_idx, and a cross-entropy whose
+    backward is not (softmax - onehot) / tokens on the shard or that counts ignored tokens."""
+    run_ranks(check_layers, tp, "inmemory")
+
+
+@pytest.mark.parametrize(("backend", "tp", "opt_name"), [("inmemory", 2, "adamw"), ("inmemory", 4, "adamw"),
+                                                         ("gloo", 2, "adamw"), ("inmemory", 2, "sgd"),
+                                                         ("inmemory", 4, "sgd")])  # fmt: skip
+def test_tinylm_matches_single_process(backend, tp, opt_name):
+    """Catches heads split across q/k/v inconsistently, the tied head losing its tie to the embedding shard, a
+    replicated gradient summed over the tensor group (SGD sees it), and extra or missing collectives: 5 steps
+    on tp ranks equal one process on the same batch, every rank gathers the same full vector, and the bytes per
+    step are exactly the activation all-reduces (per block 2 forward + 2 backward, embedding, head, loss)."""
+    x, y = lm_batch()
+    results = run_ranks(train_lm, tp, backend, tp=tp, opt_name=opt_name, x=x, y=y)
+    losses, expected = single_process_lm(opt_name)
+    tol = ADAM_TOL if opt_name == "adamw" else TOL
+    tokens, activation = x.numel(), x.numel() * LM["d_model"] * 4
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["params"], expected, **tol)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), **TOL)
+        assert torch.equal(r["params"], results[0]["params"]), "ranks gathered different full vectors"
+        assert r["ranks"] == (0, 1, 0, 1, rank, tp)
+        assert r["meta"]["bytes_per_step"] == activation * (4 * LM["n_layers"] + 2) + tokens * 3 * 4
+        assert r["meta"]["parameter_count"] == expected.numel()
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_tensor_times_data_parallel_matches_single_process(opt_name):
+    """Catches data-parallel replicas not averaging (or summing) their gradients, the idiomatic
+    ``loss.backward(); opt.step()`` loop skipping that average, and tensor groups that are not consecutive ranks:
+    tp=2 x dp=2, each replica on its half of the global batch, equals one process on the whole batch."""
+    x, y = lm_batch()
+    results = run_ranks(train_lm, 4, "inmemory", tp=2, opt_name=opt_name, x=x, y=y, idiomatic=True)
+    losses, expected = single_process_lm(opt_name)
+    tol = ADAM_TOL if opt_name == "adamw" else TOL
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["params"], expected, **tol)
+        assert torch.equal(r["params"], results[0]["params"])
+        assert r["ranks"] == (0, 1, rank // 2, 2, rank % 2, 2)
+        assert r["losses"] == results[rank ^ 1]["losses"], "the two ranks of a tensor group disagree on the loss"
+        tokens, activation = x.numel() // 2, x.numel() // 2 * LM["d_model"] * 4
+        grads = r["local_numel"] * 4  # one average of the local gradients over the data group
+        assert r["meta"]["bytes_per_step"] == activation * (4 * LM["n_layers"] + 2) + tokens * 3 * 4 + grads
+    global_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"], strict=True)]
+    torch.testing.assert_close(torch.tensor(global_losses), torch.tensor(losses), **TOL)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_generic_plan_on_an_mlp(tp):
+    """Catches a generic plan that does not convert by name, shards of the wrong shape, and predict() on a model
+    without a vocabulary output gathering anyway: {"fc1": "colwise", "fc2": "rowwise"} trains like one process."""
+    torch.manual_seed(0)
+    state = Mlp().state_dict()
+    results = run_ranks(train_mlp, tp, "inmemory", state=state, tp=tp)
+    net = Mlp()
+    net.load_state_dict(state)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        torch.testing.assert_close(r["params"], flat(net), **TOL)
+        torch.testing.assert_close(r["predict"], net(mlp_batch(0)[0]).detach(), **TOL)
+        assert r["shapes"] == [(16 // tp, 6), (16 // tp,), (5, 16 // tp), (5,), (5,), (5,)]
+
+
+def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
+    """Catches a .safetensors export holding shards instead of the full model (or losing the tied head), loading
+    that cannot take another tp size, clone() sharing parameters with the original, and predict() returning split
+    logits: trained on tp=2, loaded by a plain TinyLM and by tp=4, equal everywhere."""
+    trained = run_ranks(save_trained, 2, "inmemory", path=tmp_path)
+    example = lm()
+    plain = example.TinyLM(**{**LM, "seed": 2})
+    plain.load_state_dict(load_file(tmp_path / "tp.safetensors"))
+    assert plain.head.weight is plain.tok.weight
+    torch.testing.assert_close(flat(plain), trained[0]["params"], rtol=0, atol=0)
+    torch.testing.assert_close(trained[0]["predict"], plain(lm_batch()[0]).detach(), **TOL)
+    for loaded in run_ranks(load_saved, 4, "inmemory", path=tmp_path):
+        torch.testing.assert_close(loaded, trained[0]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "make", "plan", "match"),
+    [
+        (2, None, lambda: lm().TinyLM(**{**LM, "vocab": 63}), tinylm_plan,
+         r"'tok' \(vocab\): vocabulary size \(num_embeddings\)=63 is not divisible by the tensor-parallel size 2"),
+        (4, None, lambda: lm().TinyLM(**{**LM, "d_model": 48, "n_heads": 6}), tinylm_plan,
+         r"'blocks.0' \(heads\): n_heads=6 is not divisible by the tensor-parallel size 4; .* \(1, 2, 3, 6\)"),
+        (2, None, lambda: nn.Sequential(nn.Linear(4, 13), nn.Linear(13, 2)), {"0": "colwise", "1": "rowwise"},
+         r"'0' \(colwise\): out_features=13 is not divisible by the tensor-parallel size 2"),
+        (4, 3, Mlp, {"fc1": "colwise", "fc2": "rowwise"},
+         r"tensor_parallel_size=3 does not divide the world size 4; use one of 1, 2, 4"),
+        (2, None, Mlp, {"fc1": "colwise", "fc3": "rowwise"}, r"plan names 'fc3', which is not a submodule of Mlp"),
+        (2, None, Mlp, {"fc1": "diagonal"}, r"plan entry 'fc1': unknown style 'diagonal'; use one of colwise, "),
+        (2, None, lambda: lm().TinyLM(**LM), lambda m: {**tinylm_plan(m), "blocks.0.qkv": "colwise"},
+         r"'blocks.0' \(heads\): .* must also map 'blocks.0.qkv' to 'colwise_qkv'"),
+        (2, None, lambda: lm().TinyLM(**LM), {"head": "vocab_output"},
+         r"tok.weight and head.weight are one \(tied\) parameter, but the plan splits them differently"),
+    ],
+    ids=["vocab", "heads", "features", "world", "name", "style", "qkv-pairing", "tied"],
+)
+def test_bad_plans_fail_before_communicating(world, tp, make, plan, match):
+    """Catches a tp size that does not divide the vocabulary, the heads, a layer or the world, and unknown names or
+    styles, slipping through to a shape error or a hang: each raises a ValueError naming the value and the fix on
+    a lone rank whose peers never come (any collective would time out instead)."""
+    with pytest.raises(ValueError, match=match):
+        TensorParallelModel(make(), lone_rank(world), plan, tensor_parallel_size=tp)
+
+
+def test_layer_constructors_check_divisibility():
+    """Catches from_linear/from_embedding splitting unevenly (silently dropping rows) when used without a model."""
+    comm = lone_rank(4).backend
+    with pytest.raises(ValueError, match="out_features=6 is not divisible by the tensor-parallel size 4"):
+        ColumnParallelLinear.from_linear(nn.Linear(4, 6), comm)
+    with pytest.raises(ValueError, match="in_features=6 is not divisible"):
+        RowParallelLinear.from_linear(nn.Linear(6, 4), comm)
+    with pytest.raises(ValueError, match="num_embeddings=10 is not divisible"):
+        VocabParallelEmbedding.from_embedding(nn.Embedding(10, 4), comm)
+    with pytest.raises(TypeError, match=r"converts an nn\.Linear, got Embedding"):
+        ColumnParallelLinear.from_linear(nn.Embedding(8, 4), comm)
