@@ -29,6 +29,7 @@ from .launch import init
 from .models import (
     DDPModel,
     FSDPModel,
+    HybridShardedModel,
     PipelineParallelModel,
     ShardedModel,
     TensorParallelModel,
@@ -39,6 +40,7 @@ from .models import (
 from .optim import (
     DDPOptimizer,
     GradientCompressionOptimizer,
+    HybridShardedOptimizer,
     OptimizationResult,
     ShardedOptimizer,
     ZeRO1Optimizer,
@@ -63,6 +65,8 @@ __all__ = [
     "FSDPModel",
     "GlooCommunicationBackend",
     "GradientCompressionOptimizer",
+    "HybridShardedModel",
+    "HybridShardedOptimizer",
     "InMemoryCommunicationBackend",
     "MPICommunicationBackend",
     "NCCLCommunicationBackend",

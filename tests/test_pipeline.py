@@ -161,10 +161,11 @@ def test_pipeline_with_data_parallel_replicas():
     """2 stages x 2 replicas (world 4): each replica trains on its half of the global batch and gradients are
     averaged per stage, so training equals one process on the whole batch. Catches gradients averaged over the
     wrong group (across stages) or not at all (replicas drift), and the loss of one replica reported as global."""
-    want, _ = reference()
+    want, want_losses = reference()
     results = run_ranks(pipeline_train, 4, "inmemory", stages=2, micro=2)
-    for params, _, _, blocks in results:
+    for params, losses, _, blocks in results:
         torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
         assert blocks == [(0, 3), (3, 6)]
 
 

@@ -2,10 +2,11 @@
 
 from .base import ShardedModel
 from .ddp import DDPModel
+from .hybrid import HybridShardedModel
 from .pipeline import PipelineParallelModel
 from .tensor import TensorParallelModel
 from .zero import ZeRO1Model, ZeRO2Model
 from .zero3 import FSDPModel, ZeRO3Model
 
-__all__ = ["DDPModel", "FSDPModel", "PipelineParallelModel", "ShardedModel", "TensorParallelModel", "ZeRO1Model",
-           "ZeRO2Model", "ZeRO3Model"]  # fmt: skip
+__all__ = ["DDPModel", "FSDPModel", "HybridShardedModel", "PipelineParallelModel", "ShardedModel",
+           "TensorParallelModel", "ZeRO1Model", "ZeRO2Model", "ZeRO3Model"]  # fmt: skip

@@ -142,8 +142,8 @@ class PipelineParallelModel(ShardedModel):
 
     Stages are balanced by parameter count (``balance="parameters"``), ``"uniform"`` in block count, or given as
     a list of blocks per stage. Each block takes and returns one tensor. Train with :meth:`train_step`, which runs
-    the ``schedule`` ("1f1b" or "gpipe") over ``micro_batches`` micro-batches and returns the replica's loss on
-    every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the output on
+    the ``schedule`` ("1f1b" or "gpipe") over ``micro_batches`` micro-batches and returns the global batch's loss
+    on every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the output on
     every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
     activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe).
     Communication per step: each micro-batch's activation and its gradient across every stage boundary.
@@ -171,12 +171,20 @@ class PipelineParallelModel(ShardedModel):
 
     # -- construction ----------------------------------------------------------------------------------------------
 
+    def _prepare(self, module: nn.Module) -> tuple[nn.Sequential, list[dict]]:
+        """The blocks to split and the full model's parameter table (names, shapes), before any splitting.
+        HybridShardedModel converts tensor-parallel layers here."""
+        self._splits: dict[str, Any] = {}  # parameter name -> how tensor parallelism cut it (none here)
+        self.tensor_group = None
+        return module, module_table(module)
+
     def initialize_sharding(self) -> None:
         self._check_same_model()
-        full: nn.Sequential = self.module
         layout: ParallelLayout = self._setup["layout"]
         self.layout = layout
         self.pipeline_parallel_rank, self.data_parallel_rank, self.tensor_parallel_rank = layout.coords(self.rank)
+        root = self.module
+        full, self._table = self._prepare(root)
         blocks = list(full)
         seen: set[int] = set()
         costs = []
@@ -188,21 +196,29 @@ class PipelineParallelModel(ShardedModel):
         self.stage_blocks = [(a, a + c) for a, c in zip(starts, counts, strict=True)]
         """``[first, end)`` block indices of every stage."""
 
-        # Where each parameter of the full model lives: its offset in the full vector and the stages that hold it.
-        self._table = module_table(full)
-        named = list(full.named_parameters())
-        self._full_numel = sum(p.numel() for _, p in named)
-        offsets, offset = {}, 0
-        for _, p in named:
-            offsets[id(p)], offset = offset, offset + p.numel()
+        # Where each parameter of the full model lives: its name (hence offset and shape in the full vector) and
+        # the stages that hold it. The first holder owns it in gather_full_parameters.
+        self._name_of = {id(root.get_parameter(row["name"])): row["name"] for row in self._table}
+        self._place, offset = {}, 0
+        for row in self._table:
+            numel = torch.Size(row["shape"]).numel()
+            self._place[row["name"]], offset = (offset, numel, torch.Size(row["shape"])), offset + numel
+        self._full_numel = offset
         holders: dict[int, list[int]] = {}
         for s, (a, b) in enumerate(self.stage_blocks):
             for block in blocks[a:b]:
                 for p in block.parameters():
                     if s not in holders.setdefault(id(p), []):
                         holders[id(p)].append(s)
-        # The full vector is the stages' owned parameters (first holder owns) concatenated in stage order.
-        self._stage_numel = [sum(p.numel() for _, p in named if holders[id(p)][0] == s) for s in range(len(counts))]
+        unplaced = [n for n, p in full.named_parameters() if id(p) not in self._name_of]
+        if unplaced:
+            raise ValueError(f"{type(self).__name__}: the blocks hold parameters the module does not name "
+                             f"({unplaced[:3]}); build the blocks from the module's own layers")  # fmt: skip
+        self._stage_names = [[self._name_of[id(p)] for p in dict.fromkeys(q for blk in blocks[a:b]
+                                                                          for q in blk.parameters())
+                              if holders[id(p)][0] == s] for s, (a, b) in enumerate(self.stage_blocks)]  # fmt: skip
+        """Names of the parameters each stage owns, in the order it sends them in gather_full_parameters."""
+        self._stage_numel = [sum(self._place[n][1] for n in names) for names in self._stage_names]
 
         stage = self.pipeline_parallel_rank
         a, b = self.stage_blocks[stage]
@@ -210,9 +226,8 @@ class PipelineParallelModel(ShardedModel):
         for i, block in enumerate(blocks[a:b]):  # keep the full model's block names ("3", not "0")
             self.module.add_module(str(a + i), block)
         params = list(self.module.parameters())
-        self._offset_of = {id(p): offsets[id(p)] for p in params}
-        self._owned = [p for p in params if holders[id(p)][0] == stage]
         self._stage_params = params
+        self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
 
         pp_groups = layout.groups("pipeline")
         self.pipeline_group = make_groups(self.comm, pp_groups)
@@ -226,7 +241,10 @@ class PipelineParallelModel(ShardedModel):
                 shared = [p for p in params if tuple(holders[id(p)]) == stages]
                 self._tied.append((group, shared))
         self.last_schedule: dict[str, Any] = {}
-        self._groups = [self.pipeline_group, self.data_group, *(group for group, _ in self._tied)]
+        self.reduce_data_parallel = True
+        """Whether the model averages gradients over replicas (False once a HybridShardedOptimizer does it)."""
+        self._groups = [g for g in (self.pipeline_group, self.data_group, self.tensor_group) if g is not None]
+        self._groups += [group for group, _ in self._tied]
 
     # -- sizes and ranks ---------------------------------------------------------------------------------------------
 
@@ -313,7 +331,8 @@ class PipelineParallelModel(ShardedModel):
         """One pipelined step on this replica's batch (every stage of the replica passes the same ``inputs`` and
         ``targets``; only the first stage reads ``inputs``, only the last ``targets``). Gradients are accumulated
         over the micro-batches, summed over stages for shared parameters and averaged over replicas; then
-        ``optimizer.step()`` and ``zero_grad()`` if given. Returns the replica's mean loss on every rank."""
+        ``optimizer.step()`` and ``zero_grad()`` if given. Returns the global batch's mean loss (over micro-batches
+        and replicas) on every rank."""
         self.train()
         m = self.micro_batches
         xs = self._micro(inputs, "inputs") if self.is_first_stage else None
@@ -368,6 +387,8 @@ class PipelineParallelModel(ShardedModel):
         self.synchronize_gradients()
         loss = losses.mean().reshape(1) if self.is_last_stage else torch.zeros(1, dtype=torch.float64)
         self.pipeline_group.broadcast(loss, self.num_stages - 1)
+        if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global batch's
+            self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
         self._mark_step_bytes()
         if optimizer is not None:
             optimizer.step()
@@ -379,7 +400,7 @@ class PipelineParallelModel(ShardedModel):
         """Sum shared parameters' gradients over the stages holding them, then average over replicas."""
         for group, shared in self._tied:
             _reduce_grads(group, shared, ReductionOperation.SUM)
-        if self.data_parallel_size > 1:
+        if self.data_parallel_size > 1 and self.reduce_data_parallel:
             _reduce_grads(self.data_group, self._stage_params, ReductionOperation.AVERAGE)
 
     # -- inference ---------------------------------------------------------------------------------------------------
@@ -418,16 +439,30 @@ class PipelineParallelModel(ShardedModel):
     def parameter_table(self) -> list[dict]:
         return self._table
 
+    def _full_value(self, name: str) -> torch.Tensor:
+        """The full value of parameter ``name`` held here (gathered over the tensor group when it is split)."""
+        local = self.module.get_parameter(self._local_names[name]).detach()
+        split = self._splits.get(name)
+        return local if split is None else split.gather(local, self.tensor_group)
+
     def gather_full_parameters(self) -> torch.Tensor:
         """The full model's parameters in its ``parameters()`` order, identical on every rank (collective)."""
         width = max(self._stage_numel)
         mine = torch.zeros(width, dtype=torch.float32, device=self.comm.device)
-        if self._owned:
-            own = torch.cat([p.detach().reshape(-1).float() for p in self._owned])
+        names = self._stage_names[self.pipeline_parallel_rank]
+        if names:
+            own = torch.cat([self._full_value(n).reshape(-1).float() for n in names])
             mine[: own.numel()] = own
         everyone = torch.empty(width * self.num_stages, dtype=torch.float32, device=self.comm.device)
         self.pipeline_group.all_gather(mine, everyone)
-        return torch.cat([everyone[s * width : s * width + n] for s, n in enumerate(self._stage_numel)])
+        out = torch.empty(self._full_numel, dtype=torch.float32, device=self.comm.device)
+        for s, stage_names in enumerate(self._stage_names):
+            at = s * width
+            for n in stage_names:
+                offset, numel, _ = self._place[n]
+                out[offset : offset + numel] = everyone[at : at + numel]
+                at += numel
+        return out
 
     def set_parameters(self, flat: torch.Tensor) -> None:
         """Overwrite this stage's parameters (shared ones included) from the full vector (same on every rank)."""
@@ -436,9 +471,12 @@ class PipelineParallelModel(ShardedModel):
             raise ValueError(f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
                              f"parameter count), got {shape}")  # fmt: skip
         with torch.no_grad():
-            for p in self._stage_params:
-                at = self._offset_of[id(p)]
-                p.copy_(flat[at : at + p.numel()].view_as(p))
+            for name, local_name in self._local_names.items():
+                offset, numel, shape = self._place[name]
+                full = flat[offset : offset + numel].view(shape)
+                split, local = self._splits.get(name), self.module.get_parameter(local_name)
+                tp = self.tensor_group
+                local.copy_(full if split is None else split.shard(full, tp.rank, tp.world_size))
 
     def clone(self) -> ShardedModel:
         raise NotImplementedError("PipelineParallelModel holds one stage per rank; build a new one from the full "

@@ -3,7 +3,8 @@
 from .base import OptimizationResult, ShardedOptimizer
 from .compression import GradientCompressionOptimizer
 from .ddp import DDPOptimizer
+from .hybrid import HybridShardedOptimizer
 from .zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-__all__ = ["DDPOptimizer", "GradientCompressionOptimizer", "OptimizationResult", "ShardedOptimizer",
-           "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer"]
+__all__ = ["DDPOptimizer", "GradientCompressionOptimizer", "HybridShardedOptimizer", "OptimizationResult",
+           "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer"]

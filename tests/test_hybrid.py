@@ -1,0 +1,125 @@
+"""HybridShardedModel + HybridShardedOptimizer (3D: pipeline x data x tensor) against single-process training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpudist import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+from gpudist.models.tensor import tinylm_plan
+from gpudist.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from lm import TinyLM, as_sequential, lm_loss
+
+VOCAB, STEPS = 32, 3
+
+
+def tiny() -> TinyLM:
+    """Built from its seed alone (no global RNG), so every in-memory rank (a thread) builds the same model."""
+    return TinyLM(VOCAB, 16, n_layers=2, n_heads=2, seq_len=8, seed=0)
+
+
+def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (n, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_optimizer(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def reference(kind: str = "adamw") -> tuple[torch.Tensor, list[float]]:
+    net = tiny()
+    opt = make_optimizer(net.parameters(), kind)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
+
+
+def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="1f1b"):
+    config = ShardingConfiguration(comm)
+    model = HybridShardedModel(tiny(), config, pp, tp, dp, plan=tinylm_plan, blocks=as_sequential, micro_batches=2,
+                               schedule=schedule)  # fmt: skip
+    opt = HybridShardedOptimizer(make_optimizer(model.parameters(), kind), config, pp, tp, dp, zero_stage=zero_stage)
+    replicas, d = model.data_parallel_size, model.data_parallel_rank
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        n = x.shape[0] // replicas
+        losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], optimizer=opt))
+    ranks = (model.pipeline_parallel_rank, model.data_parallel_rank, model.tensor_parallel_rank)
+    return model.gather_full_parameters(), losses, ranks, model.predict(batch(0)[0])
+
+
+# Adam turns fp32 summation-order differences (tensor-parallel matmuls and all-reduces) into update noise of up to
+# ~1e-5 in 3 steps; a wrong gradient moves parameters by about the learning rate (1e-2). SGD catches a constant
+# factor that Adam would normalise away.
+TOL = {"adamw": {"rtol": 1e-4, "atol": 2e-5}, "sgd": {"rtol": 1e-4, "atol": 1e-5}}
+
+
+def check(results, kind: str, world: int) -> None:
+    want, want_losses = reference(kind)
+    logits = tiny()(batch(0)[0]).detach()
+    for params, losses, _, predicted in results:
+        torch.testing.assert_close(params, want, **TOL[kind])
+        assert losses == pytest.approx(want_losses, rel=1e-4)
+        assert predicted.shape == logits.shape  # full logits on every rank (after training, so values differ)
+    assert sorted(r[2] for r in results) == sorted({r[2] for r in results}) and len(results) == world
+
+
+@pytest.mark.parametrize(("zero_stage", "kind"), [(0, "sgd"), (1, "adamw"), (2, "adamw")])
+def test_3d_2x2x2_matches_single_process(zero_stage, kind):
+    """pp=2 x dp=2 x tp=2 on 8 in-memory ranks (TinyLM with its head tied to the embedding, heads and MLP split,
+    vocabulary-parallel loss), with DDP, ZeRO-1 and ZeRO-2 in the data group: parameters gathered on every rank
+    and the loss equal one process on the global batch. Catches gradient sync in the wrong order or group (a
+    replica average over the tensor group, tied embedding/head not summed across the first and last stage with
+    the same tensor rank), each replica reading the wrong slice, and ZeRO sharding over the wrong group."""
+    check(run_ranks(hybrid_train, 8, "inmemory", zero_stage=zero_stage, kind=kind), kind, 8)
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 1)])
+def test_3d_on_gloo(pp, tp):
+    """1x2x2 (dp x tp) and 2x1x2 (pp x dp) over 4 Gloo processes, GPipe for the second: the same parity."""
+    schedule = "gpipe" if pp == 2 else "1f1b"
+    check(run_ranks(hybrid_train, 4, "gloo", pp=pp, tp=tp, schedule=schedule), "adamw", 4)
+
+
+def bad_layouts(comm):
+    config = ShardingConfiguration(comm)
+    errors = []
+    for call in (lambda: HybridShardedModel(tiny(), config, 3, 2, plan=tinylm_plan, blocks=as_sequential),
+                 lambda: HybridShardedModel(tiny(), config, 2, 2, 3, plan=tinylm_plan, blocks=as_sequential),
+                 lambda: HybridShardedModel(tiny(), config, 1, 2),
+                 lambda: HybridShardedModel(tiny(), config, 2, 1)):  # fmt: skip
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        errors.append(str(info.value))
+    model = HybridShardedModel(tiny(), config, 2, 2, plan=tinylm_plan, blocks=as_sequential)
+    with pytest.raises(ValueError) as info:
+        HybridShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 1, 2)
+    errors.append(str(info.value))
+    return errors
+
+
+def test_bad_layouts_name_every_factor():
+    """A product that does not match the world size names every factor; tensor parallelism without a plan,
+    a non-sequential module without blocks=, and an optimizer with another layout than the model's are refused."""
+    errors = run_ranks(bad_layouts, 4, "inmemory")[0]
+    assert "pp(3) * tp(2) = 6 does not divide world_size(4)" in errors[0]
+    assert "pp(2) * dp(3) * tp(2) = 12 != world_size(4)" in errors[1]
+    assert "tensor_parallel_size=2 needs a plan" in errors[2]
+    assert "pass blocks=" in errors[3]
+    assert "pp=1 x dp=2 x tp=2 = 4 ranks differs from the model's pp=2 x dp=1 x tp=2 = 4 ranks" in errors[4]
