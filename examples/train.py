@@ -40,6 +40,7 @@ import gpudist
 from gpudist.bench import environment
 from gpudist.fileio import atomic_write_bytes
 from gpudist.launch import WorkerPool, detect_environment
+from gpudist.models.tensor import tinylm_plan
 
 # Strategy name -> (model class, optimizer class) in gpudist. A strategy is offered once gpudist exports both.
 # FSDP shards like ZeRO-3 (DESIGN.md puts them in one row), so it pairs with ZeRO3Optimizer.
@@ -50,8 +51,10 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "zero3": ("ZeRO3Model", "ZeRO3Optimizer"),
     "fsdp": ("FSDPModel", "ZeRO3Optimizer"),
     "pipeline": ("PipelineParallelModel", "DDPOptimizer"),
+    "tensor": ("TensorParallelModel", "DDPOptimizer"),
+    "hybrid": ("HybridShardedModel", "HybridShardedOptimizer"),
 }
-SCHEDULED = {"pipeline"}
+SCHEDULED = {"pipeline", "tensor", "hybrid"}
 """Strategies trained through model.train_step (their backward is scheduled across ranks), not loss.backward()."""
 COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # None: gradients' own dtype
 LAUNCHER_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -82,7 +85,9 @@ class TrainConfig:
     """Uncompressed steps before compression starts."""
     error_feedback: bool = True
     pp: int = 2
-    """Pipeline stages (--strategy pipeline); the world size over pp is the number of data-parallel replicas."""
+    """Pipeline stages (--strategy pipeline, hybrid); the ranks left over form data-parallel replicas."""
+    tp: int = 2
+    """Tensor-parallel ranks per layer (--strategy tensor, hybrid)."""
     micro_batches: int = 4
     """Micro-batches per step and replica (--strategy pipeline)."""
     compress_momentum: bool = False
@@ -132,13 +137,23 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     net = make_model(cfg)
     comm_dtype = COMM_DTYPES[cfg.comm_dtype]
     config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
+    loss_fn = lm_loss
     if cfg.strategy == "pipeline":
         model = model_cls(as_sequential(net), config, num_stages=cfg.pp, micro_batches=cfg.micro_batches)
-        data_rank, data_size = model.data_parallel_rank, model.data_parallel_size  # each replica reads its slice
+    elif cfg.strategy == "tensor":
+        model = model_cls(net, config, tinylm_plan, tensor_parallel_size=cfg.tp)
+        loss_fn = None  # the vocabulary-parallel cross-entropy: full logits are never gathered
+    elif cfg.strategy == "hybrid":
+        model = model_cls(net, config, cfg.pp, cfg.tp, plan=tinylm_plan, blocks=as_sequential,
+                          micro_batches=cfg.micro_batches)  # fmt: skip
+        loss_fn = None
     else:
         model = model_cls(net, config)
-        data_rank, data_size = rank, world
-    opt = optim_cls(make_optimizer(model.parameters(), cfg.lr, cfg.optimizer), config)
+    # Each data-parallel replica reads its own slice of the batch (the ranks of one replica the same slice).
+    data_rank, data_size = (model.data_parallel_rank, model.data_parallel_size) if cfg.strategy in SCHEDULED \
+        else (rank, world)  # fmt: skip
+    torch_opt = make_optimizer(model.parameters(), cfg.lr, cfg.optimizer)
+    opt = optim_cls(torch_opt, config, cfg.pp, cfg.tp) if cfg.strategy == "hybrid" else optim_cls(torch_opt, config)
     if cfg.compression is not None:
         opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
                                                    error_feedback=cfg.error_feedback,
@@ -157,7 +172,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         t0, bytes0 = time.perf_counter(), comm.stats.total_bytes
         x, y = corpus.batches(step, cfg.global_batch, data_rank, data_size)
         if cfg.strategy in SCHEDULED:
-            losses[step] = model.train_step(x, y, lm_loss, opt)  # forward, backward and step, scheduled
+            losses[step] = model.train_step(x, y, loss_fn, opt)  # forward, backward and step, scheduled
         else:
             loss = lm_loss(model(x), y)  # the idiomatic PyTorch loop, unchanged: the strategy works inside it
             loss.backward()
@@ -416,6 +431,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                         help="drop what compression loses instead of sending it later (for comparison)")
     parser.add_argument("--pp", type=int, default=defaults.pp,
                         help="pipeline stages for --strategy pipeline (the rest of the world is data parallel)")
+    parser.add_argument("--tp", type=int, default=defaults.tp,
+                        help="tensor-parallel ranks for --strategy tensor and hybrid (must divide the heads and vocab)")
     parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches,
                         help="micro-batches per step for --strategy pipeline")
     parser.add_argument("--compress-momentum", action="store_true",
@@ -454,16 +471,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                          "gathers parameters, which have no error feedback to absorb compression)")
         if args.compression_warmup < 0:
             parser.error(f"--compression-warmup must be >= 0, got {args.compression_warmup}")
-    if args.strategy == "pipeline":
-        if args.pp < 1 or world % args.pp:
-            parser.error(f"--pp {args.pp} must divide the world size {world} (the rest is data parallel)")
+    pp = args.pp if args.strategy in ("pipeline", "hybrid") else 1
+    tp = args.tp if args.strategy in ("tensor", "hybrid") else 1
+    if args.strategy in ("tensor", "hybrid"):
+        for what, size in [("heads per block", defaults.n_heads), ("vocabulary", SyntheticCorpus.vocab_size)]:
+            if args.tp < 1 or size % args.tp:
+                parser.error(f"--tp {args.tp} must divide TinyLM's {what} ({size})")
+    if args.strategy in ("pipeline", "tensor", "hybrid") and world % (pp * tp):
+        parser.error(f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world} (the ranks left over "
+                     "are data-parallel replicas)")
+    if args.strategy in ("pipeline", "hybrid"):
         if args.pp > defaults.n_layers + 2:
             parser.error(f"--pp {args.pp} is more than TinyLM's {defaults.n_layers + 2} pipeline blocks (embeddings, "
                          f"{defaults.n_layers} transformer blocks, head)")
-        replica_batch = args.global_batch // (world // args.pp)
-        if args.micro_batches < 1 or replica_batch % args.micro_batches:
+        replicas = world // (pp * tp)
+        replica_batch = args.global_batch // replicas
+        if args.micro_batches < 1 or args.global_batch % replicas or replica_batch % args.micro_batches:
             parser.error(f"--micro-batches {args.micro_batches} must divide each replica's batch of {replica_batch} "
-                         f"sequences (--global-batch {args.global_batch} over {world // args.pp} replicas)")
+                         f"sequences (--global-batch {args.global_batch} over {replicas} replicas)")
     if args.compress_momentum and (args.compression is None or args.optimizer != "sgd" or args.strategy != "ddp"):
         parser.error("--compress-momentum needs --compression, --optimizer sgd and --strategy ddp (momentum "
                      "compression keeps the full momentum on every rank)")
@@ -473,7 +498,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                       optimizer=args.optimizer, compression=args.compression,
                       compression_warmup=args.compression_warmup,
                       error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
-                      pp=args.pp, micro_batches=args.micro_batches,
+                      pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
                       out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
 

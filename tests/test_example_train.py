@@ -221,21 +221,22 @@ def test_script_runs_every_zero_strategy(tmp_path, strategy):
     assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(n for n, _ in lm.TinyLM().named_parameters())
 
 
-@pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 2)])
-def test_pipeline_strategy_trains_like_ddp(tmp_path, world, pp):
-    """`--strategy pipeline` (TinyLM as embeddings, blocks, head; 2 stages, and 2 stages x 2 replicas) gives the
-    same per-step losses and final parameters as DDP on the same global batches. Catches the script feeding a
-    replica the wrong slice (each replica, not each rank, reads one), a pipeline loss that is not the global
-    batch's, and the tied head/embedding drifting between the first and last stage."""
-    def run(name, **kw):
+@pytest.mark.parametrize(("strategy", "world", "pp", "tp"), [("pipeline", 2, 2, 1), ("pipeline", 4, 2, 1),
+                                                         ("tensor", 2, 1, 2), ("hybrid", 4, 2, 2)])
+def test_model_parallel_strategies_train_like_ddp(tmp_path, strategy, world, pp, tp):
+    """`--strategy pipeline|tensor|hybrid` (TinyLM as embeddings, blocks, head; heads, MLP and vocabulary split)
+    gives the same per-step losses as DDP on the same global batches, with identical gathered parameters on
+    every rank. Catches the script feeding a replica the wrong slice (each replica, not each rank, reads one), a
+    loss that is not the global batch's, and the tied head/embedding drifting between stages or shards."""
+    def run(name, ranks, **kw):
         cfg = train.TrainConfig(steps=4, global_batch=8, log_every=100, d_model=32, seq_len=16,
                                 out=str(tmp_path / name), **kw)  # fmt: skip
-        run_ranks(train.train, world if name == "pipeline" else 2, "inmemory", cfg=cfg)
+        run_ranks(train.train, ranks, "inmemory", cfg=cfg)
         return json.loads((tmp_path / name / "metrics.json").read_text())
 
-    ddp = run("ddp")
-    pipe = run("pipeline", strategy="pipeline", pp=pp, micro_batches=2)
-    assert pipe["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
-    assert pipe["replicas_identical"]
-    assert pipe["metadata"]["layout"] == f"pp={pp} x dp={world // pp} x tp=1 = {world} ranks"
-    assert pipe["comm_bytes_per_step"] > 0
+    ddp = run("ddp", 2)
+    other = run(strategy, world, strategy=strategy, pp=pp, tp=tp, micro_batches=2)
+    assert other["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
+    assert other["replicas_identical"] and other["comm_bytes_per_step"] > 0
+    if strategy != "tensor":
+        assert other["metadata"]["layout"] == f"pp={pp} x dp={world // (pp * tp)} x tp={tp} = {world} ranks"
