@@ -152,8 +152,12 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
                                                device=device, timeout=timeout, validate=validate)  # fmt: skip
     if torch.distributed.is_initialized():
         return GlooCommunicationBackend(timeout=timeout, validate=validate)
-    return GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,
-                                           validate)
+    backend = GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,
+                                              validate)  # fmt: skip
+    # Tear the process group down while the interpreter is still whole: one left to static destruction aborted a
+    # torchrun worker at exit once ("terminate called without an active exception"), under heavy load.
+    atexit.register(backend.shutdown)
+    return backend
 
 
 # ---------------------------------------------------------------------------------------------------------------------
