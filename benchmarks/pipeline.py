@@ -1,0 +1,286 @@
+"""Pipeline parallelism: gpudist 1F1B vs torch.distributed.pipelining.Schedule1F1B, and the bubble vs theory.
+
+    python -m benchmarks.pipeline [--micro-batches 4,8] [--steps 3] [--rounds 5] [--width 1024] [--depth 8]
+                                  [--batch 128] [--bubble-stages 2,4] [--bubble-micro 1,2,4,8] [--t-forward-ms 10]
+
+Two measurements, one JSON (``benchmarks/results/pipeline.json``):
+
+1. Throughput on 2 stages (world 2, Gloo, spawned processes on 127.0.0.1, one intra-op thread each since the two
+   ranks share the cores). The model is ``benchmarks.ddp.make_model`` (an MLP of ``--depth`` Linear+ReLU pairs and
+   a 10-class head, as an ``nn.Sequential``) cut after ``depth/2`` hidden layers: gpudist gets ``balance=[k, n-k]``
+   and torch a ``PipelineStage`` on the same half, from the same initial weights. Same batch, micro-batch count,
+   loss (cross-entropy, mean over the micro-batch, gradients averaged over micro-batches on both sides) and
+   optimizer (SGD); one iteration = forward + backward + ``step()`` + ``zero_grad()``. The variants take turns
+   round by round on the same processes (``gpudist.bench.interleaved_times``), each round at the slowest rank's
+   pace; times are the median round. Ratio = torch step / gpudist step in the same round, median over rounds
+   (> 1: gpudist faster; target >= 1.0); pairing within a round keeps other processes' load on this shared machine
+   out of it, and the min-max over rounds shows what is left. Sanity check: both pipelines and a single-process
+   reference on the full batch give the same loss on the first two steps (the second checks the gradients and the
+   optimizer step too).
+2. Bubble: blocks whose forward sleeps ``t_f`` and backward ``2 t_f`` (on a 2x4 tensor with one trainable scalar)
+   make every stage's compute take a known time that runs in parallel whatever the core count, so ``p`` ranks on
+   2 cores measure the schedule, not CPU contention. One block per stage, ranks as threads of this process
+   (in-memory backend; ``--bubble-backend gloo`` uses processes), both gpudist schedules, ``p`` stages x ``m``
+   micro-batches. Measured bubble = 1 - mean over stages of ``last_schedule["busy_s"]`` / the step's span
+   (``max`` over stages of ``last_schedule["step_s"]``: stage 0 starts first and runs the last backward, while
+   the last stage's clock stops ``(p - 1) t_b`` early), against theory (p - 1)/(m + p - 1). Also reported: the
+   bubble from wall time, 1 - m (t_f + t_b) / ``train_step`` wall time (which adds the loss broadcast and
+   optimizer step, and counts sleep overshoot and Python overhead as bubble), and the activations each stage
+   held at once (``max_in_flight``; 1F1B <= p - s, GPipe = m).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpudist
+from gpudist import PipelineParallelModel
+from gpudist.bench import environment, interleaved_times
+from gpudist.fileio import atomic_write_json
+from gpudist.launch import spawn
+from gpudist.testing import run_ranks
+
+from .ddp import make_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_RATIO = 1.0
+"""torch Schedule1F1B step / gpudist 1F1B step that gpudist must reach."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Throughput against torch.distributed.pipelining on Gloo
+
+
+def batch_of(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def reference_losses(width: int, depth: int, batch: int, lr: float, steps: int = 2) -> list[float]:
+    """Single-process SGD on the full batch: the losses both pipelines must reproduce."""
+    model = make_model(width, depth)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = batch_of(width, batch)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def throughput_rank(comm, width: int, depth: int, batch: int, micro_batches: list[int], steps: int, rounds: int,
+                    lr: float) -> dict:  # fmt: skip
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    x, y = batch_of(width, batch)
+    full = make_model(width, depth)
+    cut = depth  # modules before the cut: depth/2 (Linear, ReLU) pairs; the rest and the head on stage 1
+    counts = [cut, len(full) - cut]
+    stage = comm.rank
+    variants, losses = {}, {}
+    for m in micro_batches:
+        ours = PipelineParallelModel(copy.deepcopy(full), gpudist.ShardingConfiguration(comm), micro_batches=m,
+                                     schedule="1f1b", balance=counts)  # fmt: skip
+        ours_opt = torch.optim.SGD(ours.parameters(), lr=lr)
+        half = copy.deepcopy(full)[:cut] if stage == 0 else copy.deepcopy(full)[cut:]
+        theirs = Schedule1F1B(PipelineStage(half, stage, 2, torch.device("cpu")), m, loss_fn=F.cross_entropy)
+        theirs_opt = torch.optim.SGD(half.parameters(), lr=lr)
+
+        def ours_step(model=ours, opt=ours_opt) -> float:
+            return model.train_step(x, y, F.cross_entropy, opt)
+
+        def theirs_step(schedule=theirs, opt=theirs_opt) -> float | None:
+            micro_losses: list[torch.Tensor] = []
+            if stage == 0:
+                schedule.step(x, return_outputs=False)
+            else:
+                schedule.step(target=y, losses=micro_losses, return_outputs=False)
+            opt.step()
+            opt.zero_grad()
+            return torch.stack(micro_losses).mean().item() if micro_losses else None
+
+        losses[m] = {"gpudist": [ours_step(), ours_step()], "torch": [theirs_step(), theirs_step()]}
+        variants[f"gpudist m={m}"], variants[f"torch m={m}"] = ours_step, theirs_step
+    mine = full[:cut] if stage == 0 else full[cut:]
+    # One round per call so each round's times come back: ratios are taken within a round, where gpudist and torch
+    # ran seconds apart, which keeps load from other processes on this shared machine out of them.
+    rounds_s = [interleaved_times(comm, variants, steps, 1, warmup=i == 0) for i in range(rounds)]
+    return {"rounds_s": rounds_s, "losses": losses,
+            "stage_parameters": sum(p.numel() for p in mine.parameters())}  # fmt: skip
+
+
+def throughput(args) -> dict:
+    res = spawn(throughput_rank, 2, width=args.width, depth=args.depth, batch=args.batch,
+                micro_batches=args.micro_batches, steps=args.steps, rounds=args.rounds, lr=args.lr,
+                timeout=600.0)  # fmt: skip
+    rounds_s = res[0]["rounds_s"]
+    reference = reference_losses(args.width, args.depth, args.batch, args.lr)
+    rows = []
+    for m in args.micro_batches:
+        ours = statistics.median(r[f"gpudist m={m}"] for r in rounds_s)
+        theirs = statistics.median(r[f"torch m={m}"] for r in rounds_s)
+        ratios = sorted(r[f"torch m={m}"] / r[f"gpudist m={m}"] for r in rounds_s)
+        losses = res[-1]["losses"][m]  # the last stage has both pipelines' losses
+        error = max(abs(a - b) for name in ("gpudist", "torch") for a, b in zip(losses[name], reference, strict=True))
+        rows.append({"micro_batches": m, "gpudist_step_s": ours, "torch_step_s": theirs,
+                     "gpudist_samples_per_s": args.batch / ours, "torch_samples_per_s": args.batch / theirs,
+                     "ratio_torch_vs_gpudist": statistics.median(ratios), "ratio_per_round": ratios,
+                     "losses": losses, "reference_losses": reference,
+                     "max_loss_error": error})  # fmt: skip
+    print(f"# 1. gpudist 1F1B vs torch Schedule1F1B: gloo, 2 stages, MLP {args.width}x{args.depth}+head "
+          f"({res[0]['stage_parameters'] / 1e6:.1f}M + {res[1]['stage_parameters'] / 1e6:.1f}M params), "
+          f"batch {args.batch}, SGD; median of {args.rounds} rounds x {args.steps} steps")  # fmt: skip
+    print(f"{'micro':>6} {'gpudist (ms)':>13} {'torch (ms)':>11} {'samples/s':>10} {'ratio':>7} {'min-max':>11} "
+          f"{'loss step 1 gpudist/torch/ref':>32} {'max |loss err|':>15}")  # fmt: skip
+    for r in rows:
+        first = f"{r['losses']['gpudist'][0]:.5f}/{r['losses']['torch'][0]:.5f}/{reference[0]:.5f}"
+        print(f"{r['micro_batches']:>6} {r['gpudist_step_s'] * 1e3:>13.1f} {r['torch_step_s'] * 1e3:>11.1f} "
+              f"{r['gpudist_samples_per_s']:>10.0f} {r['ratio_torch_vs_gpudist']:>7.3f} "
+              f"{r['ratio_per_round'][0]:>5.2f}-{r['ratio_per_round'][-1]:<5.2f} {first:>32} "
+              f"{r['max_loss_error']:>15.2e}")  # fmt: skip
+    print(f"# ratio = torch step / gpudist step within a round, median over rounds (> 1: gpudist faster; target >= "
+          f"{TARGET_RATIO}); 1-min load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
+    return {"model": {"width": args.width, "depth": args.depth, "split_blocks": [args.depth, args.depth + 1],
+                      "stage_parameters": [r["stage_parameters"] for r in res]},
+            "target_ratio": TARGET_RATIO, "rows": rows}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. Bubble with blocks of known cost
+
+
+class _Sleep(torch.autograd.Function):
+    """forward: sleep t_f, return x * w; backward: sleep 2 t_f, return the gradients of x * w."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        time.sleep(2 * ctx.seconds)
+        return grad * weight, (grad * x).sum().reshape(weight.shape), None
+
+
+class SleepBlock(nn.Module):
+    """A block whose forward takes ``seconds`` and backward twice that, without using a core."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.seconds)
+
+
+def bubble_rank(comm, schedule: str, micro_batches: int, t_forward: float, steps: int) -> dict:
+    model = PipelineParallelModel(nn.Sequential(*[SleepBlock(t_forward) for _ in range(comm.world_size)]),
+                                  gpudist.ShardingConfiguration(comm), micro_batches=micro_batches,
+                                  schedule=schedule)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.ones(2 * micro_batches, 4)
+    model.train_step(x, x, F.mse_loss, opt)  # warm-up: the shape message, first-call overheads
+    walls, busy, spans = [], [], []
+    for _ in range(steps):
+        comm.barrier()
+        start = time.perf_counter()
+        model.train_step(x, x, F.mse_loss, opt)
+        walls.append(time.perf_counter() - start)
+        busy.append(model.last_schedule["busy_s"])
+        spans.append(model.last_schedule["step_s"])
+    return {"wall_s": walls, "busy_s": busy, "step_s": spans, "max_in_flight": model.last_schedule["max_in_flight"]}
+
+
+def bubble(args) -> dict:
+    t_f = args.t_forward_ms / 1e3
+    rows = []
+    for p in args.bubble_stages:
+        for m in args.bubble_micro:
+            for schedule in ("1f1b", "gpipe"):
+                res = run_ranks(bubble_rank, p, args.bubble_backend, timeout=120.0, schedule=schedule,
+                                micro_batches=m, t_forward=t_f, steps=args.bubble_steps)  # fmt: skip
+                # per step: the span is the longest stage clock; the wall time the slowest rank's train_step
+                per_step = [(1 - statistics.mean(r["busy_s"][i] for r in res) / max(r["step_s"][i] for r in res),
+                             max(r["wall_s"][i] for r in res)) for i in range(args.bubble_steps)]  # fmt: skip
+                measured = statistics.median(b for b, _ in per_step)
+                wall = statistics.median(w for _, w in per_step)
+                theory = (p - 1) / (m + p - 1)
+                bound = [m if schedule == "gpipe" else min(p - s, m) for s in range(p)]
+                rows.append({"stages": p, "micro_batches": m, "schedule": schedule, "theory": theory,
+                             "measured": measured, "difference": measured - theory,
+                             "wall_step_s": wall, "measured_from_wall": 1 - m * 3 * t_f / wall,
+                             "busy_per_micro_batch_s": [statistics.median(r["busy_s"]) / m for r in res],
+                             "max_in_flight": [r["max_in_flight"] for r in res],
+                             "max_in_flight_bound": bound})  # fmt: skip
+    print(f"\n# 2. bubble: sleep blocks t_f = {args.t_forward_ms:g} ms, t_b = 2 t_f, one block per stage, "
+          f"{args.bubble_backend} backend; median of {args.bubble_steps} steps")  # fmt: skip
+    print(f"{'p':>2} {'m':>2} {'schedule':>8} {'theory':>7} {'measured':>9} {'diff':>7} {'from wall':>10} "
+          f"{'step (ms)':>10}  max_in_flight per stage (bound)")  # fmt: skip
+    for r in rows:
+        print(f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>8} {r['theory']:>7.3f} {r['measured']:>9.3f} "
+              f"{r['difference']:>+7.3f} {r['measured_from_wall']:>10.3f} {r['wall_step_s'] * 1e3:>10.1f}  "
+              f"{r['max_in_flight']} ({r['max_in_flight_bound']})")  # fmt: skip
+    print("# measured = 1 - mean busy / span (stage clocks); from wall = 1 - m (t_f + t_b) / train_step wall time")
+    return {"t_forward_s": t_f, "t_backward_s": 2 * t_f, "backend": args.bubble_backend, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8, help="hidden layers (even): depth/2 per stage")
+    parser.add_argument("--batch", type=int, default=128, help="samples per step (divisible by every micro count)")
+    parser.add_argument("--micro-batches", type=_ints, default=[4, 8], help="micro-batch counts >= 2, comma list")
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--bubble-stages", type=_ints, default=[2, 4])
+    parser.add_argument("--bubble-micro", type=_ints, default=[1, 2, 4, 8])
+    parser.add_argument("--bubble-steps", type=int, default=5)
+    parser.add_argument("--bubble-backend", choices=["inmemory", "gloo"], default="inmemory")
+    parser.add_argument("--t-forward-ms", type=float, default=10.0, help="sleep per block forward (backward 2x)")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: throughput, bubble")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.depth % 2:
+        parser.error(f"--depth={args.depth} must be even so both stages get depth/2 hidden layers")
+    if bad := [m for m in args.micro_batches if m < 2 or args.batch % m]:
+        parser.error(f"--micro-batches {bad}: Schedule1F1B needs >= 2 (the stage count) and each must divide "
+                     f"--batch={args.batch}")  # fmt: skip
+    skip = set(args.skip.split(","))
+    doc = {"benchmark": "pipeline", "settings": vars(args), "environment": environment(),
+           "load_average_1min_at_start": os.getloadavg()[0]}  # fmt: skip
+    torch.set_num_threads(1)  # as the workers: the reference losses and in-memory ranks on one thread each
+    if "throughput" not in skip:
+        doc["throughput"] = throughput(args)
+    if "bubble" not in skip:
+        doc["bubble"] = bubble(args)
+    out = Path(args.out) if args.out else RESULTS / "pipeline.json"
+    print(f"# wrote {atomic_write_json(out, doc)}")
+
+
+if __name__ == "__main__":
+    main()
