@@ -187,3 +187,21 @@ def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
                 comm.broadcast(data, src)
                 for t, piece in zip(group, data.split([t.numel() for t in group]), strict=True):
                     t.copy_(piece.view_as(t))
+
+
+def reduce_gradients_in(group, params: Sequence[torch.nn.Parameter], op) -> None:
+    """All-reduce the gradients of ``params`` over ``group`` in place, one flat buffer per dtype (a missing
+    gradient counts as zeros, so every rank issues the same collectives). Shapes agree by construction."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    if group.world_size == 1:
+        return
+    with torch.no_grad(), group.unchecked():
+        for grads in by_dtype.values():
+            flat = FlatBuffer.empty_like(grads, zero=False)
+            pack(grads, flat.data)
+            group.all_reduce(flat.data, op)
+            unpack(flat.data, grads)

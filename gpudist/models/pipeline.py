@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
-from ..flat import FlatBuffer
+from ..flat import reduce_gradients_in
 from .base import ShardedModel, module_table
 from .layout import ParallelLayout, make_groups
 
@@ -399,9 +398,9 @@ class PipelineParallelModel(ShardedModel):
     def synchronize_gradients(self) -> None:
         """Sum shared parameters' gradients over the stages holding them, then average over replicas."""
         for group, shared in self._tied:
-            _reduce_grads(group, shared, ReductionOperation.SUM)
+            reduce_gradients_in(group, shared, ReductionOperation.SUM)
         if self.data_parallel_size > 1 and self.reduce_data_parallel:
-            _reduce_grads(self.data_group, self._stage_params, ReductionOperation.AVERAGE)
+            reduce_gradients_in(self.data_group, self._stage_params, ReductionOperation.AVERAGE)
 
     # -- inference ---------------------------------------------------------------------------------------------------
 
@@ -497,17 +496,3 @@ class PipelineParallelModel(ShardedModel):
                      "micro_batches": self.micro_batches,
                      "stage_parameter_count": sum(p.numel() for p in self._stage_params)})  # fmt: skip
         return meta
-
-
-def _reduce_grads(group, params: list[nn.Parameter], op: ReductionOperation) -> None:
-    """All-reduce the gradients of ``params`` in ``group`` through one flat buffer (missing gradients count 0)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads or group.world_size == 1:
-        return
-    flat = FlatBuffer.empty_like(grads, zero=False)
-    kernels.pack(grads, flat.data)
-    group.all_reduce(flat.data, op)
-    kernels.unpack(flat.data, grads)

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from ..comm import CommunicationBackend, ReductionOperation
 from ..config import ShardingConfiguration
-from ..flat import broadcast_tensors
+from ..flat import broadcast_tensors, reduce_gradients_in
 from .base import ShardedModel, module_table
 from .layout import ParallelLayout, make_groups
 
@@ -694,20 +694,9 @@ class TensorParallelModel(ShardedModel):
         """Average every local gradient over the data-parallel group (backward already does it; averaging again is
         harmless, as the replicas then agree). Tensor-parallel gradients need nothing: the layers' collectives
         made each shard's gradient complete."""
-        if self.data_group is None:
-            return
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
-            if p.grad is None:  # unused in this step here; another replica may have used it
-                p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            with self.data_group.unchecked():  # the same local layout on every replica by construction
-                self.data_group.all_reduce(flat, ReductionOperation.AVERAGE)
-            for p, piece in zip(group, flat.split([p.numel() for p in group]), strict=True):
-                p.grad.copy_(piece.view_as(p.grad))
+        if self.data_group is not None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            reduce_gradients_in(self.data_group, params, ReductionOperation.AVERAGE)
 
     def _bytes_total(self) -> int:
         comms = {id(c): c for c in (self.comm, self.tensor_group, self.data_group) if c is not None}
