@@ -10,21 +10,19 @@ ZeRO-1/ZeRO-2 in that group).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import torch
 from torch import nn
 
 from ..config import ShardingConfiguration
 from .base import ShardedModel, module_table
 from .layout import ParallelLayout, make_groups
 from .pipeline import SCHEDULES, PipelineParallelModel
-from .tensor import Plan, apply_plan, gather_from_tensor_parallel, validate_plan, vocab_parallel_cross_entropy
+from .tensor import Plan, VocabParallelOutput, apply_plan, validate_plan
 
 __all__ = ["HybridShardedModel"]
 
 
-class HybridShardedModel(PipelineParallelModel):
+class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
     """3D parallelism: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas (-1: the ranks left
     over) x ``tensor_parallel_size``-way split layers.
 
@@ -79,7 +77,7 @@ class HybridShardedModel(PipelineParallelModel):
         entries = validate_plan(module, plan(module) if callable(plan) else plan, tp) if plan is not None else []
         self.tensor_group = make_groups(self.comm, self.layout.groups("tensor"))
         self._splits, output = apply_plan(module, entries, self.tensor_group) if entries else ({}, None)
-        self._vocab_start = None if output is None else module.get_submodule(output).output_start
+        self.vocab_start = None if output is None else module.get_submodule(output).output_start
         blocks = self._setup["blocks"]
         seq = blocks(module) if blocks is not None else module
         if isinstance(seq, (list, tuple, nn.ModuleList)):
@@ -87,27 +85,3 @@ class HybridShardedModel(PipelineParallelModel):
         if not isinstance(seq, nn.Sequential):
             seq = nn.Sequential(module)  # one block: pipeline_parallel_size is 1 (checked in __init__)
         return seq, table
-
-    # -- training ----------------------------------------------------------------------------------------------------
-
-    def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel cross-entropy of this rank's logits (a plan with a ``vocab_output`` layer)."""
-        if self._vocab_start is None:
-            raise ValueError("cross_entropy needs a plan with a 'vocab_output' layer; pass loss_fn to train_step")
-        return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self._vocab_start)
-
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
-        """See :meth:`PipelineParallelModel.train_step`; ``loss_fn=None`` means :meth:`cross_entropy`."""
-        if loss_fn is None:
-            if self._vocab_start is None:
-                raise ValueError("train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
-                                 "loss (vocab_parallel_cross_entropy)")  # fmt: skip
-            loss_fn = self.cross_entropy
-        return super().train_step(inputs, targets, loss_fn, optimizer)
-
-    @torch.no_grad()
-    def predict(self, inputs: Any) -> Any:
-        """The whole model's output on every rank; vocabulary-split logits are gathered into full ones."""
-        out = super().predict(inputs)
-        return out if self._vocab_start is None else gather_from_tensor_parallel(out, self.tensor_group, -1)

@@ -42,6 +42,7 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallelModel",
     "VocabParallelEmbedding",
+    "VocabParallelOutput",
     "apply_plan",
     "copy_to_tensor_parallel",
     "gather_from_tensor_parallel",
@@ -557,7 +558,43 @@ def apply_plan(module: nn.Module, entries: list[tuple[str, str]], tensor_group: 
 Plan = Mapping[str, str] | Callable[[nn.Module], Mapping[str, str]]
 
 
-class TensorParallelModel(ShardedModel):
+class VocabParallelOutput:
+    """The loss and prediction of a model whose output layer may be split by vocabulary (``vocab_output``):
+    needs ``vocab_start`` (None when the output is not split) and ``tensor_group``. Shared by
+    :class:`TensorParallelModel` and :class:`~gpudist.HybridShardedModel`; put it before the ShardedModel base."""
+
+    vocab_start: int | None
+    tensor_group: CommunicationBackend
+
+    def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
+        targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens."""
+        if self.vocab_start is None:
+            raise ValueError("cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
+                             "vocabulary); this model's output is not split: use F.cross_entropy")  # fmt: skip
+        return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self.vocab_start)
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
+        """The base class's step; ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A
+        given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer)."""
+        if loss_fn is None:
+            if self.vocab_start is None:
+                raise ValueError("train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
+                                 "loss (vocab_parallel_cross_entropy)")  # fmt: skip
+            loss_fn = self.cross_entropy
+        return super().train_step(inputs, targets, loss_fn, optimizer)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The base class's prediction; a vocabulary-split output is gathered into full logits."""
+        out = super().predict(inputs)
+        if self.vocab_start is not None and isinstance(out, torch.Tensor):
+            out = gather_from_tensor_parallel(out, self.tensor_group, -1)
+        return out
+
+
+class TensorParallelModel(VocabParallelOutput, ShardedModel):
     """Tensor (Megatron) parallelism: layers split within themselves over groups of ``tensor_parallel_size``
     consecutive ranks, converted in place from ``plan`` (module name -> style, see :data:`PLAN_STYLES`, or a
     function of the module such as :func:`tinylm_plan`); the ranks left over are data-parallel replicas.
@@ -649,35 +686,6 @@ class TensorParallelModel(ShardedModel):
         return self.module(*args, **kwargs)
 
     # -- training --------------------------------------------------------------------------------------------------
-
-    def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
-        targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens."""
-        if self._vocab_output is None:
-            raise ValueError("cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
-                             "vocabulary); this model's output is not split: use F.cross_entropy")  # fmt: skip
-        return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self.vocab_start)
-
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
-        """One step on this replica's slice of the batch (every rank of a tensor group passes the same slice);
-        ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A given ``loss_fn`` gets the
-        module's output as it is (split logits with a ``vocab_output`` layer). Returns this replica's loss, the same
-        on every rank of its tensor group."""
-        if loss_fn is None:
-            if self._vocab_output is None:
-                raise ValueError("train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
-                                 "loss (vocab_parallel_cross_entropy)")  # fmt: skip
-            loss_fn = self.cross_entropy
-        return super().train_step(inputs, targets, loss_fn, optimizer)
-
-    @torch.no_grad()
-    def predict(self, inputs: Any) -> Any:
-        """Forward in eval mode without autograd; a vocabulary-split output is gathered into full logits."""
-        out = super().predict(inputs)
-        if self._vocab_output is not None and isinstance(out, torch.Tensor):
-            out = gather_from_tensor_parallel(out, self.tensor_group, -1)
-        return out
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         if not self._callback_queued:
