@@ -38,6 +38,7 @@ from .models import (
     ZeRO3Model,
 )
 from .optim import (
+    AsyncSGDOptimizer,
     DDPOptimizer,
     GradientCompressionOptimizer,
     HybridShardedOptimizer,
@@ -54,6 +55,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "AsyncSGDOptimizer",
     "CheckpointError",
     "CheckpointInfo",
     "CollectiveMismatchError",

@@ -39,6 +39,7 @@ from torch import nn
 
 from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
+from .flat import exchange_bytes
 from .models.base import ShardedModel, module_segments, module_table
 from .optim.base import ShardedOptimizer
 from .optim.compression import GradientCompressionOptimizer, check_compress_mode
@@ -228,19 +229,6 @@ def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel:
 # Saving
 
 
-def _exchange(comm: CommunicationBackend, payload: bytes) -> list[bytes]:
-    """Every rank's ``payload`` on every rank (two all-gathers: lengths, then padded bytes)."""
-    n = comm.world_size
-    lengths = torch.zeros(n, dtype=torch.int64)
-    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), lengths)
-    width = int(lengths.max())
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-    every = torch.zeros(n * width, dtype=torch.uint8)
-    comm.all_gather(mine, every)
-    return [every[r * width : r * width + int(lengths[r])].numpy().tobytes() for r in range(n)]
-
-
 def _comm_of(model, optimizer) -> CommunicationBackend | None:
     if isinstance(model, ShardedModel):
         return model.comm
@@ -281,14 +269,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     data = st_save(pieces, metadata={"format": FORMAT, "rank": str(rank)})
     token = uuid.uuid4().hex[:12]
     if comm is not None:  # one temporary folder name for all ranks: rank 0's
-        token = _exchange(comm, token.encode())[0].decode()
+        token = exchange_bytes(comm, token.encode())[0].decode()
     staging = path.with_name(f".{path.name}.tmp-{token}")
     filename = f"rank-{rank:05d}.safetensors"
     atomic_write_bytes(staging / filename, data)
     info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
             "pieces": [[*k.split("|")[:2], int(k.split("|")[2]), v.numel()] for k, v in pieces.items()],
             "scalars": scalars}  # fmt: skip
-    infos = [json.loads(b) for b in _exchange(comm, json.dumps(info).encode())] if comm is not None else [info]
+    infos = [json.loads(b) for b in exchange_bytes(comm, json.dumps(info).encode())] if comm is not None else [info]
     if rank == 0:
         merged: dict[str, dict[str, float]] = {}
         for i in infos:

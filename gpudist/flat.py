@@ -23,6 +23,7 @@ __all__ = [
     "GradientBucket",
     "assign_buckets",
     "broadcast_tensors",
+    "exchange_bytes",
     "partition_buckets",
     "shard_range",
 ]
@@ -205,3 +206,16 @@ def reduce_gradients_in(group, params: Sequence[torch.nn.Parameter], op) -> None
             pack(grads, flat.data)
             group.all_reduce(flat.data, op)
             unpack(flat.data, grads)
+
+
+def exchange_bytes(comm, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` on every rank (two all-gathers: lengths, then padded bytes; collective)."""
+    n = comm.world_size
+    lengths = torch.zeros(n, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), lengths)
+    width = int(lengths.max())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+    every = torch.zeros(n * width, dtype=torch.uint8)
+    comm.all_gather(mine, every)
+    return [every[r * width : r * width + int(lengths[r])].numpy().tobytes() for r in range(n)]

@@ -1,0 +1,395 @@
+"""AsyncSGDOptimizer: workers push gradients to parameter-server shards and pull parameters, without waiting for
+each other (bounded staleness).
+
+Every rank is a worker and serves one shard of the flat parameter vector (``shard_range``), with that shard's
+optimizer state. A background thread per rank serves its shard over its own authenticated loopback/TCP sockets
+(addresses exchanged once through the backend), so the training loop never enters a collective while it trains.
+
+The rules, per shard (each shard keeps its own version counter):
+
+* The shard applies updates in *rounds*: once it holds ``quorum`` gradients (the number of workers still
+  training, at most the world size), it averages them and steps the wrapped optimizer's algorithm once.
+  Hyper-parameters (lr, ...) are read from the owning rank's ``param_groups``, so LR schedulers work.
+* A gradient computed on version ``v`` that arrives while the shard is at version ``V`` has staleness ``V - v``;
+  above ``max_staleness`` it is **dropped** (counted in ``stats["dropped"]``) and the worker simply pulls newer
+  parameters.
+* A worker computes at most ``max_staleness + 1`` gradients on one version; after that its pull **waits** for
+  the next version (up to the backend's timeout).
+
+With ``max_staleness=0`` every round holds exactly one gradient of each worker, all computed on the same version:
+synchronous SGD on the global batch, for any wrapped optimizer. With ``max_staleness >= 1`` a slow worker no longer
+holds the others back: the fast ones fill rounds with up to ``max_staleness + 1`` gradients each per version.
+A worker that stops (``finish()``), or dies, leaves the quorum, so the others go on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..comm import CommunicationError, CommunicationTimeoutError, shard_range
+from ..comm.base import _stable_hash
+from ..config import ShardingConfiguration
+from ..flat import broadcast_tensors, exchange_bytes
+from ..models.base import same_on_every_rank
+from .base import ShardedOptimizer
+
+__all__ = ["AsyncSGDOptimizer"]
+
+_HEADER = struct.Struct("<Biq")  # kind, worker rank, version tag (push) or needed version (pull)
+_HELLO, _PUSH, _PULL, _DONE = range(4)
+_FINAL = -1
+"""A pull that waits until every worker has finished (the last rounds applied): the final parameters."""
+_TIMED_OUT = -2
+"""The version in a pull's reply when the shard gave up waiting; the reply carries the reason."""
+
+
+def _ps_host() -> str:
+    """The address this rank's shard server listens on: ``GPUDIST_PS_HOST``, else loopback when the job is on one
+    machine (``MASTER_ADDR`` unset or loopback), else the local address that routes to ``MASTER_ADDR``."""
+    if os.environ.get("GPUDIST_PS_HOST"):
+        return os.environ["GPUDIST_PS_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(master)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _same_algorithm(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups`` (its defaults, limited to what the constructor
+    takes: AdamW's defaults hold ``decoupled_weight_decay``, which its constructor refuses)."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+class _ShardServer:
+    """One rank's parameter-server shard: master values of flat[lo:hi], their optimizer, and the round state."""
+
+    def __init__(self, owner: AsyncSGDOptimizer, lo: int, hi: int, values: torch.Tensor, authkey: bytes):
+        self.owner, self.lo, self.hi = owner, lo, hi
+        self.world = owner.comm.world_size
+        self.max_staleness = owner.max_staleness
+        self.master = values.detach().to(torch.float32).clone()
+        self.version = 0
+        self.pending: list[tuple[int, int, torch.Tensor]] = []  # (worker, arrival, gradient) of the open round
+        self.arrivals = 0
+        self.active = set(range(self.world))
+        self.cond = threading.Condition()
+        self.stats = {"rounds": 0, "accepted": 0, "dropped": 0, "max_staleness_seen": 0}
+        self.error: BaseException | None = None
+        # The wrapped optimizer's algorithm over views of the master values, one param group per piece.
+        self.pieces: list[tuple[int, int, int]] = []  # (group, start, end) in shard coordinates
+        begin = 0
+        for g, end in enumerate(owner._group_ends):
+            a, b = max(lo, begin), min(hi, end)
+            if a < b:
+                self.pieces.append((g, a - lo, b - lo))
+            begin = end
+        self.views = [nn.Parameter(self.master[a:b]) for _, a, b in self.pieces]
+        groups = [{"params": [v], **owner._hyper(g)} for v, (g, _, _) in zip(self.views, self.pieces, strict=True)]
+        self.inner = _same_algorithm(owner.optimizer, groups) if groups else None
+        self.listener = Listener((_ps_host(), 0), authkey=authkey)
+        self.address = self.listener.address
+        self.handlers: list[threading.Thread] = []
+        self.acceptor = threading.Thread(target=self._accept, name=f"gpudist-ps{owner.comm.rank}", daemon=True)
+        self.acceptor.start()
+
+    # -- connections ------------------------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            for _ in range(self.world):
+                conn = self.listener.accept()
+                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                     name=f"gpudist-ps{self.owner.comm.rank}-conn")  # fmt: skip
+                t.start()
+                self.handlers.append(t)
+        except (OSError, EOFError) as e:  # listener closed while accepting
+            self.error = self.error or e
+        finally:
+            self.listener.close()
+
+    def _serve(self, conn: Connection) -> None:
+        worker = -1
+        try:
+            while True:
+                msg = conn.recv_bytes()
+                kind, sender, tag = _HEADER.unpack_from(msg)
+                worker = sender
+                if kind == _PUSH:
+                    grad = torch.from_numpy(np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size).copy())
+                    self._push(sender, tag, grad)
+                elif kind == _PULL:
+                    try:
+                        version, values = self._pull(tag)
+                    except CommunicationTimeoutError as e:  # tell the worker why, rather than go quiet
+                        conn.send_bytes(struct.pack("<q", _TIMED_OUT) + str(e).encode())
+                        continue
+                    conn.send_bytes(struct.pack("<q", version) + values.numpy().tobytes())
+                elif kind == _DONE:
+                    self._leave(sender)
+                    conn.send_bytes(b"ok")
+        except (EOFError, OSError):
+            pass  # the worker closed its connection (finished) or died: either way it leaves the quorum
+        finally:
+            conn.close()
+            if worker >= 0:
+                self._leave(worker)
+
+    # -- the parameter-server rules ---------------------------------------------------------------------------------
+
+    def _push(self, worker: int, tag: int, grad: torch.Tensor) -> None:
+        with self.cond:
+            staleness = self.version - tag
+            if staleness > self.max_staleness:
+                self.stats["dropped"] += 1
+                return
+            self.stats["accepted"] += 1
+            self.stats["max_staleness_seen"] = max(self.stats["max_staleness_seen"], staleness)
+            self.pending.append((worker, self.arrivals, grad))
+            self.arrivals += 1
+            if len(self.pending) >= max(1, len(self.active)):
+                self._apply()
+
+    def _leave(self, worker: int) -> None:
+        with self.cond:
+            if worker not in self.active:
+                return
+            self.active.discard(worker)
+            if self.pending and len(self.pending) >= len(self.active):
+                self._apply()  # the round no longer waits for this worker (all gone: the last partial round)
+            self.cond.notify_all()
+
+    def _apply(self) -> None:
+        """Average the open round's gradients (summed in worker order: reproducible) and step. Holds the lock."""
+        grads = [g for _, _, g in sorted(self.pending, key=lambda item: item[:2])]
+        mean = grads[0].clone()
+        for g in grads[1:]:
+            mean += g
+        mean /= len(grads)
+        self.pending.clear()
+        if self.inner is not None:
+            for view, (_, a, b) in zip(self.views, self.pieces, strict=True):
+                view.grad = mean[a:b]
+            for group, (g, _, _) in zip(self.inner.param_groups, self.pieces, strict=True):
+                group.update(self.owner._hyper(g))  # follow LR schedulers on the owner's param_groups
+            with torch.no_grad():
+                self.inner.step()
+        self.version += 1
+        self.stats["rounds"] += 1
+        self.cond.notify_all()
+
+    def _pull(self, need: int) -> tuple[int, torch.Tensor]:
+        timeout = self.owner.comm.timeout
+        with self.cond:
+            ready = (lambda: not self.active) if need == _FINAL else (lambda: self.version >= need)
+            if not self.cond.wait_for(ready, timeout):
+                raise CommunicationTimeoutError(
+                    f"parameter-server shard {self.owner.comm.rank} waited {timeout:g}s for "
+                    f"{'every worker to finish' if need == _FINAL else f'version {need}'} (at version "
+                    f"{self.version}, {len(self.pending)} of {len(self.active)} gradients of the open round; "
+                    f"workers still training: {sorted(self.active)})", op="async_pull", group=self.owner.comm.group,
+                    rank=self.owner.comm.rank,
+                )  # fmt: skip
+            return self.version, self.master.clone()
+
+    def close(self) -> None:
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+class AsyncSGDOptimizer(ShardedOptimizer):
+    """Asynchronous data parallelism through parameter-server shards with bounded staleness (see the module doc).
+
+    Use it with a plain module (no model wrapper: a ``DDPModel`` would all-reduce in every backward and wait for
+    every rank). Construction is collective: rank 0's parameters are broadcast, and each rank starts serving its
+    shard. ``step()`` pushes this rank's gradients and pulls newer parameters; it does not wait for other workers
+    unless the staleness bound says so. Call :meth:`finish` (on every rank) when training ends: it leaves the
+    quorum, waits for the last rounds, and gives every rank the same final parameters.
+
+    ``stats`` (this rank's shard and worker): rounds applied, gradients accepted and dropped, the largest
+    staleness accepted, and the seconds this worker spent waiting in pulls.
+    """
+
+    strategy = "async"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration, max_staleness: int = 4):
+        super().__init__(optimizer, config)
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0 (0 is synchronous SGD; "
+                             "1-8 lets fast workers run ahead of a straggler)")  # fmt: skip
+        if self.model() is not None:
+            raise TypeError(f"AsyncSGDOptimizer needs a plain module, but {type(self.model()).__name__} (same config) "
+                            "reduces gradients in every backward, which waits for every rank; pass the unwrapped "
+                            "module's parameters")  # fmt: skip
+        if config.max_grad_norm is not None:
+            raise ValueError("AsyncSGDOptimizer does not clip gradients (no global norm exists without a collective); "
+                             "set max_grad_norm=None or clip the local gradients before step()")  # fmt: skip
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not params:
+            raise ValueError("AsyncSGDOptimizer: the optimizer has no parameters that require grad")
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError(f"AsyncSGDOptimizer needs fp32 parameters, got {sorted({str(p.dtype) for p in params})}; "
+                             "call model.float() first")  # fmt: skip
+        self.max_staleness = max_staleness
+        self._flat_params = params
+        self._numels = [p.numel() for p in params]
+        ends, offset = [], 0
+        for g in self.param_groups:
+            offset += sum(p.numel() for p in g["params"] if p.requires_grad)
+            ends.append(offset)
+        self._group_ends = ends
+        comm = self.comm
+        layout = [len(g["params"]) for g in self.param_groups] + [s for p in params for s in (*p.shape, -1)]
+        if not same_on_every_rank(comm, _stable_hash(layout)):
+            raise ValueError(f"AsyncSGDOptimizer: rank {comm.rank}'s parameter groups or shapes differ from another "
+                             "rank's; every rank must build the same model and optimizer")  # fmt: skip
+        broadcast_tensors(comm, [p.data for p in params], 0)
+        total = offset
+        self._ranges = [shard_range(total, comm.world_size, r) for r in range(comm.world_size)]
+        lo, hi = self._ranges[comm.rank]
+        authkey = exchange_bytes(comm, secrets.token_bytes(32))[0]
+        self._server = _ShardServer(self, lo, hi, self._flat()[lo:hi], authkey)
+        host, port = self._server.address
+        addresses = [b.decode().rsplit(":", 1) for b in exchange_bytes(comm, f"{host}:{port}".encode())]
+        self._conns: list[Connection] = []
+        for h, p in addresses:
+            conn = Client((h, int(p)), authkey=authkey)
+            conn.send_bytes(_HEADER.pack(_HELLO, comm.rank, 0))
+            self._conns.append(conn)
+        self._versions = [0] * comm.world_size  # per shard: the version this worker's parameters come from
+        self._used = [0] * comm.world_size  # per shard: gradients pushed on that version
+        self._finished = False
+        self.wait_seconds = 0.0
+        self.steps = 0
+        comm.barrier()  # every worker is connected to every shard before anyone trains
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+
+    def _hyper(self, group: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[group].items() if k != "params"}
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self._flat_params])
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                          .to("cpu", torch.float32) for p in self._flat_params])  # fmt: skip
+
+    def _receive(self, conn: Connection, what: str) -> bytes:
+        if not conn.poll(self.comm.timeout + 5.0):  # the shard's own timeout answers first, with its reason
+            raise CommunicationTimeoutError(f"rank {self.comm.rank}: no reply to {what} within {self.comm.timeout:g}s",
+                                            op="async_pull", group=self.comm.group, rank=self.comm.rank)  # fmt: skip
+        try:
+            return conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            raise CommunicationError(f"rank {self.comm.rank}: a parameter-server shard went away during {what} "
+                                     f"({e}); its rank died", op="async_pull", group=self.comm.group,
+                                     rank=self.comm.rank) from None  # fmt: skip
+
+    def _pull_all(self, needs: list[int]) -> None:
+        start = time.perf_counter()
+        for conn, need in zip(self._conns, needs, strict=True):
+            conn.send_bytes(_HEADER.pack(_PULL, self.comm.rank, need))
+        shards = []
+        for r, conn in enumerate(self._conns):
+            reply = self._receive(conn, f"the pull from shard {r}")
+            (version,) = struct.unpack_from("<q", reply)
+            if version == _TIMED_OUT:
+                raise CommunicationTimeoutError(reply[8:].decode(), op="async_pull", group=self.comm.group,
+                                                rank=self.comm.rank)  # fmt: skip
+            if version != self._versions[r]:
+                self._versions[r], self._used[r] = version, 0
+            shards.append(torch.from_numpy(np.frombuffer(reply, dtype=np.float32, offset=8).copy()))
+        self.wait_seconds += time.perf_counter() - start
+        flat = torch.cat(shards)
+        with torch.no_grad():
+            for p, values in zip(self._flat_params, flat.split(self._numels), strict=True):
+                p.copy_(values.view_as(p))
+
+    # -- the optimizer ----------------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Nothing to reduce: gradients go to the parameter-server shards as they are (see :meth:`step`)."""
+
+    def step(self, closure=None):
+        """Push this rank's gradients to every shard and pull newer parameters (waits only as the bound says)."""
+        if self._finished:
+            raise RuntimeError("AsyncSGDOptimizer.step() after finish(); build a new optimizer to train again")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._server.error is not None and not isinstance(self._server.error, (OSError, EOFError)):
+            raise self._server.error
+        grads = self._flat_grads()
+        for r, conn in enumerate(self._conns):
+            lo, hi = self._ranges[r]
+            conn.send_bytes(_HEADER.pack(_PUSH, self.comm.rank, self._versions[r]) + grads[lo:hi].numpy().tobytes())
+            self._used[r] += 1
+        # Another gradient on the same version is allowed up to max_staleness + 1 times; then wait for the next one.
+        self._pull_all([v + 1 if used > self.max_staleness else 0
+                        for v, used in zip(self._versions, self._used, strict=True)])  # fmt: skip
+        self.steps += 1
+        return loss
+
+    def finish(self) -> None:
+        """Leave the quorum, wait until every worker has finished and the last rounds are applied, and load the final
+        parameters (the same on every rank). Call it on every rank after the last step; then the shards stop."""
+        if self._finished:
+            return
+        for conn in self._conns:
+            conn.send_bytes(_HEADER.pack(_DONE, self.comm.rank, 0))
+        for r, conn in enumerate(self._conns):
+            self._receive(conn, f"finish on shard {r}")
+        self._pull_all([_FINAL] * len(self._conns))
+        self._finished = True
+        for conn in self._conns:
+            conn.close()
+        self._server.close()
+
+    def close(self) -> None:
+        """Stop serving without waiting for the others (e.g. on an error); ``finish`` is the normal way out."""
+        self._finished = True
+        for conn in self._conns:
+            conn.close()
+        self._server.close()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        with self._server.cond:
+            out = dict(self._server.stats)
+        out["version"] = self._server.version
+        out["steps"] = self.steps
+        out["wait_seconds"] = self.wait_seconds
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("AsyncSGDOptimizer keeps its optimizer state on the parameter-server shards and "
+                                  "has no checkpoint format yet; save the model after finish()")  # fmt: skip
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

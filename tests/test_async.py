@@ -1,0 +1,188 @@
+"""AsyncSGDOptimizer: parameter-server shards with bounded staleness, against synchronous references."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import gpudist
+from gpudist.testing import run_ranks
+
+STEPS, BATCH = 6, 12
+
+
+def _data(seed: int = 0, n: int = STEPS * BATCH, d: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _template(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _make_optimizer(kind: str, module: nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    groups = [{"params": [p for n, p in module.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in module.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def _reference(kind: str, template: nn.Module) -> torch.Tensor:
+    """Single-process training on the global batch."""
+    x, y = _data()
+    model = copy.deepcopy(template)
+    opt = _make_optimizer(kind, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for i in range(STEPS):
+        nn.functional.mse_loss(model(x[i * BATCH : (i + 1) * BATCH]), y[i * BATCH : (i + 1) * BATCH]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return _flat(model)
+
+
+def _train_async(comm, kind: str, template: nn.Module, max_staleness: int):
+    x, y = _data()
+    model = copy.deepcopy(template)
+    opt = gpudist.AsyncSGDOptimizer(_make_optimizer(kind, model), gpudist.ShardingConfiguration(comm),
+                                    max_staleness=max_staleness)  # fmt: skip
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    n, r = comm.world_size, comm.rank
+    for i in range(STEPS):
+        xb, yb = x[i * BATCH : (i + 1) * BATCH].chunk(n)[r], y[i * BATCH : (i + 1) * BATCH].chunk(n)[r]
+        nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.finish()
+    return _flat(model), opt.stats
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("world,backend", [(2, "inmemory"), (3, "inmemory"), (2, "gloo")])
+def test_staleness_zero_equals_synchronous(world, backend, kind):
+    """max_staleness=0 must be synchronous SGD on the global batch, for momentum SGD and AdamW with two param groups
+    and an LR schedule. Catches a round closing before every worker's gradient arrived, a gradient applied twice or
+    to the wrong shard, the mean taken over the wrong count, server hyper-parameters not following the scheduler,
+    or parameters not pulled after the last round."""
+    template = _template()
+    expected = _reference(kind, template)
+    results = run_ranks(_train_async, world, backend, kind=kind, template=template, max_staleness=0)
+    for flat, stats in results:
+        torch.testing.assert_close(flat, expected, atol=1e-6, rtol=1e-5)
+        assert stats["rounds"] == STEPS and stats["dropped"] == 0 and stats["max_staleness_seen"] == 0
+
+
+def _straggler(comm, max_staleness: int, steps: int, gate: dict):
+    """Rank world-1 does not push anything until the others have finished all their steps (or a deadline)."""
+    x, y = _data(seed=comm.rank)
+    model = copy.deepcopy(gate["template"])
+    opt = gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), gpudist.ShardingConfiguration(comm),
+                                    max_staleness=max_staleness)  # fmt: skip
+    slow = comm.rank == comm.world_size - 1
+    done_fast = 0
+    for i in range(steps):
+        if slow and i == 0:
+            gate["fast_done"].wait(timeout=gate["deadline"])
+            done_fast = gate["count"]
+        nn.functional.mse_loss(model(x[i * 4 : (i + 1) * 4]), y[i * 4 : (i + 1) * 4]).backward()
+        opt.step()
+        opt.zero_grad()
+        if not slow:
+            with gate["lock"]:
+                gate["count"] += 1
+                if gate["count"] == steps * (comm.world_size - 1):
+                    gate["fast_done"].set()
+    opt.finish()
+    return done_fast, opt.stats, _flat(model)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_straggler_does_not_stall_the_others(max_staleness):
+    """With max_staleness >= 1, two fast workers finish all their steps while the third has not pushed a single
+    gradient (the slow rank waits for them first: a stall would show as a timeout, not as a slow run). Catches rounds
+    that wait for every worker, or a per-version limit that blocks the fast ones. The straggler's too-stale
+    gradient is dropped, and every rank ends with the same parameters."""
+    steps = 8
+    gate = {"template": _template(), "fast_done": threading.Event(), "lock": threading.Lock(), "count": 0,
+            "deadline": 30.0}  # fmt: skip
+    results = run_ranks(_straggler, 3, "inmemory", max_staleness=max_staleness, steps=steps, gate=gate)
+    done_fast = results[2][0]
+    assert done_fast == steps * 2, f"the fast workers stalled after {done_fast} of {steps * 2} steps"
+    dropped = sum(stats["dropped"] for _, stats, _ in results)
+    assert dropped >= 1  # the straggler's first gradient, computed on version 0, is far too old
+    for _, _, flat in results[1:]:
+        torch.testing.assert_close(flat, results[0][2], atol=0, rtol=0)
+
+
+def test_staleness_zero_waits_for_the_straggler():
+    """The converse: with max_staleness=0 (synchronous) the fast workers cannot get past their first step while
+    the straggler holds back. Catches a bound that is not enforced."""
+    gate = {"template": _template(), "fast_done": threading.Event(), "lock": threading.Lock(), "count": 0,
+            "deadline": 1.5}  # fmt: skip
+    results = run_ranks(_straggler, 3, "inmemory", max_staleness=0, steps=4, gate=gate)
+    assert results[2][0] <= 2  # each fast worker pushed its first gradient, then waited for the round
+    assert all(stats["rounds"] == 4 and stats["dropped"] == 0 for _, stats, _ in results)
+
+
+def _convex(comm, max_staleness: int, sleep: float):
+    g = torch.Generator().manual_seed(1)
+    w_true = torch.randn(6, 1, generator=g)
+    x = torch.randn(600, 6, generator=g)
+    y = x @ w_true + 0.01 * torch.randn(600, 1, generator=g)
+    model = nn.Linear(6, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gpudist.ShardingConfiguration(comm),
+                                    max_staleness=max_staleness)  # fmt: skip
+    rows = x[comm.rank :: comm.world_size], y[comm.rank :: comm.world_size]
+    for i in range(60):
+        lo = (i * 10) % rows[0].shape[0]
+        nn.functional.mse_loss(model(rows[0][lo : lo + 10]), rows[1][lo : lo + 10]).backward()
+        opt.step()
+        opt.zero_grad()
+        if comm.rank == 0:
+            time.sleep(sleep)  # a straggler
+    opt.finish()
+    return float((model.weight.detach().reshape(-1, 1) - w_true).norm() / w_true.norm()), opt.stats
+
+
+def test_converges_on_a_convex_problem_with_a_straggler():
+    """Least squares with one slow worker and stale gradients still reaches the true weights (1% relative error).
+    Catches stale gradients applied with the wrong sign or scale, or rounds that lose gradients."""
+    results = run_ranks(_convex, 3, "inmemory", max_staleness=2, sleep=0.005)
+    for err, _ in results:
+        assert err < 0.01, err
+    assert results[0][1]["max_staleness_seen"] >= 1  # it really ran asynchronously
+
+
+def _bad(comm, case: str):
+    model = nn.Linear(4, 2)
+    config = gpudist.ShardingConfiguration(comm)
+    if case == "staleness":
+        gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, max_staleness=-1)
+    elif case == "ddp":
+        wrapped = gpudist.DDPModel(model, config)
+        gpudist.AsyncSGDOptimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1), config)
+    elif case == "dtype":
+        model.double()
+        gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+
+@pytest.mark.parametrize("case,message", [("staleness", "max_staleness=-1"), ("ddp", "needs a plain module"),
+                                          ("dtype", "torch.float64")])  # fmt: skip
+def test_bad_input_is_refused(case, message):
+    """Bad settings raise an error naming the value and the fix, before any shard starts serving."""
+    with pytest.raises(gpudist.testing.RanksFailedError, match=message):
+        run_ranks(_bad, 2, "inmemory", case=case)
