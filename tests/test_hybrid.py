@@ -49,8 +49,8 @@ def reference(kind: str = "adamw") -> tuple[torch.Tensor, list[float]]:
     return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
 
 
-def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="1f1b"):
-    config = ShardingConfiguration(comm)
+def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="1f1b", max_grad_norm=None):
+    config = ShardingConfiguration(comm, max_grad_norm=max_grad_norm)
     model = HybridShardedModel(tiny(), config, pp, tp, dp, plan=tinylm_plan, blocks=as_sequential, micro_batches=2,
                                schedule=schedule)  # fmt: skip
     opt = HybridShardedOptimizer(make_optimizer(model.parameters(), kind), config, pp, tp, dp, zero_stage=zero_stage)
@@ -61,6 +61,8 @@ def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="
         n = x.shape[0] // replicas
         losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], optimizer=opt))
     ranks = (model.pipeline_parallel_rank, model.data_parallel_rank, model.tensor_parallel_rank)
+    if max_grad_norm is not None:
+        return model.gather_full_parameters(), losses, opt.last_grad_norm
     return model.gather_full_parameters(), losses, ranks, model.predict(batch(0)[0])
 
 
@@ -95,6 +97,39 @@ def test_3d_on_gloo(pp, tp):
     """1x2x2 (dp x tp) and 2x1x2 (pp x dp) over 4 Gloo processes, GPipe for the second: the same parity."""
     schedule = "gpipe" if pp == 2 else "1f1b"
     check(run_ranks(hybrid_train, 4, "gloo", pp=pp, tp=tp, schedule=schedule), "adamw", 4)
+
+
+def clipped_reference(max_grad_norm: float) -> tuple[torch.Tensor, list[float], float]:
+    """SGD on one process with clip_grad_norm_; also the last step's gradient norm (before clipping)."""
+    net = tiny()
+    opt = make_optimizer(net.parameters(), "sgd")
+    losses, norm = [], None
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses, norm
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_3d_2x2x2_clips_to_the_global_gradient_norm(zero_stage):
+    """max_grad_norm at 2x2x2 (in memory) with DDP and ZeRO-2 in the data group equals clip_grad_norm_ on one
+    process over the global batch, with a limit small enough that every step clips, and SGD (Adam would hide
+    the scale). Catches a norm over this rank's gradients only (each stage and tensor rank would clip by a
+    different factor), a tensor-replicated parameter (LayerNorms, biases) counted once per tensor rank, the tied
+    embedding/head counted on both stages, DDP's equal replicas all counted, and a norm taken before the replica
+    average (the replicas' local norms are larger than their average's)."""
+    want, want_losses, want_norm = clipped_reference(0.05)
+    assert want_norm > 0.5  # the limit clips every step by a large factor
+    results = run_ranks(hybrid_train, 8, "inmemory", zero_stage=zero_stage, kind="sgd", max_grad_norm=0.05)
+    for params, losses, norm in results:
+        torch.testing.assert_close(params, want, **TOL["sgd"])
+        assert losses == pytest.approx(want_losses, rel=1e-4)
+        assert norm == pytest.approx(want_norm, rel=1e-4)
 
 
 def bad_layouts(comm):

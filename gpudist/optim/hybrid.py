@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 
+from .. import kernels
+from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..models.hybrid import HybridShardedModel
 from ..models.layout import ParallelLayout
@@ -28,6 +31,12 @@ class HybridShardedOptimizer(ShardedOptimizer):
     (DDP); 1 (default) shards the optimizer state over the replicas (ZeRO-1: reduce-scatter, step the owned
     part, all-gather the parameters); 2 also frees the gradients this replica does not own (ZeRO-2). The sizes
     must be the model's layout (the seeds' signature; ``-1`` takes the ranks left over).
+
+    ``config.max_grad_norm`` clips to the L2 norm of the whole model's gradient, as
+    ``torch.nn.utils.clip_grad_norm_`` on one process: after the replica average, every rank sums the squares it
+    owns (its tensor shards of split parameters, tensor rank 0 the unsplit ones, the first holding stage a tied
+    parameter; with ZeRO its range of the replicas' average, with DDP replica 0), and one 8-byte all-reduce over
+    all ranks gives the norm. With ZeRO a non-finite norm skips the step on every rank, as ZeRO does.
     """
 
     strategy = "hybrid"
@@ -47,16 +56,68 @@ class HybridShardedOptimizer(ShardedOptimizer):
         if layout != model.layout:
             raise ValueError(f"HybridShardedOptimizer: {layout.describe()} differs from the model's "
                              f"{model.layout.describe()}; pass the model's sizes")  # fmt: skip
-        if config.max_grad_norm is not None:
-            raise ValueError("HybridShardedOptimizer does not clip gradients yet (the norm spans stages, tensor "
-                             "shards and replicas); set max_grad_norm=None")  # fmt: skip
         self.zero_stage = zero_stage
-        data_config = dataclasses.replace(config, backend=model.data_group)
+        # The inner optimizer only sees the data group: it must not clip with that group's partial norm.
+        data_config = dataclasses.replace(config, backend=model.data_group, max_grad_norm=None)
         self.inner = _DATA_PARALLEL[zero_stage](optimizer, data_config)
         model.reduce_data_parallel = False  # the inner optimizer averages (or reduce-scatters) over replicas
+        self.last_grad_norm = math.nan
+        if zero_stage == 0:  # the replicas' averaged gradients are equal: replica 0 counts them
+            first = model.data_parallel_rank == 0
+            self._norm_params = [p for p in self._params() if p.requires_grad and first and model.counts_in_norm(p)]
+        else:  # each replica counts its own range of the flat gradient, [lo, hi) of the inner optimizer's buffer
+            self._norm_spans = self._owned_spans(model)
 
+    def _owned_spans(self, model: HybridShardedModel) -> list[tuple[int, int]]:
+        inner = self.inner
+        layout, spans = inner._flat.layout, []
+        for start, length, at in inner._segment_spans():
+            for p, offset, numel in zip(inner._flat_params, layout.offsets, layout.numels, strict=True):
+                lo, hi = max(start, offset), min(start + length, offset + numel)
+                if lo < hi and model.counts_in_norm(p):
+                    lo, hi = at + lo - start, at + hi - start
+                    if spans and spans[-1][1] == lo:
+                        spans[-1] = (spans[-1][0], hi)
+                    else:
+                        spans.append((lo, hi))
+        return spans
+
+    def _global_norm(self) -> float:
+        """The whole model's gradient norm, from the squares this rank counts (collective over all ranks)."""
+        if self.zero_stage == 0:
+            grads = [p.grad.reshape(-1) for p in self._norm_params if p.grad is not None]
+        else:
+            grads = [self.inner._grad[lo:hi] for lo, hi in self._norm_spans]
+        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        for g in grads:
+            total += kernels.squared_norm(g.contiguous()).double()
+        self.comm.all_reduce(total, ReductionOperation.SUM)
+        return math.sqrt(total.item())
+
+    @torch.no_grad()
     def step(self, closure=None):
-        return self.inner.step(closure)
+        max_norm = self.config.max_grad_norm
+        if max_norm is None:
+            return self.inner.step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        inner = self.inner
+        inner.reduce_gradients()  # the replica average (ZeRO: this replica's range of it)
+        norm = self.last_grad_norm = self._global_norm()
+        scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule, NaN included
+        scale = scale if scale < 1.0 or math.isnan(scale) else 1.0
+        if self.zero_stage == 0:
+            if scale != 1.0:
+                torch._foreach_mul_([p.grad for p in self._params() if p.grad is not None], scale)
+            inner.optimizer.step()
+            return loss
+        inner.last_grad_norm = norm
+        inner.last_step_skipped = not math.isfinite(norm)
+        if not inner.last_step_skipped:
+            inner._update_and_gather(scale)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
