@@ -240,6 +240,9 @@ class PipelineParallelModel(ShardedModel):
                 shared = [p for p in params if tuple(holders[id(p)]) == stages]
                 self._tied.append((group, shared))
         self.last_schedule: dict[str, Any] = {}
+        self._sent_shape = self._received_shape = None
+        """(shape, dtype) of the last train_step's activations sent to the next stage / received from the previous
+        one: the receiver posts the first activation's receive with it before the step's shape message arrives."""
         self.reduce_data_parallel = True
         """Whether the model averages gradients over replicas (False once a HybridShardedOptimizer does it)."""
         self._groups = [g for g in (self.pipeline_group, self.data_group, self.tensor_group) if g is not None]
@@ -277,6 +280,16 @@ class PipelineParallelModel(ShardedModel):
     def manages(self, param: torch.Tensor) -> bool:
         return any(param is p for p in self._stage_params)
 
+    def counts_in_norm(self, param: torch.Tensor) -> bool:
+        """Whether this rank counts ``param``'s gradient in the full model's gradient norm: only the stage that
+        owns it counts it (the first of the stages sharing a tied parameter; their gradients are summed, hence
+        equal), and a parameter tensor parallelism did not split only on tensor rank 0 (its copies on the other
+        tensor ranks are equal); a split one everywhere (each rank its shard). Replicas are the optimizer's."""
+        name = self._name_of.get(id(param))
+        if name is None or name not in self._stage_names[self.pipeline_parallel_rank]:
+            return False
+        return name in self._splits or self.tensor_parallel_rank == 0
+
     # -- point to point ----------------------------------------------------------------------------------------------
 
     def _peer(self, offset: int) -> int:
@@ -287,25 +300,42 @@ class PipelineParallelModel(ShardedModel):
         with self.pipeline_group.unchecked():  # shapes agreed by the step's shape message
             pending.append((self.pipeline_group.send(tensor.contiguous(), self._peer(offset), async_op=True), tensor))
 
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    def _post_recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, Any]:
+        """Post a receive from the stage ``offset`` away; returns the buffer and the Work to wait on before reading
+        it. Receives from one peer match that peer's sends in order, so they may be posted ahead of time."""
         buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
         with self.pipeline_group.unchecked():
-            self.pipeline_group.recv(buf, self._peer(offset))
+            return buf, self.pipeline_group.recv(buf, self._peer(offset), async_op=True)
+
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        buf, work = self._post_recv(shape, dtype, offset)
+        work.wait()
         return buf
 
-    def _send_meta(self, tensor: torch.Tensor, pending: list) -> None:
+    @staticmethod
+    def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:
+        meta = torch.zeros(_META_LEN, dtype=torch.int64)
+        meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return meta
+
+    @staticmethod
+    def _decode_meta(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+        values = meta.tolist()
+        return torch.Size(values[2 : 2 + values[0]]), _DTYPES[values[1]]
+
+    def _check_sendable(self, tensor: torch.Tensor) -> None:
         if tensor.dim() > _META_LEN - 2 or tensor.dtype not in _DTYPES:
             raise ValueError(f"PipelineParallelModel: stage {self.pipeline_parallel_rank} output of shape "
                              f"{tuple(tensor.shape)} and dtype {tensor.dtype} cannot be sent; use at most "
                              f"{_META_LEN - 2} dimensions and one of {_DTYPES}")  # fmt: skip
-        meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self._send(meta, +1, pending)
+
+    def _send_meta(self, tensor: torch.Tensor, pending: list) -> None:
+        self._check_sendable(tensor)
+        self._send(self._encode_meta(tensor), +1, pending)
 
     def _recv_meta(self) -> tuple[torch.Size, torch.dtype]:
-        meta = self._recv(torch.Size([_META_LEN]), torch.int64, -1).tolist()
-        return torch.Size(meta[2 : 2 + meta[0]]), _DTYPES[meta[1]]
+        return self._decode_meta(self._recv(torch.Size([_META_LEN]), torch.int64, -1))
 
     # -- training ----------------------------------------------------------------------------------------------------
 
@@ -331,63 +361,114 @@ class PipelineParallelModel(ShardedModel):
         ``targets``; only the first stage reads ``inputs``, only the last ``targets``). Gradients are accumulated
         over the micro-batches, summed over stages for shared parameters and averaged over replicas; then
         ``optimizer.step()`` and ``zero_grad()`` if given. Returns the global batch's mean loss (over micro-batches
-        and replicas) on every rank."""
+        and replicas) on every rank.
+
+        Messages: receives are posted ahead, each op's and the next forward's and backward's before the op
+        computes, so they land while it runs (on Gloo a receive posted late costs a round trip: the payload waits
+        for it). Every micro-batch's activation has the shape announced by the step's shape message; the first
+        activation's receive is posted with the previous step's shape before that message arrives, and a sender
+        whose shape changed sends a dummy of the old shape first, so both ends always agree. The loss (averaged
+        over replicas on the last stage) travels back one stage at a time behind the last gradient."""
         self.train()
         m = self.micro_batches
-        xs = self._micro(inputs, "inputs") if self.is_first_stage else None
-        ts = self._micro(targets, "targets") if self.is_last_stage else None
+        first, last = self.is_first_stage, self.is_last_stage
+        xs = self._micro(inputs, "inputs") if first else None
+        ts = self._micro(targets, "targets") if last else None
         order = stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, m)
+        # ahead_f[k] / ahead_b[k]: the largest micro-batch whose activation / gradient must be posted before op k
+        # runs: the next forward / backward after it, else op k's own.
+        ahead_f, ahead_b, next_f, next_b = [-1] * len(order), [-1] * len(order), -1, -1
+        for k in range(len(order) - 1, -1, -1):
+            kind, i = order[k]
+            ahead_f[k] = next_f if next_f >= 0 else i if kind == "F" else -1
+            ahead_b[k] = next_b if next_b >= 0 else i if kind == "B" else -1
+            next_f, next_b = (i, next_b) if kind == "F" else (next_f, i)
         pending: list = []
+        acts: dict[int, tuple[torch.Tensor, Any]] = {}  # posted receives: activations from stage s - 1
+        grads: dict[int, tuple[torch.Tensor, Any]] = {}  # and gradients from stage s + 1
+        posted_f = posted_b = 0
+        shape = out = loss_recv = None  # the activations' (shape, dtype) received, and sent
         in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         losses = torch.zeros(m, dtype=torch.float64)
-        shape = None
         max_in_flight = 0
         busy = 0.0
         started = time.perf_counter()
-        for kind, i in order:
-            if kind == "F":
-                if self.is_first_stage:
-                    x = xs[i]
+        with self.pipeline_group.unchecked():  # every message's shape is agreed by the step's shape message
+            if not first:
+                meta = self._post_recv(torch.Size([_META_LEN]), torch.int64, -1)
+                if self._received_shape is not None:  # speculatively, with the last step's shape
+                    acts[0], posted_f = self._post_recv(*self._received_shape, -1), 1
+            for k, (kind, i) in enumerate(order):
+                if not first:
+                    if shape is None:  # the first op, F0: learn the step's shape
+                        meta[1].wait()
+                        shape = self._decode_meta(meta[0])
+                        if posted_f and shape != self._received_shape:  # the speculative receive gets a dummy
+                            acts.pop(0)[1].wait()
+                            posted_f = 0
+                        self._received_shape = shape
+                    while posted_f <= ahead_f[k]:
+                        acts[posted_f], posted_f = self._post_recv(*shape, -1), posted_f + 1
+                if out is not None:
+                    while posted_b <= ahead_b[k]:
+                        grads[posted_b], posted_b = self._post_recv(*out, +1), posted_b + 1
+                    if posted_b == m and loss_recv is None:
+                        loss_recv = self._post_recv(torch.Size([1]), torch.float64, +1)
+                if kind == "F":
+                    if first:
+                        x = xs[i]
+                    else:
+                        x, work = acts.pop(i)
+                        work.wait()
+                        x.requires_grad_(x.is_floating_point())
+                    t0 = time.perf_counter()
+                    y = self._stage_output(self.module(x))
+                    if last:
+                        y = loss_fn(y, ts[i])
+                        if not isinstance(y, torch.Tensor) or y.numel() != 1:
+                            raise ValueError(f"loss_fn must return a scalar tensor, got {type(y).__name__} "
+                                             f"{tuple(getattr(y, 'shape', ()))}")  # fmt: skip
+                        losses[i] = float(y.detach())
+                    busy += time.perf_counter() - t0
+                    if not last:
+                        if i == 0:
+                            self._check_sendable(y)
+                            out = (y.shape, y.dtype)
+                            self._send(self._encode_meta(y), +1, pending)
+                            if self._sent_shape is not None and self._sent_shape != out:  # the receiver's guess
+                                self._send(torch.zeros(self._sent_shape[0], dtype=self._sent_shape[1],
+                                                        device=self.comm.device), +1, pending)
+                            self._sent_shape = out
+                        self._send(y.detach(), +1, pending)
+                    in_flight[i] = (x, y)
+                    max_in_flight = max(max_in_flight, len(in_flight))
                 else:
-                    if shape is None:
-                        shape = self._recv_meta()
-                    x = self._recv(*shape, -1)
-                    x.requires_grad_(x.is_floating_point())
-                t0 = time.perf_counter()
-                y = self._stage_output(self.module(x))
-                if self.is_last_stage:
-                    y = loss_fn(y, ts[i])
-                    if not isinstance(y, torch.Tensor) or y.numel() != 1:
-                        raise ValueError(f"loss_fn must return a scalar tensor, got {type(y).__name__} "
-                                         f"{tuple(getattr(y, 'shape', ()))}")  # fmt: skip
-                    losses[i] = float(y.detach())
-                busy += time.perf_counter() - t0
-                if not self.is_last_stage:
-                    if i == 0:
-                        self._send_meta(y, pending)
-                    self._send(y.detach(), +1, pending)
-                in_flight[i] = (x, y)
-                max_in_flight = max(max_in_flight, len(in_flight))
+                    x, y = in_flight.pop(i)
+                    if not last:
+                        grad, work = grads.pop(i)
+                        work.wait()
+                    t0 = time.perf_counter()
+                    if last:
+                        (y / m).backward()
+                    else:
+                        torch.autograd.backward(y, grad)
+                    busy += time.perf_counter() - t0
+                    if not first:
+                        self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending)
+            if last:
+                loss = losses.mean().reshape(1)
+                if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global's
+                    self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
             else:
-                x, y = in_flight.pop(i)
-                grad = None if self.is_last_stage else self._recv(y.shape, y.dtype, +1)
-                t0 = time.perf_counter()
-                if self.is_last_stage:
-                    (y / m).backward()
-                else:
-                    torch.autograd.backward(y, grad)
-                busy += time.perf_counter() - t0
-                if not self.is_first_stage:
-                    self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending)
-        for work, _ in pending:
-            work.wait()
+                loss, work = loss_recv
+                work.wait()
+            if not first:
+                self._send(loss, -1, pending)
+            for work, _ in pending:
+                work.wait()
         self.last_schedule = {"order": order, "max_in_flight": max_in_flight,
                               "busy_s": busy, "step_s": time.perf_counter() - started}  # fmt: skip
         self.synchronize_gradients()
-        loss = losses.mean().reshape(1) if self.is_last_stage else torch.zeros(1, dtype=torch.float64)
-        self.pipeline_group.broadcast(loss, self.num_stages - 1)
-        if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global batch's
-            self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
         self._mark_step_bytes()
         if optimizer is not None:
             optimizer.step()
