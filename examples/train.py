@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -53,6 +52,8 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "pipeline": ("PipelineParallelModel", "DDPOptimizer"),
     "tensor": ("TensorParallelModel", "DDPOptimizer"),
     "hybrid": ("HybridShardedModel", "HybridShardedOptimizer"),
+    "async": ("", "AsyncSGDOptimizer"),  # a plain module: workers push to parameter-server shards, no wrapper
+    "elastic": ("DDPModel", "ElasticOptimizer"),  # resumes from its newest checkpoint at any world size
 }
 SCHEDULED = {"pipeline", "tensor", "hybrid"}
 """Strategies trained through model.train_step (their backward is scheduled across ranks), not loss.backward()."""
@@ -90,6 +91,10 @@ class TrainConfig:
     """Tensor-parallel ranks per layer (--strategy tensor, hybrid)."""
     micro_batches: int = 4
     """Micro-batches per step and replica (--strategy pipeline)."""
+    max_staleness: int = 2
+    """Versions a gradient may lag behind (--strategy async; 0 is synchronous SGD)."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints (--strategy elastic; they go to OUT/checkpoints)."""
     compress_momentum: bool = False
     """Communicate the momentum instead of the gradient (momentum SGD, ddp; what 1-bit needs to converge)."""
     out: str = "runs/ddp-w2"
@@ -102,7 +107,7 @@ class TrainConfig:
 
 def available_strategies() -> list[str]:
     """The strategies this gpudist can run now (the others are planned)."""
-    return [name for name, classes in STRATEGIES.items() if all(hasattr(gpudist, c) for c in classes)]
+    return [name for name, classes in STRATEGIES.items() if all(not c or hasattr(gpudist, c) for c in classes)]
 
 
 def make_optimizer(params: Any, lr: float, kind: str = "adamw") -> torch.optim.Optimizer:
@@ -132,7 +137,7 @@ def make_model(cfg: TrainConfig) -> TinyLM:
 def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any]:
     """Runs ``cfg`` on this rank; rank 0 also evaluates and writes the outputs. Returns this rank's verdict."""
     rank, world = comm.rank, comm.world_size
-    model_cls, optim_cls = (getattr(gpudist, name) for name in STRATEGIES[cfg.strategy])
+    model_cls, optim_cls = (getattr(gpudist, name) if name else None for name in STRATEGIES[cfg.strategy])
     corpus = SyntheticCorpus(cfg.seed, cfg.seq_len)
     net = make_model(cfg)
     comm_dtype = COMM_DTYPES[cfg.comm_dtype]
@@ -147,29 +152,41 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         model = model_cls(net, config, cfg.pp, cfg.tp, plan=tinylm_plan, blocks=as_sequential,
                           micro_batches=cfg.micro_batches)  # fmt: skip
         loss_fn = None
+    elif model_cls is None:
+        model = net  # async: no wrapper (a DDPModel would all-reduce in every backward and wait for every rank)
     else:
         model = model_cls(net, config)
     # Each data-parallel replica reads its own slice of the batch (the ranks of one replica the same slice).
     data_rank, data_size = (model.data_parallel_rank, model.data_parallel_size) if cfg.strategy in SCHEDULED \
         else (rank, world)  # fmt: skip
     torch_opt = make_optimizer(model.parameters(), cfg.lr, cfg.optimizer)
-    opt = optim_cls(torch_opt, config, cfg.pp, cfg.tp) if cfg.strategy == "hybrid" else optim_cls(torch_opt, config)
+    if cfg.strategy == "hybrid":
+        opt = optim_cls(torch_opt, config, cfg.pp, cfg.tp)
+    elif cfg.strategy == "async":
+        opt = optim_cls(torch_opt, config, max_staleness=cfg.max_staleness)
+    elif cfg.strategy == "elastic":  # resumes from OUT/checkpoints when a restart (or an earlier run) left one
+        opt = optim_cls(torch_opt, config, Path(cfg.out) / "checkpoints", cfg.checkpoint_every,
+                        batch_size=cfg.global_batch // world)  # fmt: skip
+    else:
+        opt = optim_cls(torch_opt, config)
     if cfg.compression is not None:
         opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
                                                    error_feedback=cfg.error_feedback,
                                                    compress="momentum" if cfg.compress_momentum else "gradients")
     # The wrapper is a torch.optim.Optimizer sharing the inner one's param_groups, so schedulers work unchanged.
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=cfg.steps))
+    start = getattr(opt, "step_count", 0)  # elastic: the step its checkpoint was taken at
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s + start, steps=cfg.steps))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     progress = Progress(cfg.steps, tokens_per_step) if rank == 0 else None
 
     losses = torch.zeros(cfg.steps)  # this rank's loss per step; averaged over ranks once, after the loop
+    losses[:start] = math.nan  # steps a previous run did
     step_times, comm_bytes = [], []
-    window_start = 0
+    window_start = start
     started = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         # Timed end to end as a user waits for it, data included (generating a rank's slice: ~4 ms of ~45 ms).
-        t0, bytes0 = time.perf_counter(), comm.stats.total_bytes
+        t0, bytes0 = time.perf_counter(), bytes_moved(comm, opt)
         x, y = corpus.batches(step, cfg.global_batch, data_rank, data_size)
         if cfg.strategy in SCHEDULED:
             losses[step] = model.train_step(x, y, loss_fn, opt)  # forward, backward and step, scheduled
@@ -182,7 +199,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         schedule.step()
         step_times.append(time.perf_counter() - t0)
         # Scheduled strategies talk through sub-groups (stages, replicas), which the model counts itself.
-        comm_bytes.append(model.last_step_bytes if cfg.strategy in SCHEDULED else comm.stats.total_bytes - bytes0)
+        comm_bytes.append(model.last_step_bytes if cfg.strategy in SCHEDULED else bytes_moved(comm, opt) - bytes0)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             # The displayed loss is the global batch's (mean over ranks), as a single process would report it.
             # This small all-reduce sits outside the timed step, so bytes/step counts the strategy's traffic only.
@@ -191,6 +208,8 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
             if progress is not None:
                 progress.update(step + 1, float(window), step_times[window_start:], comm_bytes[window_start:])
             window_start = step + 1
+    if hasattr(opt, "finish"):
+        opt.finish()  # async: wait for the last rounds (same parameters everywhere); elastic: commit the checkpoint
     train_seconds = time.perf_counter() - started
     if progress is not None:
         progress.close()
@@ -198,7 +217,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     comm.all_reduce(losses, "average")  # equal local batches: the mean of rank means is the global batch's mean
     flat, identical, max_diff = replicas_identical(comm, model)
     tail = max(1, cfg.steps // 10)
-    initial, final = float(losses[0]), float(losses[-tail:].mean())
+    initial, final = float(losses[start]), float(losses[-tail:].mean())
     verdict = {"rank": rank, "replicas_identical": identical, "loss_decreased": final < initial}
     verdict["ok"] = identical and verdict["loss_decreased"]
     if rank != 0:
@@ -228,7 +247,8 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         "loss_decreased": verdict["loss_decreased"],
         "replicas_identical": identical,
         "replica_max_abs_diff": max_diff,
-        "metadata": model.get_model_metadata(),
+        "metadata": model.get_model_metadata() if isinstance(model, gpudist.ShardedModel) else
+        {"strategy": cfg.strategy, "max_staleness": cfg.max_staleness, "async": opt.stats},
         "compression": opt.communication_report() if cfg.compression is not None else None,
         "comm_stats": comm.stats.as_dict(),
         "sample": SyntheticCorpus.decode(generate(trained, [VOCAB.index("the")], 40, cfg.seed)),
@@ -245,11 +265,17 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     return verdict
 
 
+def bytes_moved(comm: gpudist.CommunicationBackend, opt: torch.optim.Optimizer) -> int:
+    """Bytes this rank has communicated: the backend's count, plus the parameter-server traffic of async SGD."""
+    return comm.stats.total_bytes + getattr(opt, "bytes_moved", 0)
+
+
 def replicas_identical(comm: gpudist.CommunicationBackend,
                        model: gpudist.ShardedModel) -> tuple[torch.Tensor, bool, float]:
     """Gathers the full parameters (collective) and checks bitwise that every rank's equal rank 0's. Returns them,
     the verdict and the largest difference seen."""
-    flat = model.gather_full_parameters()
+    flat = model.gather_full_parameters() if isinstance(model, gpudist.ShardedModel) else \
+        torch.nn.utils.parameters_to_vector(model.parameters()).detach()  # fmt: skip
     reference = flat.clone()
     comm.broadcast(reference, src=0)
     flags = torch.tensor([float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()])
@@ -438,6 +464,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     parser.add_argument("--compress-momentum", action="store_true",
                         help="communicate the momentum instead of the gradient (with --optimizer sgd and --strategy "
                              "ddp; 1-bit converges with it)")
+    parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness,
+                        help="--strategy async: versions a gradient may lag behind (0 = synchronous SGD)")
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                        help="--strategy elastic: steps between checkpoints (saved under OUT/checkpoints)")
     parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
@@ -459,6 +489,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     if args.global_batch < world or args.global_batch % world:
         parser.error(f"--global-batch {args.global_batch} must be a positive multiple of the world size {world}, "
                      f"so every rank gets an equal slice")
+    if args.max_staleness < 0 or args.checkpoint_every < 1:
+        parser.error(f"--max-staleness must be >= 0 and --checkpoint-every >= 1, got {args.max_staleness} and "
+                     f"{args.checkpoint_every}")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
     if args.compression is not None:
@@ -499,6 +532,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                       compression_warmup=args.compression_warmup,
                       error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
                       pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
+                      max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every,
                       out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
     return cfg, None if launched else world
 

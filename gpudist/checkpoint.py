@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,8 @@ from .optim.base import ShardedOptimizer
 from .optim.compression import GradientCompressionOptimizer, check_compress_mode
 from .optim.zero import _FlatShardOptimizer
 
-__all__ = ["CheckpointError", "CheckpointInfo", "latest_checkpoint", "load_checkpoint", "read_manifest",
-           "save_checkpoint"]  # fmt: skip
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWrite", "latest_checkpoint", "load_checkpoint",
+           "read_manifest", "remove_stale_staging", "save_checkpoint"]  # fmt: skip
 
 FORMAT = "gpudist.checkpoint.v1"
 MANIFEST = "manifest.json"
@@ -242,63 +243,132 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """Write ``model`` (and ``optimizer``'s state) as a checkpoint folder at ``path`` (collective: every rank calls
     it; ``path`` must be on a file system every rank sees). Replaces an existing checkpoint at ``path`` only once
     the new one is complete. ``extra`` (JSON) travels in the manifest, e.g. the data position."""
-    path = Path(path)
-    comm = _comm_of(model, optimizer)
-    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
-    if extra is not None and not _jsonable(extra):
-        raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
-    held, replicated, module, strategy = _model_parts(model)
-    table = _param_table(model)
-    numel = {row["name"]: int(torch.Size(row["shape"]).numel()) for row in table}
-    pieces: dict[str, torch.Tensor] = {}
-    for tensor, segments in held:
-        flat = tensor.detach().reshape(-1)
-        for pos, n, name, c in _canonical(segments, 0, flat.numel()):
-            part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
-            if part is not None:
-                pieces[f"param|{name}|{part[2]}"] = flat[part[0] : part[0] + part[1]].contiguous().cpu().clone()
-    buffers = {name: b for name, b in module.named_buffers()}
-    if rank == 0:
-        for name, b in buffers.items():
-            pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
-    scalars, opt_desc = {}, None
-    if optimizer is not None:
-        segmap = {id(t): segs for t, segs in held}
-        opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, replicated, numel, rank, world)
-        pieces.update(opt_pieces)
-    data = st_save(pieces, metadata={"format": FORMAT, "rank": str(rank)})
-    token = uuid.uuid4().hex[:12]
-    if comm is not None:  # one temporary folder name for all ranks: rank 0's
-        token = exchange_bytes(comm, token.encode())[0].decode()
-    staging = path.with_name(f".{path.name}.tmp-{token}")
-    filename = f"rank-{rank:05d}.safetensors"
-    atomic_write_bytes(staging / filename, data)
-    info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-            "pieces": [[*k.split("|")[:2], int(k.split("|")[2]), v.numel()] for k, v in pieces.items()],
-            "scalars": scalars}  # fmt: skip
-    infos = [json.loads(b) for b in exchange_bytes(comm, json.dumps(info).encode())] if comm is not None else [info]
-    if rank == 0:
-        merged: dict[str, dict[str, float]] = {}
-        for i in infos:
-            for name, values in i["scalars"].items():
-                merged.setdefault(name, {}).update(values)
-        body = {
+    return CheckpointWrite(path, model, optimizer, step=step, extra=extra, background=False).wait()
+
+
+class CheckpointWrite:
+    """One checkpoint being written; :func:`save_checkpoint` is ``CheckpointWrite(...).wait()``.
+
+    Constructing it (collective) copies this rank's pieces to host memory and agrees on a staging folder; the files
+    are then serialized, hashed and written, in a background thread when ``background=True``, while training goes
+    on. :meth:`wait` (collective) joins the writer, and rank 0 writes the manifest and renames the folder into place
+    only if every rank's file was written: a crash at any point leaves the previous checkpoints as they were and at
+    most a hidden ``.NAME.tmp-*`` folder that is never read (:func:`remove_stale_staging` clears them).
+    """
+
+    def __init__(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 step: int = 0, extra: dict[str, Any] | None = None, background: bool = True):  # fmt: skip
+        self.path = Path(path)
+        self.comm = _comm_of(model, optimizer)
+        rank, world = (self.comm.rank, self.comm.world_size) if self.comm is not None else (0, 1)
+        self.rank, self.world = rank, world
+        if extra is not None and not _jsonable(extra):
+            raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
+        held, replicated, module, strategy = _model_parts(model)
+        table = _param_table(model)
+        numel = {row["name"]: int(torch.Size(row["shape"]).numel()) for row in table}
+        pieces: dict[str, torch.Tensor] = {}
+        for tensor, segments in held:
+            flat = tensor.detach().reshape(-1)
+            for pos, n, name, c in _canonical(segments, 0, flat.numel()):
+                part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
+                if part is not None:
+                    pieces[f"param|{name}|{part[2]}"] = flat[part[0] : part[0] + part[1]].contiguous().cpu().clone()
+        buffers = {name: b for name, b in module.named_buffers()}
+        if rank == 0:
+            for name, b in buffers.items():
+                pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
+        scalars, opt_desc = {}, None
+        if optimizer is not None:
+            segmap = {id(t): segs for t, segs in held}
+            opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, replicated, numel, rank, world)
+            pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
+        self.body = {
             "format": FORMAT, "strategy": strategy, "world_size": world, "step": int(step), "extra": extra or {},
             "parameters": table,
             "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
                         for n, b in buffers.items()],
-            "optimizer": None if opt_desc is None else {**opt_desc, "scalars": merged},
-            "files": [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos],
+            "optimizer": opt_desc,
         }  # fmt: skip
-        atomic_write_json(staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
-        old = path.with_name(f".{path.name}.old-{token}")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
-    if comm is not None:
-        comm.barrier()
-    return path
+        self.scalars = scalars
+        token = uuid.uuid4().hex[:12]
+        if self.comm is not None:  # one temporary folder name for all ranks: rank 0's
+            token = exchange_bytes(self.comm, token.encode())[0].decode()
+        self.token = token
+        self.staging = self.path.with_name(f".{self.path.name}.tmp-{token}")
+        self.info: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._write, args=(pieces,), daemon=True,
+                                            name=f"gpudist-checkpoint-{rank}")  # fmt: skip
+            self._thread.start()
+        else:
+            self._write(pieces)
+        self._done = False
+
+    def _write(self, pieces: dict[str, torch.Tensor]) -> None:
+        try:
+            data = st_save(pieces, metadata={"format": FORMAT, "rank": str(self.rank)})
+            filename = f"rank-{self.rank:05d}.safetensors"
+            atomic_write_bytes(self.staging / filename, data)
+            self.info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                         "pieces": [[*k.split("|")[:2], int(k.split("|")[2]), v.numel()] for k, v in pieces.items()],
+                         "scalars": self.scalars}  # fmt: skip
+        except BaseException as e:  # reported to every rank by wait()
+            self.error = e
+
+    def done(self) -> bool:
+        """Whether this rank's file is written (``wait`` will not block on the writer)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Finish (collective): every rank's file written, then the manifest and the rename by rank 0."""
+        if self._done:
+            return self.path
+        if self._thread is not None:
+            self._thread.join()
+        mine = {"error": f"{type(self.error).__name__}: {self.error}"} if self.error is not None else self.info
+        infos = [json.loads(b) for b in exchange_bytes(self.comm, json.dumps(mine).encode())] \
+            if self.comm is not None else [mine]  # fmt: skip
+        self._done = True
+        failed = [(r, i["error"]) for r, i in enumerate(infos) if "error" in i]
+        if failed:
+            if self.rank == 0:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {self.path} was not written: rank {failed[0][0]} failed: "
+                                  f"{failed[0][1]}; the previous checkpoints are untouched")  # fmt: skip
+        if self.rank == 0:
+            merged: dict[str, dict[str, float]] = {}
+            for i in infos:
+                for name, values in i["scalars"].items():
+                    merged.setdefault(name, {}).update(values)
+            body = dict(self.body)
+            if body["optimizer"] is not None:
+                body["optimizer"] = {**body["optimizer"], "scalars": merged}
+            body["files"] = [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos]
+            atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
+            old = self.path.with_name(f".{self.path.name}.old-{self.token}")
+            if self.path.exists():
+                os.replace(self.path, old)
+            os.replace(self.staging, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        if self.comm is not None:
+            self.comm.barrier()
+        return self.path
+
+
+def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
+    """Delete the hidden folders that interrupted saves left under ``root`` (``.NAME.tmp-*``, ``.NAME.old-*``).
+    Call it only when no save is in progress (e.g. on rank 0 when a job starts). Returns what it removed."""
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(".") and (".tmp-" in child.name or ".old-" in child.name) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+    return removed
 
 
 def _body_digest(body: dict) -> str:

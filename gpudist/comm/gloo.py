@@ -16,10 +16,13 @@ costs one small-message latency per op (measured in ``benchmarks/collectives.py`
 
 from __future__ import annotations
 
+import collections
 import datetime
 import ipaddress
 import os
 import socket
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -162,6 +165,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._delta = datetime.timedelta(seconds=self.timeout)
         self._subgroups = 0
         self._sender: ThreadPoolExecutor | None = None
+        self._children: weakref.WeakSet[GlooCommunicationBackend] = weakref.WeakSet()
+        self._recent: collections.deque = collections.deque(maxlen=8)
 
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True) -> GlooCommunicationBackend:
@@ -232,7 +237,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         return self._error(text, op)
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
-        self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions)).wait()
+        self._keep(self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions))).wait()
 
     def _opts(self, cls, **fields):
         opts = cls()
@@ -241,8 +246,17 @@ class GlooCommunicationBackend(CommunicationBackend):
             setattr(opts, k, v)
         return opts
 
-    @staticmethod
-    def _work(*works, then=None) -> Work:
+    def _keep(self, work):
+        self._recent.append(work)  # see _work (deque appends are thread-safe: the send thread uses this too)
+        return work
+
+    def _work(self, *works, then=None) -> Work:
+        # Gloo's worker thread drops its reference to an op when the op is done; if that is the last one, it frees
+        # the op's tensors, which takes the GIL. During interpreter shutdown that kills the thread inside C++ and
+        # aborts the process ("terminate called without an active exception"; 1 in 8 three-rank torchrun runs of
+        # gpudist.elastic_job here). Holding the latest ops here makes Python, with the GIL, free them instead.
+        self._recent.extend(works)
+
         def wait() -> None:
             for w in works:
                 w.wait()
@@ -313,12 +327,12 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
         expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        self._gloo.recv([expected], dst, self._HANDSHAKE_TAG).wait()
+        self._keep(self._gloo.recv([expected], dst, self._HANDSHAKE_TAG)).wait()
         wanted = Signature.decode(expected.tolist())
-        status = self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], dst, 0)
+        status = self._keep(self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], dst, 0))
         matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
         payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
-        self._gloo.send([payload], dst, 0).wait()
+        self._keep(self._gloo.send([payload], dst, 0)).wait()
         status.wait()
         if not matches:
             raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
@@ -354,14 +368,32 @@ class GlooCommunicationBackend(CommunicationBackend):
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
         store = dist.PrefixStore(f"gpudist:{name}/", self._store)
         pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), self._delta)
-        return GlooCommunicationBackend(
+        child = GlooCommunicationBackend(
             timeout=self.timeout, validate=self.validate, _gloo=pg, _store=store,
             _rank_world=(ranks.index(self.rank), len(ranks)), _group_name=name,
         )
+        self._children.add(child)
+        return child
 
     def shutdown(self) -> None:
-        """Stop the send thread and tear down the default process group if this backend wraps it."""
+        """Stop the send thread, shut down the sub-groups made from this one, and release the Gloo process group
+        (the default one too, if this backend wraps it). Later ops raise a CommunicationError.
+
+        At exit no Gloo thread may be left to free an op's tensors during interpreter finalization (see ``_work``);
+        torch itself keeps the world group alive after destroy_process_group() once torch.optim was imported."""
+        for child in list(self._children):
+            child.shutdown()
         if self._sender is not None:
             self._sender.shutdown(wait=False, cancel_futures=True)
         if self.group == "world" and dist.is_initialized():
             dist.destroy_process_group()
+        self._gloo = None
+        if self._recent:
+            # A finished op stays in Gloo's worker thread for a moment after wait() returns; give the threads time
+            # to let go (no GIL needed while we hold a reference), then free the ops here, with the GIL.
+            time.sleep(0.05)
+            self._recent.clear()
+        self._store = None
+        if self._broken is None:
+            self._broken = CommunicationError(f"group {self.group!r} was shut down", op="shutdown", group=self.group,
+                                              rank=self.rank)  # fmt: skip

@@ -282,6 +282,8 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         self._finished = False
         self.wait_seconds = 0.0
         self.steps = 0
+        self.bytes_moved = 0
+        """Bytes this worker sent to and received from the shards (gradients out, parameters in)."""
         comm.barrier()  # every worker is connected to every shard before anyone trains
 
     # -- helpers ----------------------------------------------------------------------------------------------------
@@ -321,6 +323,7 @@ class AsyncSGDOptimizer(ShardedOptimizer):
             if version != self._versions[r]:
                 self._versions[r], self._used[r] = version, 0
             shards.append(torch.from_numpy(np.frombuffer(reply, dtype=np.float32, offset=8).copy()))
+            self.bytes_moved += len(reply) - 8
         self.wait_seconds += time.perf_counter() - start
         flat = torch.cat(shards)
         with torch.no_grad():
@@ -347,6 +350,7 @@ class AsyncSGDOptimizer(ShardedOptimizer):
             lo, hi = self._ranges[r]
             conn.send_bytes(_HEADER.pack(_PUSH, self.comm.rank, self._versions[r]) + grads[lo:hi].numpy().tobytes())
             self._used[r] += 1
+            self.bytes_moved += (hi - lo) * 4
         # Another gradient on the same version is allowed up to max_staleness + 1 times; then wait for the next one.
         self._pull_all([v + 1 if used > self.max_staleness else 0
                         for v, used in zip(self._versions, self._used, strict=True)])  # fmt: skip
@@ -382,6 +386,7 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         out["version"] = self._server.version
         out["steps"] = self.steps
         out["wait_seconds"] = self.wait_seconds
+        out["bytes_moved"] = self.bytes_moved
         return out
 
     def state_dict(self) -> dict[str, Any]:

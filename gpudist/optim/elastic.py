@@ -1,0 +1,199 @@
+"""ElasticOptimizer: data-parallel training that survives workers leaving and joining (torchrun elastic launch).
+
+A membership change restarts every worker (that is how torchrun's elastic agent works); the optimizer makes the
+restart cheap and exact:
+
+* On construction it loads the newest *complete* checkpoint under ``checkpoint_dir`` into the model and itself,
+  resharded to the new world size (ZeRO state included), and restores the step, the samples seen and ``extra``.
+* Every ``checkpoint_every`` steps it snapshots the model and optimizer to host memory and writes the files in a
+  background thread while training goes on; the checkpoint is committed (manifest written, folder renamed into
+  place) at the next step. A crash at any moment leaves the last committed checkpoint intact, so at most
+  ``checkpoint_every`` steps are redone after a failure, and none is applied twice.
+* Optionally the learning rate follows the global batch: ``lr_scaling="linear"`` (Goyal et al.) or ``"sqrt"``
+  multiplies each group's base lr by ``(world_size / base_world_size)`` or its square root.
+
+Launch (one agent per node; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every round start a fresh store)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2:3 --nproc-per-node=1 --max-restarts=3 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=job1 train.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ShardingConfiguration
+from ..flat import exchange_bytes
+from .base import ShardedOptimizer
+from .ddp import DDPOptimizer
+from .zero import ZeRO1Optimizer, ZeRO2Optimizer
+
+__all__ = ["ElasticOptimizer"]
+
+_DATA_PARALLEL = {0: DDPOptimizer, 1: ZeRO1Optimizer, 2: ZeRO2Optimizer}
+_SCALING = {None: lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": math.sqrt}
+_PREFIX = "step-"
+
+
+class ElasticOptimizer(ShardedOptimizer):
+    """Data parallelism (replicated state, or ZeRO-1/2 with ``zero_stage``) with resumable, asynchronous,
+    atomic checkpoints: see the module doc.
+
+    ``model``: the module (or ``ShardedModel`` wrapper) whose parameters this optimizer steps; by default the
+    wrapper built with the same ``config``. ``batch_size``: samples per rank per step, to count ``samples_seen``
+    (the data position; with a fixed global batch, pass ``global_batch // world_size``). ``keep``: committed
+    checkpoints kept (older ones are deleted). ``resume=False`` ignores existing checkpoints.
+
+    After construction: ``step_count`` (optimizer steps applied so far, including those before the restart),
+    ``samples_seen``, ``extra`` (a JSON dict of your own saved with every checkpoint, e.g. an epoch or a
+    sampler's state), ``restored`` (the :class:`~gpudist.CheckpointInfo` loaded, or None) and ``history``
+    (``[step, world_size]`` at each start). Call :meth:`finish` after the last step to commit the last checkpoint.
+    """
+
+    strategy = "elastic"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration,
+                 checkpoint_dir: str | os.PathLike, checkpoint_every: int = 100, *,
+                 model: torch.nn.Module | None = None, zero_stage: int = 0, batch_size: int | None = None,
+                 lr_scaling: str | None = None, base_world_size: int | None = None, keep: int = 2,
+                 resume: bool = True):  # fmt: skip
+        super().__init__(optimizer, config)
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1 (steps between "
+                             "checkpoints; a failure redoes at most that many steps)")  # fmt: skip
+        if zero_stage not in _DATA_PARALLEL:
+            raise ValueError(f"zero_stage={zero_stage!r}; use 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2)")
+        if lr_scaling not in _SCALING:
+            raise ValueError(f"lr_scaling={lr_scaling!r}; use None, 'linear' or 'sqrt'")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):  # fmt: skip
+            raise ValueError(f"batch_size={batch_size!r} must be a positive integer (samples per rank per step) or "
+                             "None")  # fmt: skip
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r} must be an integer >= 1 (committed checkpoints to keep)")
+        if base_world_size is not None and (not isinstance(base_world_size, int) or base_world_size < 1):
+            raise ValueError(f"base_world_size={base_world_size!r} must be a positive integer or None")
+        module = model if model is not None else self.model()
+        if module is None:
+            raise TypeError("ElasticOptimizer needs the model it checkpoints: build a DDPModel/ZeRO model with the "
+                            "same config first, or pass model=your_module")  # fmt: skip
+        shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if shared_store and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            warnings.warn("several torchrun agents share the rendezvous store: with torch 2.11-2.13 the agents wait "
+                          "forever when a node joins. Launch them with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                          "(see the README's elastic section)", RuntimeWarning, stacklevel=2)  # fmt: skip
+        self.inner = _DATA_PARALLEL[zero_stage](optimizer, config)
+        self.module = module
+        self.zero_stage = zero_stage
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self.batch_size = batch_size
+        self.lr_scaling = lr_scaling
+        self.keep = keep
+        self.base_world_size = base_world_size or self.comm.world_size
+        self.base_lrs = [float(g["lr"]) for g in self.param_groups]
+        self.step_count = 0
+        self.samples_seen = 0
+        self.extra: dict[str, Any] = {}
+        self.history: list[list[int]] = []
+        self.restored = None
+        self._pending = None
+        if resume:
+            self.restore()
+        self.history.append([self.step_count, self.comm.world_size])
+        self._scale_lr()
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def _name(self, step: int) -> Path:
+        return self.checkpoint_dir / f"{_PREFIX}{step:09d}"
+
+    def restore(self):
+        """Load the newest complete checkpoint under ``checkpoint_dir`` (collective; every rank loads the same one,
+        chosen by rank 0). Returns its :class:`~gpudist.CheckpointInfo`, or None when there is none."""
+        from ..checkpoint import latest_checkpoint, load_checkpoint, remove_stale_staging
+
+        comm = self.comm
+        choice = b""
+        if comm.rank == 0:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_staging(self.checkpoint_dir)  # interrupted saves of the run before the restart
+            latest = latest_checkpoint(self.checkpoint_dir)
+            choice = str(latest).encode() if latest is not None else b""
+        choice = exchange_bytes(comm, choice)[0]
+        if not choice:
+            return None
+        info = load_checkpoint(choice.decode(), self.module, self.inner)
+        state = info.extra.get("elastic", {})
+        self.step_count = info.step
+        self.samples_seen = int(state.get("samples_seen", 0))
+        self.history = [list(h) for h in state.get("history", [])]
+        self.base_world_size = int(state.get("base_world_size", self.base_world_size))
+        self.base_lrs = [float(x) for x in state.get("base_lrs", self.base_lrs)]
+        self.extra = dict(info.extra.get("user", {}))
+        self.restored = info
+        return info
+
+    def _scale_lr(self) -> None:
+        factor = _SCALING[self.lr_scaling](self.comm.world_size / self.base_world_size)
+        for group, base in zip(self.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def checkpoint(self, background: bool = True):
+        """Start a checkpoint of the current step now (collective); it is committed by the next :meth:`step`,
+        :meth:`checkpoint` or :meth:`finish` (or right away when ``background=False``)."""
+        from ..checkpoint import CheckpointWrite
+
+        self._commit()
+        extra = {"elastic": {"samples_seen": self.samples_seen, "history": self.history,
+                             "base_world_size": self.base_world_size, "base_lrs": self.base_lrs},
+                 "user": self.extra}  # fmt: skip
+        self._pending = CheckpointWrite(self._name(self.step_count), self.module, self.inner, step=self.step_count,
+                                        extra=extra, background=background)  # fmt: skip
+        if not background:
+            self._commit()
+
+    def _commit(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.wait()
+        if self.comm.rank == 0:  # keep the newest ``keep`` committed checkpoints
+            done = sorted(p for p in self.checkpoint_dir.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+            for old in done[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- the optimizer ----------------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        self.inner.reduce_gradients()
+
+    def step(self, closure=None):
+        self._commit()  # the previous checkpoint's files were written while this step's forward/backward ran
+        loss = self.inner.step(closure)
+        self.step_count += 1
+        if self.batch_size is not None:
+            self.samples_seen += self.batch_size * self.comm.world_size
+        if self.step_count % self.checkpoint_every == 0:
+            self.checkpoint()
+        return loss
+
+    def finish(self) -> None:
+        """Commit the pending checkpoint (collective). Call after the last step."""
+        self._commit()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)

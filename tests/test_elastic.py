@@ -1,0 +1,216 @@
+"""ElasticOptimizer and asynchronous checkpoints: resume at another world size, crash safety, torchrun elastic."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gpudist
+from gpudist import elastic_job
+from gpudist.checkpoint import CheckpointWrite, remove_stale_staging
+from gpudist.testing import free_port, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: bool, lr_scaling=None):
+    """Train the elastic job's model from the newest checkpoint under ``root`` up to step ``until``."""
+    config = gpudist.ShardingConfiguration(comm)
+    model = elastic_job.wrap(elastic_job.build_model(), config, zero_stage)
+    opt = gpudist.ElasticOptimizer(elastic_job.make_optimizer(model.parameters()), config, Path(root), every,
+                                   zero_stage=zero_stage, batch_size=elastic_job.GLOBAL_BATCH // comm.world_size,
+                                   lr_scaling=lr_scaling, base_world_size=3 if lr_scaling else None)  # fmt: skip
+    start, lr = opt.step_count, opt.param_groups[0]["lr"]
+    world, rank = comm.world_size, comm.rank
+    while opt.step_count < until:
+        x, y = elastic_job.batch(opt.step_count)
+        nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    if finish:
+        opt.finish()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    return start, flat, opt.history, opt.samples_seen, lr
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_resume_at_other_world_sizes_equals_uninterrupted_training(tmp_path, zero_stage):
+    """3 ranks train 7 steps (checkpoints at 3 and 6) and stop without finishing, as a crash would; 2 ranks resume
+    from step 6 and train to 12; 3 ranks resume from 12 to 15. The result must equal single-process training for
+    15 steps, so no step was lost or applied twice and the AdamW state (sharded by ZeRO at stages 1-2) was resharded
+    3 -> 2 -> 3 correctly. Catches resuming from a checkpoint that is not the newest, a step counter off by one,
+    optimizer state dropped or misplaced on resharding, and samples_seen/history not carried over."""
+    root = str(tmp_path / "ckpt")
+    first = run_ranks(_train, 3, "inmemory", root=root, until=7, every=3, zero_stage=zero_stage, finish=False)
+    assert first[0][0] == 0
+    second = run_ranks(_train, 2, "inmemory", root=root, until=12, every=3, zero_stage=zero_stage, finish=True)
+    assert [s[0] for s in second] == [6, 6]  # the newest committed checkpoint: step 6 (7's step was never saved)
+    third = run_ranks(_train, 3, "inmemory", root=root, until=15, every=3, zero_stage=zero_stage, finish=True)
+    assert [s[0] for s in third] == [12, 12, 12]
+    expected = elastic_job.reference(15)
+    for _, flat, history, samples, _ in third:
+        torch.testing.assert_close(flat, expected, atol=2e-6, rtol=1e-5)
+        assert history == [[0, 3], [6, 2], [12, 3]]
+        assert samples == 15 * elastic_job.GLOBAL_BATCH
+    assert sorted(p.name for p in Path(root).iterdir()) == ["step-000000012", "step-000000015"]  # keep=2
+
+
+def test_learning_rate_follows_the_world_size(tmp_path):
+    """lr_scaling='linear' with base_world_size=3 gives lr x 2/3 on 2 ranks and the base lr back on 3 after a
+    resume (the base lr comes from the checkpoint, not from the scaled value saved in the param groups). Catches
+    scaling applied twice across restarts."""
+    root = str(tmp_path / "ckpt")
+    run_ranks(_train, 2, "inmemory", root=root, until=3, every=3, zero_stage=0, finish=True, lr_scaling="linear")
+    again = run_ranks(_train, 2, "inmemory", root=root, until=4, every=3, zero_stage=0, finish=True,
+                      lr_scaling="linear")  # fmt: skip
+    assert again[0][4] == pytest.approx(0.01 * 2 / 3)
+    back = run_ranks(_train, 3, "inmemory", root=root, until=5, every=3, zero_stage=0, finish=True, lr_scaling="linear")
+    assert back[0][4] == pytest.approx(0.01)
+
+
+def _write_then_fail(comm, root: str, failing_rank: int):
+    model = gpudist.DDPModel(elastic_job.build_model(), gpudist.ShardingConfiguration(comm))
+    gpudist.save_checkpoint(Path(root) / "good", model, step=1)
+    pending = CheckpointWrite(Path(root) / "good", model, step=2, background=True)
+    if comm.rank == failing_rank:
+        pending.error = OSError("disk full (injected)")
+    try:
+        pending.wait()
+    except gpudist.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_failed_write_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
+    """One rank's file cannot be written: every rank gets a CheckpointError naming it, and the checkpoint of the
+    same name from before stays complete and loadable. Catches a commit that goes ahead with a missing file."""
+    root = tmp_path / "ckpt"
+    errors = run_ranks(_write_then_fail, 2, "inmemory", root=str(root), failing_rank=1)
+    assert all(e is not None and "rank 1 failed" in e and "disk full" in e for e in errors)
+    assert gpudist.read_manifest(root / "good")["step"] == 1
+    assert gpudist.latest_checkpoint(root) == root / "good"
+
+
+def _crash_during_save(comm, root: str):
+    model = gpudist.DDPModel(elastic_job.build_model(), gpudist.ShardingConfiguration(comm))
+    gpudist.save_checkpoint(Path(root) / "step-1", model, step=1)
+    CheckpointWrite(Path(root) / "step-2", model, step=2, background=True)._thread.join()  # files, no commit
+    return None
+
+
+def test_an_uncommitted_save_is_never_loaded(tmp_path):
+    """A save whose files were written but that was never committed (the job died before the next step) is not a
+    checkpoint: latest_checkpoint still returns the one before, and remove_stale_staging clears the leftovers.
+    Catches a writer that publishes its folder before every rank's file and the manifest exist."""
+    root = tmp_path / "ckpt"
+    run_ranks(_crash_during_save, 2, "inmemory", root=str(root))
+    assert gpudist.latest_checkpoint(root) == root / "step-1"
+    assert len(remove_stale_staging(root)) == 1
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+
+
+def _bad(comm, case: str, root: str):
+    module = nn.Linear(4, 2)
+    config = gpudist.ShardingConfiguration(comm)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    kwargs = {"checkpoint_every": 0} if case == "every" else {"lr_scaling": "cubic"} if case == "scaling" else {}
+    gpudist.ElasticOptimizer(opt, config, root, model=None if case == "model" else module, **kwargs)
+
+
+@pytest.mark.parametrize("case,message", [("every", "checkpoint_every=0"), ("scaling", "lr_scaling='cubic'"),
+                                          ("model", "needs the model it checkpoints")])  # fmt: skip
+def test_bad_input_is_refused(tmp_path, case, message):
+    """Bad settings raise an error naming the value and the fix, before anything is read or written."""
+    with pytest.raises(gpudist.testing.RanksFailedError, match=message):
+        run_ranks(_bad, 1, "inmemory", case=case, root=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real torchrun elastic launch: 3 agents of one worker each; one is killed; a new one joins.
+
+
+def _agent(port: int, root: Path, log: Path, steps: int, every: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=5",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=gpudist-elastic-test",
+           "--rdzv-conf=join_timeout=90,last_call_timeout=3", "--monitor-interval=0.2",
+           "-m", "gpudist.elastic_job", "--dir", str(root), "--steps", str(steps), "--every", str(every),
+           "--sleep", "0.15"]  # fmt: skip
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+
+
+def _status(root: Path) -> list[dict]:
+    path = root / "status.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait_for(predicate, what: str, agents, logs, limit: float = 90.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+    for a in agents:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+    raise AssertionError(f"timed out waiting for {what}\n{tails}")
+
+
+def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
+    """Three torchrun agents (one worker each, --nnodes=2:3) train with checkpoints every 4 steps; one node is
+    killed mid-training, the other two restart at world size 2 from the newest checkpoint and go on; a new node
+    joins, and all three finish. The final model must equal single-process training on the same global batches,
+    so no step was applied twice or lost, and each restart redoes at most checkpoint_every + 1 steps. Catches
+    stale rendezvous state between rounds, resuming from an incomplete checkpoint, and resharding errors."""
+    steps, every = 40, 4
+    root = tmp_path / "run"
+    root.mkdir()
+    port = free_port()
+    logs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    agents = [_agent(port, root, logs[0], steps, every)]
+    time.sleep(1.0)  # the first agent hosts the rendezvous store; it must not be the one killed
+    agents += [_agent(port, root, logs[i], steps, every) for i in (1, 2)]
+    try:
+        _wait_for(lambda: any(s["event"] == "step" and s["world"] == 3 and s["step"] >= 10 for s in _status(root)),
+                  "10 steps at world size 3", agents, logs)  # fmt: skip
+        victim_workers = subprocess.run(["pgrep", "-P", str(agents[2].pid)], capture_output=True, text=True)
+        os.killpg(agents[2].pid, signal.SIGKILL)
+        for pid in victim_workers.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed_at = max(s["step"] for s in _status(root))
+        _wait_for(lambda: any(s["event"] == "step" and s["world"] == 2 and s["step"] >= killed_at + 6
+                              for s in _status(root)), "6 steps at world size 2", agents, logs)  # fmt: skip
+        agents.append(_agent(port, root, logs[3], steps, every))
+        _wait_for(lambda: all(a.poll() is not None for i, a in enumerate(agents) if i != 2), "the agents to finish",
+                  agents, logs, limit=150)  # fmt: skip
+        codes = [a.returncode for i, a in enumerate(agents) if i != 2]
+        assert codes == [0, 0, 0], "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    final = torch.load(root / "final.pt")
+    torch.testing.assert_close(final["params"], elastic_job.reference(steps), atol=2e-6, rtol=1e-5)
+    worlds = [w for _, w in final["history"]]
+    assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, final["history"]
+    # Steps redone after each restart: the last step reached before it minus the step it resumed from.
+    events = _status(root)
+    for i, e in enumerate(events):
+        if e["event"] == "start" and i > 0:
+            reached = max(s["step"] for s in events[:i] if s["event"] == "step")
+            assert 0 <= reached - e["step"] <= every + 1, (reached, e)
+    assert final["samples_seen"] == steps * elastic_job.GLOBAL_BATCH
