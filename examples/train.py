@@ -206,7 +206,8 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
             window = losses[window_start : step + 1].mean().reshape(1)
             comm.all_reduce(window, "average")
             if progress is not None:
-                progress.update(step + 1, float(window), step_times[window_start:], comm_bytes[window_start:])
+                progress.update(step + 1, float(window), step_times[window_start - start :],
+                                comm_bytes[window_start - start :])
             window_start = step + 1
     if hasattr(opt, "finish"):
         opt.finish()  # async: wait for the last rounds (same parameters everywhere); elastic: commit the checkpoint
@@ -357,6 +358,8 @@ def report(metrics: dict[str, Any], out: Path) -> None:
 def plot_loss(metrics: dict[str, Any]) -> bytes:
     """The loss curve as PNG bytes: matplotlib when installed, else a plain raster (same lines, no text)."""
     losses, floor, log_vocab = metrics["loss"], metrics["entropy_floor"], metrics["log_vocab"]
+    first = next((i for i, v in enumerate(losses) if not math.isnan(v)), 0)  # a resumed run starts later
+    losses = losses[first:]
     try:
         import matplotlib
 
@@ -366,7 +369,7 @@ def plot_loss(metrics: dict[str, Any]) -> bytes:
         return raster_plot(losses, [(log_vocab, (200, 60, 60)), (floor, (40, 150, 40))])
     cfg = metrics["config"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(range(len(losses)), losses, lw=1.2, label="training loss (global batch)")
+    ax.plot(range(first, first + len(losses)), losses, lw=1.2, label="training loss (global batch)")
     ax.axhline(log_vocab, color="tab:red", ls="--", lw=1, label=f"log(vocab) = {log_vocab:.2f}")
     ax.axhline(floor, color="tab:green", ls="--", lw=1, label=f"entropy floor = {floor:.2f}")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", ylim=(0, max(max(losses), log_vocab) * 1.05),

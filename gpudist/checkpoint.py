@@ -42,7 +42,7 @@ from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
 from .flat import exchange_bytes
 from .models.base import ShardedModel, module_segments, module_table
-from .optim.base import ShardedOptimizer
+from .optim.base import ShardedOptimizer, load_keeping_identity
 from .optim.compression import GradientCompressionOptimizer, check_compress_mode
 from .optim.zero import _FlatShardOptimizer
 
@@ -590,7 +590,7 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
                 opt._refresh_master()  # no fp32 copy saved: start from the loaded parameters
             if inner_state is not None:
                 sd = opt._inner.state_dict()
-                opt._inner.load_state_dict({"state": inner_state, "param_groups": sd["param_groups"]})
+                load_keeping_identity(opt._inner, {"state": inner_state, "param_groups": sd["param_groups"]})
 
         return finish
     torch_opt = _torch_optimizer(opt)
@@ -615,7 +615,7 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
     def finish_torch() -> None:
         sd = torch_opt.state_dict()
         groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
-        torch_opt.load_state_dict({"state": state, "param_groups": groups_sd})
+        load_keeping_identity(torch_opt, {"state": state, "param_groups": groups_sd})
 
     return finish_torch
 

@@ -214,3 +214,28 @@ def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
             reached = max(s["step"] for s in events[:i] if s["event"] == "step")
             assert 0 <= reached - e["step"] <= every + 1, (reached, e)
     assert final["samples_seen"] == steps * elastic_job.GLOBAL_BATCH
+
+
+def _scheduler_then_load(comm, root: str):
+    config = gpudist.ShardingConfiguration(comm)
+    first = nn.Linear(4, 2)
+    opt = gpudist.DDPOptimizer(torch.optim.SGD(first.parameters(), lr=1.0, momentum=0.9), config)
+    first(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    gpudist.save_checkpoint(Path(root) / "c", first, opt, step=1)
+    second = nn.Linear(4, 2)
+    opt2 = gpudist.DDPOptimizer(torch.optim.SGD(second.parameters(), lr=1.0, momentum=0.9), config)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.5**s)
+    gpudist.load_checkpoint(Path(root) / "c", second, opt2)
+    sched.step()
+    inner = opt2.optimizer
+    return (inner.param_groups[0]["lr"], inner.param_groups is opt2.param_groups, inner.state is opt2.state,
+            len(inner.state))  # fmt: skip
+
+
+def test_scheduler_built_before_a_load_still_drives_the_optimizer(tmp_path):
+    """torch's load_state_dict replaces the optimizer's param_groups and state objects; the loader must keep them,
+    or an LR scheduler built before load_checkpoint (as the elastic example does) sets lr in dicts nobody reads
+    and wrappers lose the momentum buffers. Catches that disconnection."""
+    lr, same_groups, same_state, entries = run_ranks(_scheduler_then_load, 1, "inmemory", root=str(tmp_path))[0]
+    assert lr == 0.5 and same_groups and same_state and entries == 2

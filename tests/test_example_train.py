@@ -240,3 +240,26 @@ def test_model_parallel_strategies_train_like_ddp(tmp_path, strategy, world, pp,
     assert other["replicas_identical"] and other["comm_bytes_per_step"] > 0
     if strategy != "tensor":
         assert other["metadata"]["layout"] == f"pp={pp} x dp={world // (pp * tp)} x tp={tp} = {world} ranks"
+
+
+def test_async_with_staleness_zero_and_elastic_resume_train_like_ddp(tmp_path):
+    """`--strategy async --max-staleness 0` is synchronous SGD through the parameter-server shards, and
+    `--strategy elastic` stopped after 4 of 6 steps on 2 ranks, then resumed on 4 ranks from its checkpoint, takes
+    DDP's steps: both give DDP's per-step losses. Catches the example feeding async workers the wrong slices, the
+    elastic run restarting from step 0 or a wrong data position, and the LR schedule not following the resumed step.
+    (The async losses are each rank's own slice averaged over ranks, as DDP's are.)"""
+    def run(name, ranks, steps=6, **kw):
+        cfg = train.TrainConfig(steps=steps, global_batch=8, log_every=100, d_model=32, seq_len=16,
+                                out=str(tmp_path / name), **kw)  # fmt: skip
+        run_ranks(train.train, ranks, "inmemory", cfg=cfg)
+        return json.loads((tmp_path / name / "metrics.json").read_text())
+
+    ddp = run("ddp", 2)
+    asynchronous = run("async", 2, strategy="async", max_staleness=0)
+    assert asynchronous["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
+    assert asynchronous["replicas_identical"] and asynchronous["metadata"]["async"]["dropped"] == 0
+    first = run("elastic", 2, steps=4, strategy="elastic", checkpoint_every=2)
+    assert first["loss"] == pytest.approx(ddp["loss"][:4], rel=1e-4)
+    resumed = run("elastic", 4, steps=6, strategy="elastic", checkpoint_every=2)
+    assert resumed["loss"][4:] == pytest.approx(ddp["loss"][4:], rel=1e-4)
+    assert all(math.isnan(v) for v in resumed["loss"][:4]) and resumed["replicas_identical"]

@@ -24,7 +24,7 @@ from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors
 from ..models.base import ShardedModel
 
-__all__ = ["OptimizationResult", "ShardedOptimizer"]
+__all__ = ["OptimizationResult", "ShardedOptimizer", "load_keeping_identity"]
 
 STATE_FORMAT = "gpudist.optimizer.v1"
 
@@ -42,6 +42,19 @@ class OptimizationResult:
     final_loss: float = math.nan
     stopped_early: bool = False
     seconds: float = 0.0
+
+
+def load_keeping_identity(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, keeping its ``param_groups`` dicts and ``state`` mapping the same
+    objects: torch's loader replaces them, which silently disconnects every wrapper sharing them and every LR
+    scheduler built before the load (the scheduler would go on setting lr in dicts the optimizer no longer reads)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    optimizer.load_state_dict(state_dict)
+    for old, new in zip(groups, optimizer.param_groups, strict=True):
+        old.update({k: v for k, v in new.items() if k != "params"})
+    state.clear()
+    state.update(optimizer.state)
+    optimizer.param_groups, optimizer.state = groups, state
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -124,9 +137,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
+        load_keeping_identity(self.optimizer, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "optimizer"):
