@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +60,59 @@ def reference(steps: int) -> torch.Tensor:
         opt.step()
         opt.zero_grad()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driving it under torchrun (tests and benchmarks): agents of one worker each, status, node loss
+
+
+def launch_agent(port: int, root: Path, log: Path, *, steps: int, every: int, sleep: float,
+                 nnodes: str = "2:3", max_restarts: int = 5, cwd: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    """One torchrun agent (one worker) joining the c10d rendezvous on 127.0.0.1:``port``, in a session of its own
+    (so :func:`kill_node` can take it down with its worker)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-id=gpudist-elastic-job", "--rdzv-conf=join_timeout=90,last_call_timeout=3",
+           "--monitor-interval=0.2", "-m", "gpudist.elastic_job", "--dir", str(root), "--steps", str(steps),
+           "--every", str(every), "--sleep", str(sleep)]  # fmt: skip
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                            start_new_session=True)  # fmt: skip
+
+
+def read_status(root: Path) -> list[dict]:
+    """The events rank 0 logged so far (``start``: step resumed from and world size; ``step``: step done)."""
+    path = Path(root) / "status.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """A node is lost: its agent and its worker (torchrun starts the worker in a session of its own) die at once."""
+    workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    os.killpg(agent.pid, signal.SIGKILL)
+    for pid in workers:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
+def wait_for(predicate, what: str, agents: list[subprocess.Popen], logs: list[Path], limit: float = 90.0) -> float:
+    """Poll ``predicate`` until true (returns the time.time() it became true); on timeout kill the agents and raise
+    with the tails of their logs."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.time()
+        time.sleep(0.05)
+    for a in agents:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+    raise TimeoutError(f"timed out after {limit:g}s waiting for {what}\n{tails}")
 
 
 def main() -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -138,35 +136,6 @@ def test_bad_input_is_refused(tmp_path, case, message):
 # Real torchrun elastic launch: 3 agents of one worker each; one is killed; a new one joins.
 
 
-def _agent(port: int, root: Path, log: Path, steps: int, every: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1", "--max-restarts=5",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=gpudist-elastic-test",
-           "--rdzv-conf=join_timeout=90,last_call_timeout=3", "--monitor-interval=0.2",
-           "-m", "gpudist.elastic_job", "--dir", str(root), "--steps", str(steps), "--every", str(every),
-           "--sleep", "0.15"]  # fmt: skip
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
-
-
-def _status(root: Path) -> list[dict]:
-    path = root / "status.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _wait_for(predicate, what: str, agents, logs, limit: float = 90.0):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    for a in agents:
-        if a.poll() is None:
-            os.killpg(a.pid, signal.SIGKILL)
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
 def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     """Three torchrun agents (one worker each, --nnodes=2:3) train with checkpoints every 4 steps; one node is
     killed mid-training, the other two restart at world size 2 from the newest checkpoint and go on; a new node
@@ -176,28 +145,25 @@ def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     steps, every = 40, 4
     root = tmp_path / "run"
     root.mkdir()
-    port = free_port()
     logs = [tmp_path / f"agent{i}.log" for i in range(4)]
-    agents = [_agent(port, root, logs[0], steps, every)]
+    launch = functools.partial(elastic_job.launch_agent, free_port(), root, steps=steps, every=every, sleep=0.15,
+                               cwd=ROOT)  # fmt: skip
+    status = functools.partial(elastic_job.read_status, root)
+    agents = [launch(logs[0])]
     time.sleep(1.0)  # the first agent hosts the rendezvous store; it must not be the one killed
-    agents += [_agent(port, root, logs[i], steps, every) for i in (1, 2)]
+    agents += [launch(logs[i]) for i in (1, 2)]
     try:
-        _wait_for(lambda: any(s["event"] == "step" and s["world"] == 3 and s["step"] >= 10 for s in _status(root)),
-                  "10 steps at world size 3", agents, logs)  # fmt: skip
-        victim_workers = subprocess.run(["pgrep", "-P", str(agents[2].pid)], capture_output=True, text=True)
-        os.killpg(agents[2].pid, signal.SIGKILL)
-        for pid in victim_workers.stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        killed_at = max(s["step"] for s in _status(root))
-        _wait_for(lambda: any(s["event"] == "step" and s["world"] == 2 and s["step"] >= killed_at + 6
-                              for s in _status(root)), "6 steps at world size 2", agents, logs)  # fmt: skip
-        agents.append(_agent(port, root, logs[3], steps, every))
-        _wait_for(lambda: all(a.poll() is not None for i, a in enumerate(agents) if i != 2), "the agents to finish",
-                  agents, logs, limit=150)  # fmt: skip
-        codes = [a.returncode for i, a in enumerate(agents) if i != 2]
+        elastic_job.wait_for(lambda: any(s["event"] == "step" and s["world"] == 3 and s["step"] >= 10
+                                         for s in status()), "10 steps at world size 3", agents, logs)  # fmt: skip
+        elastic_job.kill_node(agents[2])
+        killed_at = max(s["step"] for s in status())
+        elastic_job.wait_for(lambda: any(s["event"] == "step" and s["world"] == 2 and s["step"] >= killed_at + 6
+                                         for s in status()), "6 steps at world size 2", agents, logs)  # fmt: skip
+        agents.append(launch(logs[3]))
+        survivors = [a for i, a in enumerate(agents) if i != 2]
+        elastic_job.wait_for(lambda: all(a.poll() is not None for a in survivors), "the agents to finish", agents,
+                             logs, limit=150)  # fmt: skip
+        codes = [a.returncode for a in survivors]
         assert codes == [0, 0, 0], "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
     finally:
         for a in agents:
@@ -208,7 +174,7 @@ def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     worlds = [w for _, w in final["history"]]
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, final["history"]
     # Steps redone after each restart: the last step reached before it minus the step it resumed from.
-    events = _status(root)
+    events = status()
     for i, e in enumerate(events):
         if e["event"] == "start" and i > 0:
             reached = max(s["step"] for s in events[:i] if s["event"] == "step")

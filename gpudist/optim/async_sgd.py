@@ -56,6 +56,15 @@ _TIMED_OUT = -2
 """The version in a pull's reply when the shard gave up waiting; the reply carries the reason."""
 
 
+def _no_delay(conn: Connection) -> Connection:
+    """Turn off Nagle's algorithm: a Connection writes a length header and then the payload, and with Nagle plus
+    delayed ACKs every large message waited ~40 ms for the peer's ACK of the header."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
 def _ps_host() -> str:
     """The address this rank's shard server listens on: ``GPUDIST_PS_HOST``, else loopback when the job is on one
     machine (``MASTER_ADDR`` unset or loopback), else the local address that routes to ``MASTER_ADDR``."""
@@ -117,7 +126,7 @@ class _ShardServer:
     def _accept(self) -> None:
         try:
             for _ in range(self.world):
-                conn = self.listener.accept()
+                conn = _no_delay(self.listener.accept())
                 t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                      name=f"gpudist-ps{self.owner.comm.rank}-conn")  # fmt: skip
                 t.start()
@@ -274,7 +283,7 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         addresses = [b.decode().rsplit(":", 1) for b in exchange_bytes(comm, f"{host}:{port}".encode())]
         self._conns: list[Connection] = []
         for h, p in addresses:
-            conn = Client((h, int(p)), authkey=authkey)
+            conn = _no_delay(Client((h, int(p)), authkey=authkey))
             conn.send_bytes(_HEADER.pack(_HELLO, comm.rank, 0))
             self._conns.append(conn)
         self._versions = [0] * comm.world_size  # per shard: the version this worker's parameters come from
