@@ -24,9 +24,9 @@ Two measurements, one JSON (``benchmarks/results/pipeline.json``):
    micro-batches. Measured bubble = 1 - mean over stages of ``last_schedule["busy_s"]`` / the step's span
    (``max`` over stages of ``last_schedule["step_s"]``: stage 0 starts first and runs the last backward, while
    the last stage's clock stops ``(p - 1) t_b`` early), against theory (p - 1)/(m + p - 1). Also reported: the
-   bubble from wall time, 1 - m (t_f + t_b) / ``train_step`` wall time (which adds the loss broadcast and
-   optimizer step, and counts sleep overshoot and Python overhead as bubble), and the activations each stage
-   held at once (``max_in_flight``; 1F1B <= p - s, GPipe = m).
+   bubble from wall time, 1 - m (t_f + t_b) / ``train_step`` wall time (which adds the optimizer step, and
+   counts sleep overshoot and Python overhead as bubble), and the activations each stage held at once
+   (``max_in_flight``; 1F1B <= p - s, GPipe = m).
 """
 
 from __future__ import annotations
