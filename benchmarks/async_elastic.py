@@ -152,9 +152,11 @@ def measure_recovery(kills: int, every: int = 5, sleep: float = 0.1) -> dict:
                 start = next(e for e in events if e["event"] == "start" and e["time"] > killed)
                 reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] <= killed)
                 results.append({"kill": k, "step_reached": reached, "resumed_from": start["step"],
-                                "steps_redone": reached - start["step"], "recovery_s": resumed_at - killed})
+                                "steps_redone": reached - start["step"], "recovery_s": resumed_at - killed,
+                                "worker_started_s": start["time"] - killed})  # restart + rendezvous + init + load
                 print(f"kill {k}: reached step {reached}, resumed from {start['step']} at world 2, "
-                      f"{resumed_at - killed:.1f} s from kill to the first step")
+                      f"{resumed_at - killed:.1f} s from kill to the first step ({start['time'] - killed:.1f} s to a "
+                      "restored worker)")
                 agents.append(launch(logs[3 + k]))  # a new node joins
                 victims[k % 2] = len(agents) - 1
                 since = time.time()

@@ -471,7 +471,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                         help="--strategy async: versions a gradient may lag behind (0 = synchronous SGD)")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                         help="--strategy elastic: steps between checkpoints (saved under OUT/checkpoints)")
-    parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>)")
+    parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>; runs/elastic for "
+                                      "--strategy elastic, which resumes from its checkpoints there)")
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
 
@@ -536,7 +537,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                       error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
                       pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
                       max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every,
-                      out=args.out or f"runs/{args.strategy}{suffix}-w{world}")
+                      # elastic resumes from its folder's checkpoints, so its folder must not depend on the world size
+                      out=args.out or (f"runs/{args.strategy}{suffix}" if args.strategy == "elastic"
+                                       else f"runs/{args.strategy}{suffix}-w{world}"))
     return cfg, None if launched else world
 
 

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +27,15 @@ from torch import nn
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4 and 6 ranks
 
 
+_INIT_LOCK = threading.Lock()
+
+
 def build_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    """The same initial weights every time, also when in-memory ranks (threads sharing torch's global RNG) build
+    it at once; the caller's RNG state is left as it was."""
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
 def wrap(module: nn.Module, config, zero_stage: int) -> nn.Module:
