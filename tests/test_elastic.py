@@ -193,6 +193,7 @@ def _scheduler_then_load(comm, root: str):
     opt2 = gpudist.DDPOptimizer(torch.optim.SGD(second.parameters(), lr=1.0, momentum=0.9), config)
     sched = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.5**s)
     gpudist.load_checkpoint(Path(root) / "c", second, opt2)
+    opt2.step()
     sched.step()
     inner = opt2.optimizer
     return (inner.param_groups[0]["lr"], inner.param_groups is opt2.param_groups, inner.state is opt2.state,

@@ -263,3 +263,20 @@ def test_async_with_staleness_zero_and_elastic_resume_train_like_ddp(tmp_path):
     resumed = run("elastic", 4, steps=6, strategy="elastic", checkpoint_every=2)
     assert resumed["loss"][4:] == pytest.approx(ddp["loss"][4:], rel=1e-4)
     assert all(math.isnan(v) for v in resumed["loss"][:4]) and resumed["replicas_identical"]
+
+
+def test_async_with_stale_gradients_converges_on_the_example_task(tmp_path):
+    """`--strategy async --max-staleness 2` on 3 ranks trains TinyLM (60 steps) to a held-out loss within 5% of
+    DDP's (measured: 3.21 vs 3.15), with identical parameters on every rank after finish(). Catches stale
+    gradients that are applied with the wrong scale or to the wrong version, or workers left with diverging
+    parameters."""
+    def run(name, **kw):
+        cfg = train.TrainConfig(steps=60, global_batch=12, log_every=100, d_model=32, seq_len=16,
+                                out=str(tmp_path / name), **kw)  # fmt: skip
+        run_ranks(train.train, 3, "inmemory", cfg=cfg)
+        return json.loads((tmp_path / name / "metrics.json").read_text())
+
+    ddp, asynchronous = run("ddp"), run("async", strategy="async", max_staleness=2)
+    assert asynchronous["initial_loss"] - asynchronous["val_loss"] > 0.5
+    assert asynchronous["val_loss"] < ddp["val_loss"] * 1.05
+    assert asynchronous["replicas_identical"]
