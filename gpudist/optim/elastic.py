@@ -32,12 +32,10 @@ import torch
 from ..config import ShardingConfiguration
 from ..flat import exchange_bytes
 from .base import ShardedOptimizer
-from .ddp import DDPOptimizer
-from .zero import ZeRO1Optimizer, ZeRO2Optimizer
+from .zero import data_parallel_optimizer
 
 __all__ = ["ElasticOptimizer"]
 
-_DATA_PARALLEL = {0: DDPOptimizer, 1: ZeRO1Optimizer, 2: ZeRO2Optimizer}
 _SCALING = {None: lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": math.sqrt}
 _PREFIX = "step-"
 
@@ -68,8 +66,7 @@ class ElasticOptimizer(ShardedOptimizer):
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1 (steps between "
                              "checkpoints; a failure redoes at most that many steps)")  # fmt: skip
-        if zero_stage not in _DATA_PARALLEL:
-            raise ValueError(f"zero_stage={zero_stage!r}; use 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2)")
+        inner_class = data_parallel_optimizer(zero_stage)
         if lr_scaling not in _SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}; use None, 'linear' or 'sqrt'")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -89,7 +86,7 @@ class ElasticOptimizer(ShardedOptimizer):
             warnings.warn("several torchrun agents share the rendezvous store: with torch 2.11-2.13 the agents wait "
                           "forever when a node joins. Launch them with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
                           "(see the README's elastic section)", RuntimeWarning, stacklevel=2)  # fmt: skip
-        self.inner = _DATA_PARALLEL[zero_stage](optimizer, config)
+        self.inner = inner_class(optimizer, config)
         self.module = module
         self.zero_stage = zero_stage
         self.checkpoint_dir = Path(checkpoint_dir)

@@ -14,12 +14,10 @@ from ..config import ShardingConfiguration
 from ..models.hybrid import HybridShardedModel
 from ..models.layout import ParallelLayout
 from .base import ShardedOptimizer
-from .ddp import DDPOptimizer
-from .zero import ZeRO1Optimizer, ZeRO2Optimizer
+from .zero import data_parallel_optimizer
 
 __all__ = ["HybridShardedOptimizer"]
 
-_DATA_PARALLEL = {0: DDPOptimizer, 1: ZeRO1Optimizer, 2: ZeRO2Optimizer}
 
 
 class HybridShardedOptimizer(ShardedOptimizer):
@@ -45,8 +43,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
                  pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, data_parallel_size: int = -1, *,
                  zero_stage: int = 1):  # fmt: skip
         super().__init__(optimizer, config)
-        if zero_stage not in _DATA_PARALLEL:
-            raise ValueError(f"zero_stage={zero_stage!r}; use 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2)")
+        inner_class = data_parallel_optimizer(zero_stage)
         model = self.model()
         if not isinstance(model, HybridShardedModel):
             raise TypeError("HybridShardedOptimizer steps a HybridShardedModel built from the same config; build the "
@@ -59,7 +56,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         self.zero_stage = zero_stage
         # The inner optimizer only sees the data group: it must not clip with that group's partial norm.
         data_config = dataclasses.replace(config, backend=model.data_group, max_grad_norm=None)
-        self.inner = _DATA_PARALLEL[zero_stage](optimizer, data_config)
+        self.inner = inner_class(optimizer, data_config)
         model.reduce_data_parallel = False  # the inner optimizer averages (or reduce-scatters) over replicas
         self.last_grad_norm = math.nan
         if zero_stage == 0:  # the replicas' averaged gradients are equal: replica 0 counts them

@@ -487,3 +487,14 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
             super()._gather_parameters()
         elif not self._master_is_view:
             kernels.pack([self._master], self._flat.data)  # new low-precision shard values from the fp32 master
+
+
+def data_parallel_optimizer(zero_stage: int) -> type[ShardedOptimizer]:
+    """The data-parallel optimizer class for ``zero_stage`` (0: DDP, replicated state; 1: ZeRO-1; 2: ZeRO-2), as
+    the strategies that run data parallelism inside them (hybrid, elastic) take it."""
+    from .ddp import DDPOptimizer
+
+    classes = {0: DDPOptimizer, 1: ZeRO1Optimizer, 2: ZeRO2Optimizer}
+    if isinstance(zero_stage, bool) or zero_stage not in classes:
+        raise ValueError(f"zero_stage={zero_stage!r}; use 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2)")
+    return classes[zero_stage]
