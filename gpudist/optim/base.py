@@ -78,6 +78,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.config = config
         self._model: ShardedModel | None = None
+        self.gradient_norm_fn: Callable[[], float] | None = None
+        """The global gradient norm for clipping (collective), when this optimizer steps one part of a larger
+        model (HybridShardedOptimizer sets it on its data-parallel optimizer); None: the norm of its own gradients."""
         config._optimizers.add(self)
 
     def state_bytes(self, params: set[int] | None = None) -> int:
@@ -114,7 +117,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.config.max_grad_norm is None:
             return None
         grads = [p.grad for p in self._params() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(grads, self.config.max_grad_norm))
+        if self.gradient_norm_fn is None:
+            return float(torch.nn.utils.clip_grad_norm_(grads, self.config.max_grad_norm))
+        norm = self.gradient_norm_fn()
+        scale = self.config.max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule, NaN included
+        if scale < 1.0 or math.isnan(scale):
+            torch._foreach_mul_(grads, scale)
+        return norm
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

@@ -54,9 +54,10 @@ class HybridShardedOptimizer(ShardedOptimizer):
             raise ValueError(f"HybridShardedOptimizer: {layout.describe()} differs from the model's "
                              f"{model.layout.describe()}; pass the model's sizes")  # fmt: skip
         self.zero_stage = zero_stage
-        # The inner optimizer only sees the data group: it must not clip with that group's partial norm.
-        data_config = dataclasses.replace(config, backend=model.data_group, max_grad_norm=None)
+        data_config = dataclasses.replace(config, backend=model.data_group)
         self.inner = inner_class(optimizer, data_config)
+        if config.max_grad_norm is not None:  # the inner optimizer sees the data group only: it clips (and ZeRO
+            self.inner.gradient_norm_fn = self._global_norm  # skips non-finite steps) with the whole model's norm
         model.reduce_data_parallel = False  # the inner optimizer averages (or reduce-scatters) over replicas
         self.last_grad_norm = math.nan
         if zero_stage == 0:  # the replicas' averaged gradients are equal: replica 0 counts them
@@ -89,32 +90,11 @@ class HybridShardedOptimizer(ShardedOptimizer):
         for g in grads:
             total += kernels.squared_norm(g.contiguous()).double()
         self.comm.all_reduce(total, ReductionOperation.SUM)
-        return math.sqrt(total.item())
+        self.last_grad_norm = math.sqrt(total.item())
+        return self.last_grad_norm
 
-    @torch.no_grad()
     def step(self, closure=None):
-        max_norm = self.config.max_grad_norm
-        if max_norm is None:
-            return self.inner.step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        inner = self.inner
-        inner.reduce_gradients()  # the replica average (ZeRO: this replica's range of it)
-        norm = self.last_grad_norm = self._global_norm()
-        scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule, NaN included
-        scale = scale if scale < 1.0 or math.isnan(scale) else 1.0
-        if self.zero_stage == 0:
-            if scale != 1.0:
-                torch._foreach_mul_([p.grad for p in self._params() if p.grad is not None], scale)
-            inner.optimizer.step()
-            return loss
-        inner.last_grad_norm = norm
-        inner.last_step_skipped = not math.isfinite(norm)
-        if not inner.last_step_skipped:
-            inner._update_and_gather(scale)
-        return loss
+        return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)

@@ -226,9 +226,12 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self.reduce_gradients()
         # One all-reduce of the owned squared norms gives both the global norm (for clipping) and the
         # non-finite verdict every rank shares (a NaN anywhere makes every rank skip the step).
-        total = kernels.squared_norm(self._grad).reshape(1).double()
-        self.comm.all_reduce(total, ReductionOperation.SUM)
-        norm = math.sqrt(total.item())
+        if self.gradient_norm_fn is not None:
+            norm = self.gradient_norm_fn()
+        else:
+            total = kernels.squared_norm(self._grad).reshape(1).double()
+            self.comm.all_reduce(total, ReductionOperation.SUM)
+            norm = math.sqrt(total.item())
         if not math.isfinite(norm):
             self.last_step_skipped = True
             return loss
