@@ -20,8 +20,9 @@ from .backends import ALL as BACKENDS
 from .backends import mpi_world
 
 WORLDS = [1, 2, 3, 4]
-BACKEND_WORLDS = [(b, w) for b in ("inmemory", "gloo") for w in WORLDS] + [mpi_world(2), mpi_world(3)]
-"""MPI at 2 and 3 processes (mpirun -np 2 / -np 3): one mpirun per world size runs every dtype."""
+BACKEND_WORLDS = [(b, w) for b in ("inmemory", "gloo", "nccl-sim") for w in WORLDS] + [mpi_world(2), mpi_world(3)]
+"""MPI at 2 and 3 processes (mpirun -np 2 / -np 3): one mpirun per world size runs every dtype. ``nccl-sim`` is the
+real NCCL backend over the simulated NCCL of tests/fakenccl.py (strict in-order p2p, NCCL's aliasing rules)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 # bf16 keeps 8 bits of mantissa and Gloo rounds after every addition: 3 roundings of sums up to ~8 in size.
 # A dropped or doubled rank changes results by ~1, far outside these.
@@ -67,10 +68,13 @@ def _all_ops(comm, dtype_name: str) -> dict:
     comm.all_to_all(make_input(r, dtype_name, 3 * w, salt=40), res)
     out["all_to_all"] = as_numpy(res)
     if w > 1:  # ring: receive from the left neighbour while sending to the right one
-        got = torch.zeros(6, dtype=dtype)
-        handle = comm.recv(got, (r - 1) % w, async_op=True)
-        comm.send(make_input(r, dtype_name, 6, salt=50), (r + 1) % w)
-        handle.wait()
+        got, sent = torch.zeros(6, dtype=dtype), make_input(r, dtype_name, 6, salt=50)
+        if comm.ordered_p2p:  # NCCL: a receive posted alone blocks this rank's send behind it; group them
+            comm.batch_send_recv([(sent, (r + 1) % w)], [(got, (r - 1) % w)]).wait()
+        else:
+            handle = comm.recv(got, (r - 1) % w, async_op=True)
+            comm.send(sent, (r + 1) % w)
+            handle.wait()
         out["send_recv"] = as_numpy(got)
     # Several async ops in flight at once, completed in reverse order.
     a, b = make_input(r, dtype_name, 9, salt=60), make_input(r, dtype_name, 9, salt=61)
@@ -131,6 +135,10 @@ def _mpi_outputs(world: int) -> list[dict]:
 def outputs(backend: str, world: int, dtype_name: str) -> list[dict]:
     if backend == "mpi":
         return [rank[dtype_name] for rank in _mpi_outputs(world)]
+    if backend == "nccl-sim":
+        from .fakenccl import FakeNccl, run_nccl
+
+        return run_nccl(_all_ops, world, FakeNccl(), dtype_name=dtype_name)
     return run_ranks(_all_ops, world, backend, dtype_name=dtype_name)
 
 

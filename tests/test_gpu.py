@@ -8,6 +8,7 @@ one GPU where NCCL >= 2.30 allows it). The compiled Triton kernels are tested ag
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 
@@ -36,9 +37,15 @@ STEPS, BATCH = 5, 16
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # TF32 is off (below); the fused CUDA kernels differ from torch by ulps
 
 
-def net(device) -> nn.Module:
+with torch.random.fork_rng(devices=[]):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(9, 33), nn.GELU(), nn.Linear(33, 17), nn.GELU(), nn.Linear(17, 5)).to(device)
+    _NET = nn.Sequential(nn.Linear(9, 33), nn.GELU(), nn.Linear(33, 17), nn.GELU(), nn.Linear(17, 5))
+
+
+def net(device) -> nn.Module:
+    """A copy of one template: in-memory ranks are threads sharing torch's global RNG, so seeding and building
+    on each of them races (ranks, and the reference, would start from different weights now and then)."""
+    return copy.deepcopy(_NET).to(device)
 
 
 def batch(step: int, device, rank: int = 0, world: int = 1):

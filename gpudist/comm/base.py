@@ -322,6 +322,11 @@ class CommunicationBackend(ABC):
     #: Name of the transport ("inmemory", "gloo", "nccl", "mpi").
     name: str = "abstract"
 
+    #: True where point-to-point ops execute in issue order and block what follows until their peer matches them
+    #: (NCCL on a CUDA stream). There a receive posted ahead of time stalls this rank's later work, so schedules
+    #: post receives only when needed and group crossing sends and receives with :meth:`batch_send_recv`.
+    ordered_p2p: bool = False
+
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -467,6 +472,33 @@ class CommunicationBackend(ABC):
         return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._recv(sig, tensor, src),
                          stat_name="recv")
 
+    def batch_send_recv(self, sends: Sequence[tuple[torch.Tensor, int]] = (),
+                        recvs: Sequence[tuple[torch.Tensor, int]] = ()) -> Work:  # fmt: skip
+        """Post the ``(tensor, dst)`` sends and ``(tensor, src)`` receives together and return one :class:`Work`
+        for all of them (wait on it before reading a received tensor or changing a sent one). They progress
+        concurrently (on NCCL: one group call), so two ranks that each send to the other and receive from it in
+        one batch cannot deadlock, as they can with separate blocking ops where p2p runs in issue order
+        (:attr:`ordered_p2p`). Every tensor and peer is checked before anything is posted."""
+        sends, recvs = [(t, int(d)) for t, d in sends], [(t, int(s)) for t, s in recvs]
+        for tensor, dst in sends:
+            self._check_tensor("send", tensor)
+            self._check_peer("send", dst, "dst")
+        for tensor, src in recvs:
+            self._check_tensor("recv", tensor)
+            self._check_peer("recv", src, "src")
+        return self._batch_send_recv(sends, recvs)
+
+    def _batch_send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Work:
+        """Transports where separately posted async ops already progress concurrently just post them all."""
+        works = [self.send(t, dst, async_op=True) for t, dst in sends]
+        works += [self.recv(t, src, async_op=True) for t, src in recvs]
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+
+        return Work(wait, lambda: all(w.is_completed() for w in works))
+
     def all_to_all(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
         """Split ``inp`` into ``world_size`` equal parts; part j goes to rank j; ``out``'s part i comes from rank i."""
         self._check_pair("all_to_all", inp, out)
@@ -545,9 +577,10 @@ class CommunicationBackend(ABC):
 
     def _raise_if_broken(self, op: str) -> None:
         if self._broken is not None:
-            raise self._error(
+            raise self._error(  # of the same class, so `except CommunicationTimeoutError` sees a watchdog's timeout
                 f"the group is unusable since an earlier failure ({self._broken}); create a new backend/process group",
                 op,
+                type(self._broken),
             )
 
     def _run(

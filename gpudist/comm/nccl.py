@@ -76,10 +76,43 @@ def nccl_version() -> tuple[int, int, int] | None:
                                                                                   code % 100)  # fmt: skip
 
 
+class _CudaRuntime:
+    """What the backend needs of CUDA: its device, the handle of torch's current stream there, events on it.
+    (One seam, so the whole backend also runs in the CPU test tier over a simulated NCCL: tests/fakenccl.py.)"""
+
+    def __init__(self, device: int | torch.device | None, group: str, rank: int):
+        if not torch.cuda.is_available():
+            raise CommunicationError("the NCCL backend needs a CUDA device; torch sees none (use the Gloo or MPI "
+                                     "backend on CPU)", op="init", group=group, rank=rank)  # fmt: skip
+        index = device.index if isinstance(device, torch.device) else device
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else int(index))
+
+    def stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def selected(self):
+        return torch.cuda.device(self.device)
+
+
+def _runtime(device: int | torch.device | None, group: str, rank: int) -> _CudaRuntime:
+    return _CudaRuntime(device, group, rank)
+
+
 class _InFlight:
     __slots__ = ("deadline", "event", "op")
 
-    def __init__(self, event: torch.cuda.Event, op: str, deadline: float):
+    def __init__(self, event, op: str, deadline: float):
         self.event, self.op, self.deadline = event, op, deadline
 
 
@@ -88,28 +121,28 @@ class NCCLCommunicationBackend(CommunicationBackend):
     or ``gpudist.init("nccl")``."""
 
     name = "nccl"
+    ordered_p2p = True  # sends and receives run in issue order on torch's current stream
 
     def __init__(self, rank: int, world_size: int, unique_id: Sequence[int], *,
                  device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
                  group: str = "world"):  # fmt: skip
         super().__init__(rank, world_size, group, timeout)
-        if not torch.cuda.is_available():
-            raise CommunicationError("the NCCL backend needs a CUDA device; torch sees none (use the Gloo or MPI "
-                                     "backend on CPU)", op="init", group=group, rank=rank)  # fmt: skip
+        self._rt = _runtime(device, group, rank)
         self._lib = _nccl()
-        index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
-        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self._device = self._rt.device
         self.validate = validate
         self._types = {torch.float32: self._lib.NCCL_FLOAT32, torch.float64: self._lib.NCCL_FLOAT64,
                        torch.float16: self._lib.NCCL_FLOAT16, torch.int64: self._lib.NCCL_INT64,
                        torch.int32: self._lib.NCCL_INT32, torch.int8: self._lib.NCCL_INT8,
                        torch.uint8: self._lib.NCCL_UINT8}  # fmt: skip
-        if hasattr(self._lib, "NCCL_BFLOAT16"):
+        # CuPy defines NCCL_BFLOAT16 and NCCL_AVG whatever NCCL it loads; the library has them from 2.10 on.
+        modern = (nccl_version() or (0, 0, 0)) >= (2, 10, 0)
+        if modern and hasattr(self._lib, "NCCL_BFLOAT16"):
             self._types[torch.bfloat16] = self._lib.NCCL_BFLOAT16
-        self._avg = getattr(self._lib, "NCCL_AVG", None)
+        self._avg = getattr(self._lib, "NCCL_AVG", None) if modern else None
         self._ops = {ReductionOperation.SUM: self._lib.NCCL_SUM, ReductionOperation.MAX: self._lib.NCCL_MAX,
                      ReductionOperation.MIN: self._lib.NCCL_MIN, ReductionOperation.PRODUCT: self._lib.NCCL_PROD}
-        with torch.cuda.device(self._device):
+        with self._rt.selected():
             try:
                 self._comm = self._lib.NcclCommunicator(world_size, tuple(int(b) for b in unique_id), rank)
             except RuntimeError as e:
@@ -162,7 +195,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
     # -- machinery ---------------------------------------------------------------------------------------------------
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self._device).cuda_stream
+        return self._rt.stream()
 
     def _dtype(self, t: torch.Tensor, op: str) -> int:
         if t.dtype not in self._types:
@@ -179,14 +212,13 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _enqueued(self, op: str, then=None) -> Work:
         """Record an event after the op just enqueued and hand it to the watchdog; the Work waits on the event."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
+        event = self._rt.record()
         with self._lock:
             self._inflight.append(_InFlight(event, op, time.monotonic() + self.timeout))
 
         def wait() -> None:
             self._raise_if_broken(op)
-            torch.cuda.current_stream(self._device).wait_event(event)
+            self._rt.wait(event)
             if then is not None:
                 then()
 
@@ -306,7 +338,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._comm.allReduce(token.data_ptr(), token.data_ptr(), 1, self._lib.NCCL_FLOAT32, self._lib.NCCL_SUM,
                              self._stream())  # fmt: skip
         work = self._enqueued("barrier")
-        return Work(lambda: (work.wait(), torch.cuda.current_stream(self._device).synchronize()), work.is_completed)
+        return Work(lambda: (work.wait(), self._rt.synchronize()), work.is_completed)
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "send"), dst, self._stream())
@@ -315,6 +347,24 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "recv"), src, self._stream())
         return self._enqueued("recv")
+
+    def _batch_send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Work:
+        """All of them in one NCCL group call: they progress together, so crossing pairs cannot deadlock."""
+        self._raise_if_broken("send_recv")
+        for (tensor, _), op in [(x, "send") for x in sends] + [(x, "recv") for x in recvs]:
+            self.stats.record(op, tensor.numel() * tensor.element_size())
+        with self._failures("send_recv"):
+            stream = self._stream()
+            self._lib.groupStart()
+            try:
+                for tensor, dst in sends:
+                    self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "send"), dst, stream)
+                for tensor, src in recvs:
+                    self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "recv"), src, stream)
+            finally:
+                self._lib.groupEnd()
+            work = self._enqueued("send_recv")
+        return Work(lambda: self._wait(work, "send_recv"), work.is_completed)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
         self._check(sig)
@@ -337,5 +387,5 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """Stop the watchdog and destroy the communicator (after the device finished its queued ops)."""
         self._stop.set()
         if self.healthy:
-            torch.cuda.synchronize(self._device)
+            self._rt.synchronize()
             self._comm.destroy()

@@ -296,16 +296,36 @@ class PipelineParallelModel(ShardedModel):
         """Rank, in the pipeline group, of the stage ``offset`` away."""
         return self.pipeline_parallel_rank + offset
 
-    def _send(self, tensor: torch.Tensor, offset: int, pending: list) -> None:
+    def _send(self, tensor: torch.Tensor, offset: int, pending: list, outbox: list | None = None) -> None:
+        """Send to the stage ``offset`` away: now, or (``outbox`` given, on backends whose p2p runs in issue order)
+        later, posted in one group with the next receive or by :meth:`_flush`."""
+        tensor = tensor.contiguous()
+        if outbox is not None:
+            outbox.append((tensor, self._peer(offset)))
+            return
         with self.pipeline_group.unchecked():  # shapes agreed by the step's shape message
-            pending.append((self.pipeline_group.send(tensor.contiguous(), self._peer(offset), async_op=True), tensor))
+            pending.append((self.pipeline_group.send(tensor, self._peer(offset), async_op=True), tensor))
 
-    def _post_recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, Any]:
+    def _post_recv(self, shape: torch.Size, dtype: torch.dtype, offset: int, pending: list | None = None,
+                   outbox: list | None = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
         """Post a receive from the stage ``offset`` away; returns the buffer and the Work to wait on before reading
-        it. Receives from one peer match that peer's sends in order, so they may be posted ahead of time."""
+        it. Receives from one peer match that peer's sends in order, so they may be posted ahead of time (not where
+        p2p runs in issue order: there the sends waiting in ``outbox`` go out in one group with it)."""
         buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
         with self.pipeline_group.unchecked():
-            return buf, self.pipeline_group.recv(buf, self._peer(offset), async_op=True)
+            if outbox is None:
+                return buf, self.pipeline_group.recv(buf, self._peer(offset), async_op=True)
+            work = self.pipeline_group.batch_send_recv(outbox, [(buf, self._peer(offset))])
+            pending.append((work, list(outbox)))
+            outbox.clear()
+            return buf, work
+
+    def _flush(self, pending: list, outbox: list | None) -> None:
+        """Post the sends waiting in ``outbox`` (ordered p2p), as one group."""
+        if outbox:
+            with self.pipeline_group.unchecked():
+                pending.append((self.pipeline_group.batch_send_recv(outbox), list(outbox)))
+            outbox.clear()
 
     def _recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:
         buf, work = self._post_recv(shape, dtype, offset)
@@ -314,10 +334,9 @@ class PipelineParallelModel(ShardedModel):
 
     @staticmethod
     def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:
-        meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        return meta
+        """``tensor``'s shape and dtype as a message (on ``tensor``'s device: NCCL sends only device memory)."""
+        meta = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+        return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64, device=tensor.device)
 
     @staticmethod
     def _decode_meta(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
@@ -375,14 +394,20 @@ class PipelineParallelModel(ShardedModel):
         xs = self._micro(inputs, "inputs") if first else None
         ts = self._micro(targets, "targets") if last else None
         order = stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, m)
+        # Where p2p runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
+        # together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go
+        # out at once when the next op posts no receive.
+        ordered = self.pipeline_group.ordered_p2p
+        outbox: list | None = [] if ordered else None
         # ahead_f[k] / ahead_b[k]: the largest micro-batch whose activation / gradient must be posted before op k
-        # runs: the next forward / backward after it, else op k's own.
+        # runs: the next forward / backward after it (unless ordered), else op k's own.
         ahead_f, ahead_b, next_f, next_b = [-1] * len(order), [-1] * len(order), -1, -1
         for k in range(len(order) - 1, -1, -1):
             kind, i = order[k]
-            ahead_f[k] = next_f if next_f >= 0 else i if kind == "F" else -1
-            ahead_b[k] = next_b if next_b >= 0 else i if kind == "B" else -1
+            ahead_f[k] = next_f if next_f >= 0 and not ordered else i if kind == "F" else -1
+            ahead_b[k] = next_b if next_b >= 0 and not ordered else i if kind == "B" else -1
             next_f, next_b = (i, next_b) if kind == "F" else (next_f, i)
+        receives = [(kind == "F" and not first) or (kind == "B" and not last) for kind, _ in order] + [False]
         pending: list = []
         acts: dict[int, tuple[torch.Tensor, Any]] = {}  # posted receives: activations from stage s - 1
         grads: dict[int, tuple[torch.Tensor, Any]] = {}  # and gradients from stage s + 1
@@ -395,8 +420,8 @@ class PipelineParallelModel(ShardedModel):
         started = time.perf_counter()
         with self.pipeline_group.unchecked():  # every message's shape is agreed by the step's shape message
             if not first:
-                meta = self._post_recv(torch.Size([_META_LEN]), torch.int64, -1)
-                if self._received_shape is not None:  # speculatively, with the last step's shape
+                meta = self._post_recv(torch.Size([_META_LEN]), torch.int64, -1, pending, outbox)
+                if self._received_shape is not None and not ordered:  # speculatively, with the last step's shape
                     acts[0], posted_f = self._post_recv(*self._received_shape, -1), 1
             for k, (kind, i) in enumerate(order):
                 if not first:
@@ -408,11 +433,11 @@ class PipelineParallelModel(ShardedModel):
                             posted_f = 0
                         self._received_shape = shape
                     while posted_f <= ahead_f[k]:
-                        acts[posted_f], posted_f = self._post_recv(*shape, -1), posted_f + 1
+                        acts[posted_f], posted_f = self._post_recv(*shape, -1, pending, outbox), posted_f + 1
                 if out is not None:
                     while posted_b <= ahead_b[k]:
-                        grads[posted_b], posted_b = self._post_recv(*out, +1), posted_b + 1
-                    if posted_b == m and loss_recv is None:
+                        grads[posted_b], posted_b = self._post_recv(*out, +1, pending, outbox), posted_b + 1
+                    if posted_b == m and loss_recv is None and not ordered:
                         loss_recv = self._post_recv(torch.Size([1]), torch.float64, +1)
                 if kind == "F":
                     if first:
@@ -434,12 +459,12 @@ class PipelineParallelModel(ShardedModel):
                         if i == 0:
                             self._check_sendable(y)
                             out = (y.shape, y.dtype)
-                            self._send(self._encode_meta(y), +1, pending)
-                            if self._sent_shape is not None and self._sent_shape != out:  # the receiver's guess
+                            self._send(self._encode_meta(y), +1, pending, outbox)
+                            if self._sent_shape not in (None, out) and not ordered:  # the receiver's guess
                                 self._send(torch.zeros(self._sent_shape[0], dtype=self._sent_shape[1],
                                                         device=self.comm.device), +1, pending)
                             self._sent_shape = out
-                        self._send(y.detach(), +1, pending)
+                        self._send(y.detach(), +1, pending, outbox)
                     in_flight[i] = (x, y)
                     max_in_flight = max(max_in_flight, len(in_flight))
                 else:
@@ -454,16 +479,19 @@ class PipelineParallelModel(ShardedModel):
                         torch.autograd.backward(y, grad)
                     busy += time.perf_counter() - t0
                     if not first:
-                        self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending)
+                        self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending, outbox)
+                if not receives[k + 1]:
+                    self._flush(pending, outbox)
             if last:
-                loss = losses.mean().reshape(1)
+                loss = losses.mean().reshape(1).to(self.comm.device)
                 if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global's
                     self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
             else:
-                loss, work = loss_recv
+                loss, work = loss_recv or self._post_recv(torch.Size([1]), torch.float64, +1, pending, outbox)
                 work.wait()
             if not first:
-                self._send(loss, -1, pending)
+                self._send(loss, -1, pending, outbox)
+                self._flush(pending, outbox)
             for work, _ in pending:
                 work.wait()
         self.last_schedule = {"order": order, "max_in_flight": max_in_flight,
@@ -500,10 +528,11 @@ class PipelineParallelModel(ShardedModel):
                 self._send(y, +1, pending)
             for work, _ in pending:
                 work.wait()
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
             if self.is_last_stage:
-                meta[0], meta[1] = y.dim(), _DTYPES.index(y.dtype)
-                meta[2 : 2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+                self._check_sendable(y)
+                meta = self._encode_meta(y)
+            else:
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.comm.device)
             last = self.num_stages - 1
             self.pipeline_group.broadcast(meta, last)
             shape, dtype = torch.Size(meta[2 : 2 + int(meta[0])].tolist()), _DTYPES[int(meta[1])]

@@ -1,0 +1,223 @@
+"""The NCCL backend's own code on the CPU tier, over the simulated NCCL of tests/fakenccl.py (CuPy's API, strict
+in-order semantics, ranks as threads): every op, the id exchange, sub-groups, version-dependent paths, the
+watchdog, and every strategy trained to single-process parity. What only a GPU can show (CUDA streams and
+events, device placement, NCCL itself, speed) is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import gpudist
+from gpudist.comm import CommunicationError, CommunicationTimeoutError
+from gpudist.comm.nccl import NCCLCommunicationBackend, nccl_version
+from gpudist.testing import free_port
+
+from . import test_gpu, test_hybrid, test_pipeline, test_tensor_parallel
+from .fakenccl import FakeNccl, HostRuntime, installed, run_nccl
+
+
+def solo(fake: FakeNccl, **kwargs) -> NCCLCommunicationBackend:
+    return NCCLCommunicationBackend(0, 1, fake.get_unique_id(), **kwargs)
+
+
+def _reductions(comm) -> dict:
+    out = {}
+    for op in ("sum", "average", "max"):
+        t = torch.tensor([1.0, 2.0, 3.0]) * (comm.rank + 1)
+        comm.all_reduce(t, op)
+        out[op] = t.tolist()
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+        out["bf16"] = "ok"
+    except TypeError as e:
+        out["bf16"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("version", [21003, 20903])
+def test_average_and_bf16_follow_the_runtime_version(version):
+    """CuPy defines NCCL_AVG and NCCL_BFLOAT16 whatever libnccl it loads; NCCL has them from 2.10. Catches a
+    backend that trusts the constants: on 2.9 it must average as SUM then scale, and refuse bf16 with a clear
+    error instead of passing NCCL an op/type code it rejects."""
+    fake = FakeNccl(version=version)
+    results = run_nccl(_reductions, 2, fake)
+    for r in results:
+        assert r["sum"] == [3.0, 6.0, 9.0] and r["average"] == [1.5, 3.0, 4.5] and r["max"] == [2.0, 4.0, 6.0]
+    if version >= 21000:
+        assert results[0]["bf16"] == "ok"
+        assert fake.calls["allReduce"] > 0
+    else:
+        assert "bfloat16" in results[0]["bf16"] and "cast to float32" in results[0]["bf16"]
+    with installed(fake):
+        assert nccl_version() == (2, version // 100 % 100, version % 100)
+
+
+def _ring(comm) -> list[float]:
+    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+    got = torch.zeros(3)
+    comm.batch_send_recv([(torch.full((3,), float(comm.rank)), right)], [(got, left)]).wait()
+    return got.tolist()
+
+
+def test_batch_send_recv_lets_a_ring_exchange_in_one_step():
+    """Every rank sends right and receives from the left at once. Catches a batch that is not one group call:
+    with NCCL's in-order p2p each rank would block in its send (or receive) and the ring would deadlock."""
+    fake = FakeNccl(timeout=10)
+    assert run_nccl(_ring, 3, fake) == [[2.0] * 3, [0.0] * 3, [1.0] * 3]
+    assert fake.calls["send"] == fake.calls["recv"] == 3
+
+
+def test_create_exchanges_the_id_through_the_tcp_store():
+    """Two ranks join through torch's TCPStore. Catches the 128-byte id losing its sign on the way (CuPy takes
+    signed chars; an unsigned byte > 127 overflows) or ranks reading different ids (init never completes)."""
+    fake, results, errors, port = FakeNccl(timeout=20), [None, None], [], free_port()
+
+    def join(rank: int) -> None:
+        try:
+            comm = NCCLCommunicationBackend.create(rank, 2, "127.0.0.1", port, timeout=20)
+            t = torch.tensor([rank + 1.0])
+            comm.all_reduce(t)
+            results[rank] = t.item()
+            comm.shutdown()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+            fake.abort_all(str(e))
+
+    with installed(fake):
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert results == [3.0, 3.0]
+
+
+def _mismatch(comm) -> str:
+    try:
+        comm.all_reduce(torch.ones(3 if comm.rank == 0 else 4))
+    except CommunicationError as e:
+        return str(e)
+    return "no error"
+
+
+def test_validated_ops_catch_a_shape_mismatch_before_sending():
+    """With ``validate`` the signature all-gather runs first: both ranks raise naming the op, and nothing reaches
+    NCCL (which would hang or mix memory). Catches a backend that skips the check or checks on one rank."""
+    fake = FakeNccl(timeout=10)
+    for message in run_nccl(_mismatch, 2, fake):
+        assert "all_reduce" in message and "mismatch" in message
+    assert fake.calls["allReduce"] == 0
+
+
+class _Stuck(HostRuntime):
+    stuck = True
+
+
+def test_watchdog_aborts_a_stuck_op_and_the_next_call_names_it():
+    """An op whose completion event never fires (a peer died) makes the watchdog abort the communicator after the
+    timeout; the next call raises CommunicationTimeoutError naming the op, group and rank instead of hanging."""
+    fake = FakeNccl()
+    with installed(fake, _Stuck):
+        comm = solo(fake, timeout=0.3)
+        comm.all_reduce(torch.ones(2))
+        stuck = r"all_reduce on group 'world' failed on rank 0: timed out"
+        with pytest.raises(CommunicationTimeoutError, match=stuck):
+            for _ in range(100):
+                threading.Event().wait(0.05)
+                comm.broadcast(torch.ones(2), 0)
+        assert not comm.healthy
+        assert comm._comm._closed  # ncclCommAbort was called: kernels waiting for the dead peer are released
+        comm.shutdown()
+
+
+def test_async_nccl_error_breaks_the_group_with_its_text():
+    """ncclCommGetAsyncError reporting a failure (a remote rank's network error) surfaces on the next call."""
+    fake = FakeNccl()
+    with installed(fake):
+        comm = solo(fake)
+        comm._comm.async_error = "NCCL_ERROR_REMOTE_ERROR: remote process exited"
+        with pytest.raises(CommunicationError, match="REMOTE_ERROR"):
+            for _ in range(100):
+                threading.Event().wait(0.05)
+                comm.all_reduce(torch.ones(2))
+        comm.shutdown()
+
+
+def test_missing_cupy_names_the_extra_to_install(monkeypatch):
+    """Without CuPy the error says which pip extra brings NCCL, instead of an ImportError from deep inside."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name.startswith("cupy"):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    from gpudist.comm import nccl
+
+    with pytest.raises(CommunicationError, match=r"gpudist\[cuda12\]"):
+        nccl._nccl()
+    assert nccl.nccl_version() is None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", list(test_gpu.PAIRS))
+def test_strategy_over_nccl_matches_one_process(strategy, world):
+    """DDP, ZeRO-1/2/3 and FSDP driving the NCCL backend (uneven reduce-scatter/all-gather as grouped
+    reduces/broadcasts, in-place aliasing, sub-groups): 5 Adam steps equal one process on the global batch."""
+    expected = test_gpu.reference("cpu")
+    for params in run_nccl(test_gpu.train, world, FakeNccl(), strategy=strategy):
+        torch.testing.assert_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("world", "micro", "schedule"), [(2, 4, "1f1b"), (3, 4, "1f1b"), (4, 8, "1f1b"),
+                                                          (3, 4, "gpipe"), (4, 2, "1f1b")])  # fmt: skip
+def test_pipeline_over_nccl_matches_one_process(world, micro, schedule):
+    """Pipeline stages over NCCL's in-order p2p: each receive posted when needed, grouped with the sends before
+    it. Catches the deadlock of receives posted ahead (they stall the stream; the simulated NCCL reports it as
+    a hang) and shape/loss messages kept in host memory (NCCL sends device memory only)."""
+    want, want_losses = test_pipeline.reference()
+    for params, losses, _, _ in run_nccl(test_pipeline.pipeline_train, world, FakeNccl(timeout=20), micro=micro,
+                                         schedule=schedule):  # fmt: skip
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(3, 2), (2, 1)])
+def test_pipeline_with_changing_shapes_over_nccl(stages, micro):
+    """Batches of 16, 8, 8, 24 samples with predict() in between. Catches the ordered path expecting the dummy
+    message that only the speculative (posted-ahead) path sends, or a predict() shape message left in host memory."""
+    want, want_losses = test_pipeline.reference(steps=4, batch=test_pipeline.varying_batch)
+    for params, losses in run_nccl(test_pipeline.pipeline_train_varying, stages, FakeNccl(timeout=20), stages=stages,
+                                   micro=micro):  # fmt: skip
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_tensor_parallel_over_nccl_matches_one_process():
+    """Tensor-parallel TinyLM (column/row/vocab layers, vocabulary-parallel loss) on 2 NCCL ranks."""
+    x, y = test_tensor_parallel.lm_batch()
+    losses, expected = test_tensor_parallel.single_process_lm("adamw")
+    for r in run_nccl(test_tensor_parallel.train_lm, 2, FakeNccl(), tp=2, opt_name="adamw", x=x, y=y):
+        torch.testing.assert_close(r["params"], expected, **test_tensor_parallel.ADAM_TOL)
+        assert r["losses"] == pytest.approx(losses, rel=1e-4)
+
+
+def test_3d_hybrid_over_nccl_matches_one_process():
+    """pp=2 x dp=2 x tp=2 with ZeRO-2 on 8 NCCL ranks: pipeline p2p groups, tensor all-reduces and sharded
+    data-parallel steps on nested NCCL sub-communicators."""
+    test_hybrid.check(run_nccl(test_hybrid.hybrid_train, 8, FakeNccl(timeout=30), zero_stage=2, kind="adamw"),
+                      "adamw", 8)  # fmt: skip
+
+
+def test_nccl_is_marked_ordered_and_cpu_backends_are_not():
+    """The pipeline relies on this flag to choose between receives posted ahead and grouped in-order receives."""
+    assert NCCLCommunicationBackend.ordered_p2p is True
+    assert gpudist.InMemoryCommunicationBackend.ordered_p2p is False
