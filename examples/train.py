@@ -139,7 +139,8 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     rank, world = comm.rank, comm.world_size
     model_cls, optim_cls = (getattr(gpudist, name) if name else None for name in STRATEGIES[cfg.strategy])
     corpus = SyntheticCorpus(cfg.seed, cfg.seq_len)
-    net = make_model(cfg)
+    device = comm.device  # CPU on Gloo/MPI; this rank's GPU on NCCL (gpudist.init() picks it under torchrun)
+    net = make_model(cfg).to(device)
     comm_dtype = COMM_DTYPES[cfg.comm_dtype]
     config = gpudist.ShardingConfiguration(comm, communication_dtype=comm_dtype)
     loss_fn = lm_loss
@@ -187,7 +188,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     for step in range(start, cfg.steps):
         # Timed end to end as a user waits for it, data included (generating a rank's slice: ~4 ms of ~45 ms).
         t0, bytes0 = time.perf_counter(), bytes_moved(comm, opt)
-        x, y = corpus.batches(step, cfg.global_batch, data_rank, data_size)
+        x, y = (t.to(device) for t in corpus.batches(step, cfg.global_batch, data_rank, data_size))
         if cfg.strategy in SCHEDULED:
             losses[step] = model.train_step(x, y, loss_fn, opt)  # forward, backward and step, scheduled
         else:
@@ -203,7 +204,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             # The displayed loss is the global batch's (mean over ranks), as a single process would report it.
             # This small all-reduce sits outside the timed step, so bytes/step counts the strategy's traffic only.
-            window = losses[window_start : step + 1].mean().reshape(1)
+            window = losses[window_start : step + 1].mean().reshape(1).to(device)
             comm.all_reduce(window, "average")
             if progress is not None:
                 progress.update(step + 1, float(window), step_times[window_start - start :],
@@ -215,7 +216,9 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     if progress is not None:
         progress.close()
 
+    losses = losses.to(device)
     comm.all_reduce(losses, "average")  # equal local batches: the mean of rank means is the global batch's mean
+    losses = losses.cpu()
     flat, identical, max_diff = replicas_identical(comm, model)
     tail = max(1, cfg.steps // 10)
     initial, final = float(losses[start]), float(losses[-tail:].mean())
@@ -227,7 +230,7 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     # Rank 0 evaluates a local copy built from the gathered parameters: no collectives (a sharded strategy's
     # gather is one, and the other ranks have returned), so this works whatever the strategy.
     trained = make_model(cfg)
-    torch.nn.utils.vector_to_parameters(flat, trained.parameters())
+    torch.nn.utils.vector_to_parameters(flat.cpu(), trained.parameters())
     val_loss = evaluate(trained, corpus)
     measured = step_times[1:] or step_times  # step 0 pays for one-time setup (allocations, first bucket build)
     metrics = {
@@ -279,7 +282,8 @@ def replicas_identical(comm: gpudist.CommunicationBackend,
         torch.nn.utils.parameters_to_vector(model.parameters()).detach()  # fmt: skip
     reference = flat.clone()
     comm.broadcast(reference, src=0)
-    flags = torch.tensor([float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()])
+    flags = torch.tensor([float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()],
+                         device=flat.device)  # fmt: skip
     comm.all_reduce(flags, "min")  # min of equal-flags: all equal; min of -diff: -(largest difference)
     return flat, bool(flags[0] == 1.0), -float(flags[1])
 

@@ -449,7 +449,7 @@ class _Reader:
         return (kind, name) in self.index
 
     def read(self, kind: str, name: str, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(n, dtype=dtype)
+        out = torch.empty(n, dtype=dtype, device="cpu")
         covered = 0
         for s, m, f in self.index.get((kind, name), []):
             a, b = max(start, s), min(start + n, s + m)
@@ -509,7 +509,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     except CheckpointError as e:
         error = e
     if comm is not None:  # all ranks apply, or none does
-        verdict = torch.tensor([0 if error is None else 1, comm.rank if error is not None else -1])
+        verdict = torch.tensor([0 if error is None else 1, comm.rank if error is not None else -1], device=comm.device)
         comm.all_reduce(verdict, ReductionOperation.MAX)
         if error is None and verdict[0].item():
             raise CheckpointError(f"rank {verdict[1].item()} could not load {path} (see its error); nothing was "
@@ -568,7 +568,7 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
             for i, (view, piece) in enumerate(zip(opt._views, opt._pieces, strict=True)):
                 entry: dict[str, Any] = {}
                 for key in keys:
-                    values = torch.zeros(piece.length, dtype=torch.float32)
+                    values = torch.zeros(piece.length, dtype=torch.float32, device="cpu")
                     for pos, n, name, c in owned:
                         a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
                         if a < b:
@@ -578,7 +578,7 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
                 name = next((nm for pos, n, nm, c in owned if pos < piece.owned_offset + piece.length
                              and pos + n > piece.owned_offset), None)  # fmt: skip
                 for key, value in scalars.get(name, {}).items():
-                    entry[key] = torch.tensor(float(value))
+                    entry[key] = torch.tensor(float(value), device="cpu")
                 inner_state[i] = entry
         steps = [step_of(g) for g in groups]
 
@@ -602,12 +602,12 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
             entry = {}
             if segs:
                 for key in keys:
-                    values = torch.zeros(p.numel(), dtype=torch.float32)
+                    values = torch.zeros(p.numel(), dtype=torch.float32, device="cpu")
                     for pos, n, name, c in _canonical(segs, 0, p.numel()):
                         values[pos : pos + n] = reader.read(f"state.{key}", name, c, n, torch.float32)
                     entry[key] = values.view_as(p)
                 for key, value in scalars.get(segs[0][2], {}).items():
-                    entry[key] = torch.tensor(float(value))
+                    entry[key] = torch.tensor(float(value), device="cpu")
             if entry:
                 state[index] = entry
             index += 1
@@ -637,7 +637,7 @@ def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _R
             saved_world = int(meta["world_size"])
             kinds = [f"residual.worker.{rank}"] if saved_world == world else \
                 [f"residual.worker.{r}" for r in range(saved_world)]  # fmt: skip
-            worker = torch.zeros(channel.numel, dtype=torch.float32)
+            worker = torch.zeros(channel.numel, dtype=torch.float32, device="cpu")
             for pos, n, name, c in spans:
                 if all(reader.has(kind, name) for kind in kinds):
                     total = sum(reader.read(kind, name, c, n, torch.float32) for kind in kinds)
@@ -645,7 +645,7 @@ def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _R
         held = channel.server_residual()
         if meta is not None and held is not None:
             start, values = held
-            server = torch.zeros(values.numel(), dtype=torch.float32)
+            server = torch.zeros(values.numel(), dtype=torch.float32, device="cpu")
             for pos, n, name, c in spans:
                 a, b = max(pos, start), min(pos + n, start + values.numel())
                 if a < b and reader.has("residual.server", name):

@@ -171,23 +171,29 @@ def partition_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, firs
 
 
 def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per dtype through a flat buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per device and dtype through a flat
+    buffer. Tensors off the backend's device (Adam's ``step`` counters stay on the CPU next to CUDA moments) travel
+    through a copy on it."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
     with torch.no_grad():
-        for dtype, group in by_dtype.items():
+        for (device, dtype), group in by_kind.items():
+            staged = group if device.type == comm.device.type else [t.to(comm.device) for t in group]
             if dtype in FLOAT_DTYPES:
-                flat = FlatBuffer.empty_like(group, zero=False)
-                pack(group, flat.data)
+                flat = FlatBuffer.empty_like(staged, zero=False)
+                pack(staged, flat.data)
                 comm.broadcast(flat.data, src)
-                unpack(flat.data, group)
+                unpack(flat.data, staged)
             else:  # integer buffers (BatchNorm's num_batches_tracked): plain cat and copy back
-                data = torch.cat([t.reshape(-1) for t in group])
+                data = torch.cat([t.reshape(-1) for t in staged])
                 comm.broadcast(data, src)
-                for t, piece in zip(group, data.split([t.numel() for t in group]), strict=True):
+                for t, piece in zip(staged, data.split([t.numel() for t in staged]), strict=True):
                     t.copy_(piece.view_as(t))
+            if staged is not group:
+                for t, s in zip(group, staged, strict=True):
+                    t.copy_(s)
 
 
 def reduce_gradients_in(group, params: Sequence[torch.nn.Parameter], op) -> None:
@@ -210,12 +216,14 @@ def reduce_gradients_in(group, params: Sequence[torch.nn.Parameter], op) -> None
 
 def exchange_bytes(comm, payload: bytes) -> list[bytes]:
     """Every rank's ``payload`` on every rank (two all-gathers: lengths, then padded bytes; collective)."""
-    n = comm.world_size
-    lengths = torch.zeros(n, dtype=torch.int64)
-    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), lengths)
-    width = int(lengths.max())
-    mine = torch.zeros(width, dtype=torch.uint8)
+    n, device = comm.world_size, comm.device  # the messages live on the backend's device (NCCL: GPU memory)
+    lengths = torch.zeros(n, dtype=torch.int64, device=device)
+    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device), lengths)
+    sizes = lengths.tolist()
+    width = max(sizes)
+    mine = torch.zeros(width, dtype=torch.uint8, device="cpu")  # filled from host bytes, then moved
     mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-    every = torch.zeros(n * width, dtype=torch.uint8)
-    comm.all_gather(mine, every)
-    return [every[r * width : r * width + int(lengths[r])].numpy().tobytes() for r in range(n)]
+    every = torch.zeros(n * width, dtype=torch.uint8, device=device)
+    comm.all_gather(mine.to(device), every)
+    every = every.cpu()
+    return [every[r * width : r * width + sizes[r]].numpy().tobytes() for r in range(n)]

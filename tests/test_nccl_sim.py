@@ -233,6 +233,27 @@ def test_compressed_collectives_over_nccl(name):
         torch.testing.assert_close(applied + pending, true, rtol=0, atol=2e-5 * float(true.abs().max()))
 
 
+@pytest.mark.parametrize(("strategy", "world", "pp"), [("zero3", 2, 1), ("pipeline", 2, 2)])
+def test_example_script_over_nccl_trains_like_ddp(tmp_path, strategy, world, pp):
+    """examples/train.py's ``train(comm, cfg)`` on NCCL ranks: its loss window, final loss average and replica
+    check go through the backend too. Same per-step losses as DDP on in-memory ranks."""
+    import json
+
+    from gpudist.testing import run_ranks
+
+    from .test_example_train import train
+
+    def cfg(name, **kw):
+        return train.TrainConfig(steps=4, global_batch=8, log_every=2, d_model=32, seq_len=16,
+                                 out=str(tmp_path / name), **kw)  # fmt: skip
+
+    run_ranks(train.train, 2, "inmemory", cfg=cfg("ddp"))
+    run_nccl(train.train, world, FakeNccl(), cfg=cfg(strategy, strategy=strategy, pp=pp, micro_batches=2))
+    ddp, other = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("ddp", strategy))
+    assert other["loss"] == pytest.approx(ddp["loss"], rel=1e-4)
+    assert other["replicas_identical"] and other["comm_stats"]
+
+
 def test_nccl_is_marked_ordered_and_cpu_backends_are_not():
     """The pipeline relies on this flag to choose between receives posted ahead and grouped in-order receives."""
     assert NCCLCommunicationBackend.ordered_p2p is True

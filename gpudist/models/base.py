@@ -38,7 +38,7 @@ def model_fingerprint(module: nn.Module) -> int:
 
 def same_on_every_rank(comm, value: int) -> bool:
     """Whether every rank of ``comm`` passed the same integer (one 16-byte all-reduce; collective)."""
-    seen = torch.tensor([value, -value], dtype=torch.int64)
+    seen = torch.tensor([value, -value], dtype=torch.int64, device=comm.device)
     comm.all_reduce(seen, ReductionOperation.MAX)
     return seen[0].item() == value and -seen[1].item() == value
 

@@ -414,7 +414,7 @@ class PipelineParallelModel(ShardedModel):
         posted_f = posted_b = 0
         shape = out = loss_recv = None  # the activations' (shape, dtype) received, and sent
         in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        losses = torch.zeros(m, dtype=torch.float64)
+        losses = torch.zeros(m, dtype=torch.float64, device="cpu")  # host: read per micro-batch
         max_in_flight = 0
         busy = 0.0
         started = time.perf_counter()

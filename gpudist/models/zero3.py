@@ -469,9 +469,9 @@ class ZeRO3Model(ShardedModel):
         """Scale every shard's gradient so the global L2 norm (over all ranks) is at most ``max_norm``; returns the
         norm before clipping (collective). For plain torch optimizers; ZeRO3Optimizer clips by itself."""
         grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for grad in grads:
-            total += kernels.squared_norm(grad).double().cpu()
+            total += kernels.squared_norm(grad).double()
         self.comm.all_reduce(total, ReductionOperation.SUM)
         norm = float(total.sqrt())
         scale = max_norm / (norm + 1e-6)

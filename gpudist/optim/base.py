@@ -173,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         does. Every rank gets the same answer (collective)."""
         if require not in ("all", "any"):
             raise ValueError(f"require={require!r} must be 'all' or 'any'")
-        vote = torch.tensor([1 if local_flag else 0], dtype=torch.int64)
+        vote = torch.tensor([1 if local_flag else 0], dtype=torch.int64, device=self.comm.device)
         self.comm.all_reduce(vote, ReductionOperation.MIN if require == "all" else ReductionOperation.MAX)
         return bool(vote.item())
 
@@ -212,7 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self.step()
                     self.zero_grad()
                     local = float(loss.detach())
-                mean = torch.tensor([local], dtype=torch.float64)
+                mean = torch.tensor([local], dtype=torch.float64, device=self.comm.device)
                 self.comm.all_reduce(mean, ReductionOperation.AVERAGE)
                 result.losses.append(mean.item())
                 epoch_sum, epoch_steps = epoch_sum + mean.item(), epoch_steps + 1
