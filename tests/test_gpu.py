@@ -145,18 +145,35 @@ def test_strategy_on_nccl_world_one(strategy):
         comm.shutdown()
 
 
-def _nccl_ranks(comm, strategy: str) -> torch.Tensor:
+def _on_shared_gpu(comm, body, **kwargs):
+    """``body(nccl, **kwargs)`` on an NCCL group of these Gloo ranks, all on GPU 0."""
     os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # read when the communicator is created
+    torch.backends.cuda.matmul.allow_tf32 = False
     from gpudist.comm.nccl import NCCLCommunicationBackend
 
     nccl = NCCLCommunicationBackend.from_bootstrap(comm, device=0)
     try:
-        x = torch.full((7,), float(nccl.rank + 1), device="cuda")
-        nccl.all_reduce(x)
-        assert torch.equal(x.cpu(), torch.full((7,), float(sum(range(1, nccl.world_size + 1)))))
-        return train(nccl, strategy)
+        return body(nccl, **kwargs)
     finally:
         nccl.shutdown()
+
+
+def run_on_shared_gpu(body, **kwargs) -> list:
+    """Two NCCL ranks sharing one GPU (spawned Gloo processes bootstrap them), or a skip naming the NCCL version:
+    NCCL >= 2.30 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1."""
+    from gpudist.comm.nccl import nccl_version
+
+    version = nccl_version()
+    if version is None or version < (2, 30, 0):
+        pytest.skip(f"NCCL {version} refuses two ranks on one GPU (needs >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    return run_ranks(_on_shared_gpu, 2, "gloo", timeout=120.0, body=body, **kwargs)
+
+
+def _strategy_on_nccl(nccl, strategy: str) -> torch.Tensor:
+    x = torch.full((7,), float(nccl.rank + 1), device="cuda")
+    nccl.all_reduce(x)
+    assert torch.equal(x.cpu(), torch.full((7,), float(sum(range(1, nccl.world_size + 1)))))
+    return train(nccl, strategy)
 
 
 @needs_nccl
@@ -164,13 +181,7 @@ def _nccl_ranks(comm, strategy: str) -> torch.Tensor:
 def test_multi_rank_nccl_on_one_gpu(strategy):
     """Where NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1) lets two ranks share one GPU: real multi-rank NCCL
     collectives, and a strategy equal to one process. Catches uneven reduce-scatter/all-gather group calls."""
-    from gpudist.comm.nccl import nccl_version
-
-    version = nccl_version()
-    if version is None or version < (2, 30, 0):
-        pytest.skip(f"NCCL {version} refuses two ranks on one GPU (needs >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
-    results = run_ranks(_nccl_ranks, 2, "gloo", timeout=120.0, strategy=strategy)
-    for r in results:
+    for r in run_on_shared_gpu(_strategy_on_nccl, strategy=strategy):
         torch.testing.assert_close(r, reference("cuda"), **TOL)
 
 
@@ -186,19 +197,11 @@ def _cuda_batch(step: int):
     return tuple(t.cuda() for t in global_batch(step))
 
 
-def _nccl_pipeline(comm, schedule: str):
-    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    from gpudist.comm.nccl import NCCLCommunicationBackend
-
+def _pipeline_on_nccl(nccl, schedule: str):
     from .test_pipeline import pipeline_train
 
-    nccl = NCCLCommunicationBackend.from_bootstrap(comm, device=0)
-    try:
-        params, losses, _, _ = pipeline_train(nccl, micro=4, schedule=schedule, build=_cuda_mlp, batch=_cuda_batch)
-        return params.cpu(), losses
-    finally:
-        nccl.shutdown()
+    params, losses, _, _ = pipeline_train(nccl, micro=4, schedule=schedule, build=_cuda_mlp, batch=_cuda_batch)
+    return params.cpu(), losses
 
 
 @needs_nccl
@@ -207,15 +210,10 @@ def test_pipeline_on_multi_rank_nccl(schedule):
     """Two pipeline stages over real NCCL send/recv (NCCL >= 2.30 lets them share one GPU): the in-order path that
     posts each receive when needed, grouped with the sends before it. Catches a deadlock of the stream (the test
     times out) and shape/loss messages left in host memory (NCCL refuses them)."""
-    from gpudist.comm.nccl import nccl_version
-
     from .test_pipeline import reference as pipeline_reference
 
-    version = nccl_version()
-    if version is None or version < (2, 30, 0):
-        pytest.skip(f"NCCL {version} refuses two ranks on one GPU (needs >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)")
     want, want_losses = pipeline_reference()
-    for params, losses in run_ranks(_nccl_pipeline, 2, "gloo", timeout=120.0, schedule=schedule):
+    for params, losses in run_on_shared_gpu(_pipeline_on_nccl, schedule=schedule):
         torch.testing.assert_close(params, want, **TOL)
         assert losses == pytest.approx(want_losses, rel=1e-4)
 
