@@ -127,7 +127,7 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
                 a, b, counts), "all_gather": lambda: mpi.Allgather(a, b)}[op]  # fmt: skip
     if comm.name == "nccl":
         nccl, lib = comm._comm, comm._lib
-        stream = lambda: torch.cuda.current_stream(comm.device).cuda_stream
+        stream = comm._stream  # torch's current stream, as the backend's own ops use
         calls = {"all_reduce": lambda: nccl.allReduce(inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32,
                                                       lib.NCCL_SUM, stream()),
                  "reduce_scatter": lambda: nccl.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
@@ -261,6 +261,22 @@ def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
     return _sweep_rank(NCCLCommunicationBackend.from_bootstrap(comm, device=device), **kwargs)
 
 
+def _check_gpus(world_size: int) -> None:
+    """NCCL wants one GPU per rank; from 2.30 it allows several with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
+    Say so before spawning, instead of each rank failing in ncclCommInitRank."""
+    from .comm.nccl import nccl_version
+
+    gpus = torch.cuda.device_count()
+    if world_size <= gpus or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
+        return
+    version = nccl_version() or (0, 0, 0)
+    hint = ("set NCCL_MULTI_RANK_GPU_ENABLE=1 to let NCCL put several ranks on one GPU (experimental)"
+            if version >= (2, 30) else "NCCL >= 2.30 can share a GPU between ranks (NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    raise SystemExit(f"gpudist bench collectives: --world-size {world_size} needs {world_size} GPUs for NCCL "
+                     f"{'.'.join(map(str, version))}, this machine has {gpus}: use --world-size {max(gpus, 1)}, or "
+                     f"{hint}")
+
+
 def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None,
                     **kwargs) -> dict:
     """Spawn ``world_size`` ranks, sweep, print the table, optionally write JSON; returns the result document."""
@@ -274,6 +290,7 @@ def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str |
     elif backend == "mpi" and available_backends()["mpi"] == "available":
         rows = run_ranks(_sweep_rank, world_size, "mpi", timeout=600.0, **kwargs)[0]
     elif backend == "nccl" and available_backends()["nccl"] == "available":
+        _check_gpus(world_size)
         rows = spawn(_sweep_rank_nccl, world_size, timeout=600.0, **kwargs)[0]
     else:
         reason = available_backends().get(backend, "unknown backend")

@@ -104,6 +104,7 @@ class FakeNccl:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.calls = collections.Counter()  # kind -> how often it ran, for tests that check the path taken
+        self.reductions = collections.Counter()  # NCCL op code -> how often a reduction used it
         fake = self
 
         class NcclCommunicator(_Communicator):
@@ -157,6 +158,8 @@ class FakeNccl:
         if not isinstance(call.args.get("stream"), int):
             raise TypeError(f"stream must be an int handle, got {call.args.get('stream')!r}")
         self.calls[call.kind] += 1
+        if "op" in call.args:
+            self.reductions[call.args["op"]] += 1
         if getattr(self._local, "depth", 0):
             self._local.queued.append((comm, call))
         else:

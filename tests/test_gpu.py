@@ -67,10 +67,10 @@ def reference(device) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
-def train(comm, strategy: str) -> torch.Tensor:
+def train(comm, strategy: str, **config) -> torch.Tensor:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = comm.device
-    config = gpudist.ShardingConfiguration(comm)
+    config = gpudist.ShardingConfiguration(comm, **config)
     model_cls, opt_cls = PAIRS[strategy]
     model = model_cls(net(device), config)
     opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)

@@ -177,6 +177,18 @@ def test_strategy_over_nccl_matches_one_process(strategy, world):
         torch.testing.assert_close(params, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("views", [False, True])
+def test_ddp_folds_the_average_into_a_pass_it_makes_anyway(views):
+    """DDP packs gradients into its buckets unless they are bucket views: the 1/N rides on that pack and the wire
+    is SUMmed, so no NCCL (with or without ncclAvg) pays a separate scaling pass; views have no pass and ask for
+    AVERAGE (ncclAvg here). Catches the pack path asking for AVERAGE, and a scale applied twice or not at all."""
+    fake = FakeNccl(version=21003)
+    for params in run_nccl(test_gpu.train, 2, fake, strategy="ddp", gradient_as_bucket_view=views):
+        torch.testing.assert_close(params, test_gpu.reference("cpu"), rtol=1e-5, atol=1e-6)
+    averaged = fake.reductions[fake.NCCL_AVG]
+    assert (averaged >= 2 * test_gpu.STEPS) if views else averaged == 0, dict(fake.reductions)
+
+
 @pytest.mark.parametrize(("world", "micro", "schedule"), [(2, 4, "1f1b"), (3, 4, "1f1b"), (4, 8, "1f1b"),
                                                           (3, 4, "gpipe"), (4, 2, "1f1b")])  # fmt: skip
 def test_pipeline_over_nccl_matches_one_process(world, micro, schedule):
@@ -258,3 +270,51 @@ def test_nccl_is_marked_ordered_and_cpu_backends_are_not():
     """The pipeline relies on this flag to choose between receives posted ahead and grouped in-order receives."""
     assert NCCLCommunicationBackend.ordered_p2p is True
     assert gpudist.InMemoryCommunicationBackend.ordered_p2p is False
+
+
+def _bench_rank(comm) -> tuple[list[dict], dict]:
+    from gpudist import bench
+
+    rows = bench.sweep(comm, min_bytes=256, max_bytes=1024, rounds=1, target_seconds=1e-4)
+    n, r = comm.world_size, comm.rank
+    full = torch.arange(10 * n, dtype=torch.float32) * (r + 1)
+    ours = {"all_reduce": lambda i, o: comm.all_reduce(i), "reduce_scatter": comm.reduce_scatter,
+            "all_gather": comm.all_gather}  # fmt: skip
+    same = {}
+    for op, inp, out_numel in (("all_reduce", full, 10 * n), ("reduce_scatter", full, 10),
+                               ("all_gather", full[10 * r : 10 * (r + 1)], 10 * n)):  # fmt: skip
+        outs = []
+        for call in (ours[op], lambda i, o, op=op: bench._raw_call(comm, op, i, o)()):
+            i = inp.clone()
+            o = i if op == "all_reduce" else torch.empty(out_numel)
+            call(i, o)
+            outs.append(o)
+        same[op] = torch.equal(*outs)
+    return rows, same
+
+
+def test_collectives_benchmark_runs_over_nccl():
+    """``gpudist bench collectives --backend nccl``'s per-rank sweep over the simulated NCCL: gpudist, its
+    unchecked variant and the raw ``cupy.cuda.nccl`` baseline each run, on the backend's stream, and the baseline
+    computes the same values. Catches a baseline call with wrong arguments (it would fail or sum other data, and
+    every ratio in the committed JSON would be meaningless) and a bench path that assumes a CUDA device."""
+    fake = FakeNccl()
+    for rows, same in run_nccl(_bench_rank, 2, fake):
+        assert {r["op"] for r in rows} == {"all_reduce", "reduce_scatter", "all_gather"} and len(rows) == 6
+        assert all(r["baseline_s"] > 0 and r["gpudist_nocheck_s"] > 0 for r in rows)
+        assert same == {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
+
+
+def test_collectives_benchmark_refuses_more_ranks_than_gpus(monkeypatch):
+    """Catches the NCCL benchmark spawning ranks that each die in ncclCommInitRank with two on one GPU: it names
+    the world size, the GPU count and the NCCL_MULTI_RANK_GPU_ENABLE way out instead."""
+    from gpudist import bench
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    with installed(FakeNccl(version=23003)), pytest.raises(SystemExit, match=r"--world-size 2 needs 2 GPUs.*has 1"
+                                                                              r".*NCCL_MULTI_RANK_GPU_ENABLE=1"):
+        bench._check_gpus(2)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    bench._check_gpus(2)
+

@@ -13,7 +13,9 @@ Gloo or MPI backend of the same processes).
   rank's range inside one NCCL group call, straight from and into the caller's buffers (no padding); even sizes
   use ``ncclReduceScatter`` / ``ncclAllGather`` (in place when ``inp`` already is ``out``'s own range).
 - AVERAGE: ``ncclAvg`` where the NCCL library has it (>= 2.10), otherwise SUM and one scaling kernel. gpudist's
-  strategies instead fold the 1/N into their pack kernels and send SUM, so they never pay the extra pass.
+  strategies fold the 1/N into a pass they make anyway (DDP's bucket pack or low-precision cast, ZeRO's pack
+  for the reduce-scatter) and send SUM; only DDP's gradient views on an fp32 wire, which have no such pass, ask
+  for AVERAGE.
 - dtypes: fp32, fp64, fp16, int64, int32, int8, uint8, and bf16 where CuPy exposes ``NCCL_BFLOAT16``.
 - Timeouts: a watchdog thread polls the CUDA event of every op in flight; one that has not completed after
   ``timeout`` seconds (or ``ncclCommGetAsyncError`` reporting an error) makes it abort the communicator

@@ -159,17 +159,23 @@ class DDPModel(ShardedModel):
 
     def _launch(self, bucket: GradientBucket) -> None:
         n = self.world_size
+        hooked = self._comm_hook is not None
+        # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, or the cast to a
+        # low-precision wire), and the wire is SUMmed: no backend pays a separate scaling pass. Only gradient views
+        # on a full-precision wire (no pass at all) ask for AVERAGE: ncclAvg on NCCL >= 2.10, the backend's own
+        # division elsewhere.
         if not self._views:
-            kernels.pack(self._grads_of(bucket), bucket.grads.data)
-        if self._comm_hook is not None:  # synchronous: a compressed all-reduce is several dependent collectives
+            prescaled = not hooked and bucket.wire is bucket.grads.data
+            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 / n if prescaled else 1.0)
+        if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
             self._comm_hook.all_reduce(bucket.index, bucket.grads.data)
             self._pending.append((bucket, Work()))
             return
-        if bucket.wire is bucket.grads.data:
-            op, wire = ReductionOperation.AVERAGE, bucket.wire
-        else:  # low-precision wire: cast and pre-divide by N in one pass, sum, widen back after
+        if bucket.wire is not bucket.grads.data:  # low-precision wire: cast and pre-divide by N in one pass
             kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
             op, wire = ReductionOperation.SUM, bucket.wire
+        else:
+            op, wire = (ReductionOperation.AVERAGE if self._views else ReductionOperation.SUM), bucket.wire
         with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
             work = self.comm.all_reduce(wire, op, async_op=True)
         self._pending.append((bucket, work))
