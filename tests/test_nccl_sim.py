@@ -167,6 +167,24 @@ def test_missing_cupy_names_the_extra_to_install(monkeypatch):
     assert nccl.nccl_version() is None
 
 
+def test_cupy_without_libnccl_names_the_wheel_to_install(monkeypatch):
+    """CuPy imports without libnccl and marks ``nccl.available`` False: the error says which NCCL to install,
+    instead of an AttributeError from the first NCCL call."""
+    import sys
+    import types
+
+    cupy, cuda, lib = types.ModuleType("cupy"), types.ModuleType("cupy.cuda"), types.ModuleType("cupy.cuda.nccl")
+    lib.available, cuda.nccl, cupy.cuda = False, lib, cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", lib)
+    from gpudist.comm import nccl
+
+    with pytest.raises(CommunicationError, match=r"libnccl was not found.*nvidia-nccl-cu12"):
+        nccl._nccl()
+    assert nccl.nccl_version() is None
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", list(test_gpu.PAIRS))
 def test_strategy_over_nccl_matches_one_process(strategy, world):
