@@ -71,7 +71,7 @@ def compile_spec(spec: dict, target: str) -> dict:
 
     backend, arch = target.split(":")
     options = {k: v for k, v in spec["options"].items() if k in OPTIONS}
-    row = {"kernel": spec["kernel"], "target": target, "args": spec["args"]}
+    row = {"kernel": spec["kernel"], "target": target, "args": spec["args"], "triton": triton.__version__}
     try:
         compiled = triton.compile(source(spec), target=GPUTarget(backend, int(arch), 32), options=options)
         row["ok"] = bool(compiled.asm.get("cubin"))
