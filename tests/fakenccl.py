@@ -15,6 +15,9 @@ strict where NCCL is unforgiving:
   (all-gather: ``send == recv + rank * count``; reduce-scatter: ``recv == send + rank * recvcount``); any
   other overlap of send and receive buffers is an error.
 - ``NCCL_BFLOAT16``/``NCCL_AVG`` exist as constants whatever ``get_version()`` says, as in CuPy.
+- The unique id has CuPy's two forms: ``bytes`` from CuPy 14 on, a tuple of 128 signed chars before
+  (``cupy_version``); each refuses the other with CuPy's TypeError. Checked against the real CuPy 14.2.0
+  (cupy-cuda13x with NCCL 2.32.3, imported without a GPU): its names and argument lists are the ones here.
 
 What it cannot show: speed, CUDA streams and events, device placement (tensors live on the CPU), NCCL's own
 bugs. Those need the GPU tier (tests/test_gpu.py).
@@ -95,8 +98,8 @@ class FakeNccl:
     available = True
     NcclError = NcclError
 
-    def __init__(self, version: int = 23003, timeout: float = 30.0):
-        self.version, self.timeout = version, timeout
+    def __init__(self, version: int = 23003, timeout: float = 30.0, cupy_version: int = 14):
+        self.version, self.timeout, self.cupy_version = version, timeout, cupy_version
         for name, value in globals().items():
             if name.startswith("NCCL_"):
                 setattr(self, name, value)
@@ -117,8 +120,9 @@ class FakeNccl:
     def get_version(self) -> int:
         return self.version
 
-    def get_unique_id(self) -> tuple[int, ...]:
-        return tuple(b - 256 if b > 127 else b for b in os.urandom(128))
+    def get_unique_id(self) -> bytes | tuple[int, ...]:
+        raw = os.urandom(128)
+        return raw if self.cupy_version >= 14 else tuple(b - 256 if b > 127 else b for b in raw)
 
     def groupStart(self) -> None:
         self._local.depth = getattr(self._local, "depth", 0) + 1
@@ -274,11 +278,16 @@ class _Communicator:
 
     _fake: FakeNccl
 
-    def __init__(self, ndev: int, commId: tuple, rank: int):
-        if not isinstance(commId, tuple) or len(commId) != 128:
-            raise AssertionError("commId must be a tuple of 128 ints (CuPy asserts this)")
-        if any(not isinstance(b, int) or not -128 <= b <= 127 for b in commId):
+    def __init__(self, ndev: int, commId: bytes | tuple, rank: int):
+        want = bytes if self._fake.cupy_version >= 14 else tuple
+        if not isinstance(commId, want):  # Cython's check of the typed argument
+            raise TypeError(f"Argument 'commId' has incorrect type (expected {want.__name__}, got "
+                            f"{type(commId).__name__})")  # fmt: skip
+        if len(commId) != 128:
+            raise AssertionError("commId must hold 128 bytes (CuPy asserts this)")
+        if want is tuple and any(not isinstance(b, int) or not -128 <= b <= 127 for b in commId):
             raise OverflowError("value too large to convert to char (commId holds signed bytes, -128..127)")
+        commId = tuple(commId)
         if not 0 <= rank < ndev:
             raise NcclError(f"NCCL_ERROR_INVALID_ARGUMENT: rank {rank} of {ndev}")
         self._rank, self._seq, self._closed, self.async_error = rank, 0, False, None

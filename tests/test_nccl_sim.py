@@ -71,10 +71,12 @@ def test_batch_send_recv_lets_a_ring_exchange_in_one_step():
     assert fake.calls["send"] == fake.calls["recv"] == 3
 
 
-def test_create_exchanges_the_id_through_the_tcp_store():
-    """Two ranks join through torch's TCPStore. Catches the 128-byte id losing its sign on the way (CuPy takes
-    signed chars; an unsigned byte > 127 overflows) or ranks reading different ids (init never completes)."""
-    fake, results, errors, port = FakeNccl(timeout=20), [None, None], [], free_port()
+@pytest.mark.parametrize("cupy_version", [14, 13])
+def test_create_exchanges_the_id_through_the_tcp_store(cupy_version):
+    """Two ranks join through torch's TCPStore. Catches the 128-byte id in the wrong form for the installed CuPy
+    (bytes from 14 on, signed chars before: an unsigned byte > 127 overflows) or ranks reading different ids
+    (init never completes)."""
+    fake, results, errors, port = FakeNccl(timeout=20, cupy_version=cupy_version), [None, None], [], free_port()
 
     def join(rank: int) -> None:
         try:
@@ -95,6 +97,26 @@ def test_create_exchanges_the_id_through_the_tcp_store():
             t.join(60)
     assert not errors, errors
     assert results == [3.0, 3.0]
+
+
+def _subgroup_sums(comm) -> list[float]:
+    out = []
+    for ranks in ([0, 1], [1, 2], [0, 2]):
+        group = comm.new_group(ranks)
+        if group is not None:
+            t = torch.tensor([comm.rank + 1.0])
+            group.all_reduce(t)
+            out.append(t.item())
+    return out
+
+
+@pytest.mark.parametrize("cupy_version", [14, 13])
+def test_ids_take_the_installed_cupys_form(cupy_version):
+    """CuPy 14 changed the unique id from a tuple of signed chars to bytes, and each refuses the other with a
+    TypeError. Catches the backend passing one form only: with CuPy 14 (what cupy-cuda13x installs) every
+    NCCL group, the world one from the bootstrap and each sub-group, failed at construction."""
+    results = run_nccl(_subgroup_sums, 3, FakeNccl(cupy_version=cupy_version))
+    assert results == [[3.0, 4.0], [3.0, 5.0], [5.0, 4.0]]
 
 
 def _mismatch(comm) -> str:
@@ -336,3 +358,33 @@ def test_collectives_benchmark_refuses_more_ranks_than_gpus(monkeypatch):
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     bench._check_gpus(2)
 
+
+
+def test_simulation_matches_the_installed_cupy():
+    """Where CuPy with libnccl is installed (a GPU machine, or any machine with the cuda extra: CuPy imports
+    without a GPU), the simulation's names and argument lists must be CuPy's, and the id form gpudist passes must
+    get past CuPy's argument checks into NCCL. Catches the simulation drifting from CuPy, which would let the
+    CPU tier pass code that fails on the real library (as the id's bytes/tuple change in CuPy 14 did)."""
+    import inspect
+
+    real = pytest.importorskip("cupy.cuda.nccl", reason="CuPy is not installed (pip install 'gpudist[cuda13]')")
+    if not real.available:
+        pytest.skip("CuPy is installed without libnccl")
+    fake = FakeNccl()
+    own = {"abort_all", "available", "calls", "cupy_version", "reductions", "timeout", "version"}
+    for name in sorted(n for n in dir(fake) if not n.startswith("_") and n not in own):
+        assert hasattr(real, name), f"cupy.cuda.nccl has no {name}"
+    for name in sorted(n for n in dir(fake.NcclCommunicator) if not n.startswith("_")):
+        member = getattr(real.NcclCommunicator, name, None)
+        assert member is not None, f"cupy's NcclCommunicator has no {name}"
+        doc = (member.__doc__ or "").strip().splitlines()
+        if callable(getattr(fake.NcclCommunicator, name)) and doc and doc[0].startswith(f"NcclCommunicator.{name}("):
+            theirs = [p.split()[-1].split("=")[0] for p in doc[0].split("(", 1)[1].rstrip(")").split(", ")]
+            ours = list(inspect.signature(getattr(fake.NcclCommunicator, name)).parameters)
+            assert ours == theirs, f"{name}: simulated {ours}, CuPy {theirs}"
+    from gpudist.comm import nccl
+
+    try:  # without a GPU, NCCL itself refuses (NcclError, a RuntimeError); CuPy's own checks raise TypeError
+        nccl._communicator(real, 1, NCCLCommunicationBackend.unique_id(), 0).destroy()
+    except RuntimeError as e:
+        assert not torch.cuda.is_available(), e

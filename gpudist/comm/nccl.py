@@ -64,7 +64,8 @@ def _nccl():
         ) from e
     if not getattr(nccl, "available", True):
         raise CommunicationError("CuPy is installed but libnccl was not found; install the nvidia-nccl-cu12/-cu13 "
-                                 "wheel or a system NCCL", op="init", group="world")  # fmt: skip
+                                 "wheel (pip install 'gpudist[cuda12]' or 'gpudist[cuda13]' brings it) or a system "
+                                 "NCCL", op="init", group="world")  # fmt: skip
     return nccl
 
 
@@ -76,6 +77,27 @@ def nccl_version() -> tuple[int, int, int] | None:
         return None
     return (code // 10000, code // 100 % 100, code % 100) if code >= 10000 else (code // 1000, code // 100 % 10,
                                                                                   code % 100)  # fmt: skip
+
+
+def _id_bytes(unique_id: bytes | Sequence[int]) -> bytes:
+    """An NCCL unique id as 128 bytes, from bytes (CuPy >= 14) or ints, signed (CuPy < 14) or not."""
+    raw = unique_id if isinstance(unique_id, bytes) else bytes(int(b) & 0xFF for b in unique_id)
+    if len(raw) != _ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {_ID_BYTES} bytes, got {len(raw)}: pass what "
+                         "NCCLCommunicationBackend.unique_id() returned on rank 0")  # fmt: skip
+    return raw
+
+
+def _communicator(lib, world_size: int, unique_id: bytes, rank: int):
+    """``NcclCommunicator`` in the id form the installed CuPy takes: bytes from CuPy 14 on, before that a tuple of
+    128 signed chars (each version refuses the other's form with a TypeError before calling NCCL)."""
+    try:
+        return lib.NcclCommunicator(world_size, unique_id, rank)
+    except TypeError as first:
+        try:
+            return lib.NcclCommunicator(world_size, tuple(b - 256 if b > 127 else b for b in unique_id), rank)
+        except TypeError:
+            raise first from None
 
 
 class _CudaRuntime:
@@ -125,7 +147,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
     name = "nccl"
     ordered_p2p = True  # sends and receives run in issue order on torch's current stream
 
-    def __init__(self, rank: int, world_size: int, unique_id: Sequence[int], *,
+    def __init__(self, rank: int, world_size: int, unique_id: bytes | Sequence[int], *,
                  device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
                  group: str = "world"):  # fmt: skip
         super().__init__(rank, world_size, group, timeout)
@@ -146,7 +168,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
                      ReductionOperation.MIN: self._lib.NCCL_MIN, ReductionOperation.PRODUCT: self._lib.NCCL_PROD}
         with self._rt.selected():
             try:
-                self._comm = self._lib.NcclCommunicator(world_size, tuple(int(b) for b in unique_id), rank)
+                self._comm = _communicator(self._lib, world_size, _id_bytes(unique_id), rank)
             except RuntimeError as e:
                 raise CommunicationError(f"ncclCommInitRank failed: {e}", op="init", group=group, rank=rank) from e
         self._subgroups = 0
@@ -159,9 +181,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
     # -- construction ------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def unique_id() -> list[int]:
-        """A fresh NCCL unique id (128 signed bytes as ints): rank 0 makes it, every rank passes it to ``__init__``."""
-        return list(_nccl().get_unique_id())
+    def unique_id() -> bytes:
+        """A fresh NCCL unique id (128 bytes): rank 0 makes it, every rank passes it to ``__init__``."""
+        return _id_bytes(_nccl().get_unique_id())
 
     @classmethod
     def from_bootstrap(cls, bootstrap: CommunicationBackend, *, device: int | torch.device | None = None,
@@ -169,7 +191,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """The NCCL group of the same ranks as ``bootstrap`` (a CPU backend), whose rank 0 broadcasts the id."""
         ident = torch.zeros(_ID_BYTES, dtype=torch.int64)
         if bootstrap.rank == 0:
-            ident.copy_(torch.tensor(cls.unique_id(), dtype=torch.int64))
+            ident.copy_(torch.tensor(list(cls.unique_id()), dtype=torch.int64))
         bootstrap.broadcast(ident, src=0)
         return cls(bootstrap.rank, bootstrap.world_size, ident.tolist(), device=device,
                    timeout=bootstrap.timeout if timeout is None else timeout, validate=validate)  # fmt: skip
@@ -185,10 +207,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
             store = create_store(master_addr, master_port, rank, world_size, timeout)
         key = "gpudist/nccl/unique_id"
         if rank == 0:
-            store.set(key, bytes(b & 0xFF for b in cls.unique_id()))
+            store.set(key, cls.unique_id())
         store.wait([key], datetime.timedelta(seconds=timeout))
-        ident = [b - 256 if b > 127 else b for b in store.get(key)]
-        return cls(rank, world_size, ident, device=device, timeout=timeout, validate=validate)
+        return cls(rank, world_size, store.get(key), device=device, timeout=timeout, validate=validate)
 
     @property
     def device(self) -> torch.device:
@@ -373,7 +394,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._subgroups += 1
         ident = torch.zeros(_ID_BYTES, dtype=torch.int64, device=self._device)
         if self.rank == ranks[0]:
-            ident.copy_(torch.tensor(self.unique_id(), dtype=torch.int64))
+            ident.copy_(torch.tensor(list(self.unique_id()), dtype=torch.int64))
         self._comm.broadcast(ident.data_ptr(), ident.data_ptr(), _ID_BYTES, self._lib.NCCL_INT64, ranks[0],
                              self._stream())  # fmt: skip
         self._enqueued("new_group")
