@@ -8,12 +8,19 @@ A checkpoint is a folder::
     rank-00000.safetensors   this rank's pieces: 1-D slices of flattened full tensors, no pickle
     ...
 
+A piece is listed as ``[kind, name, start, n]``, or ``[kind, name, start, n, count, stride]`` for ``count`` runs of
+``n`` elements ``stride`` apart stored as one tensor: the rows of a tensor-parallel rowwise shard (an ``[out, in]``
+weight split by columns is ``out`` runs of ``in / tp``) take one entry, not one per row.
+
 Everything is described in *canonical* coordinates: a piece is elements ``[start, start + n)`` of one full
 parameter (or of its optimizer state such as ``exp_avg``), flattened. A strategy only has to say which pieces it
 holds (:meth:`ShardedModel.checkpoint_segments`, and the owned ranges of a ZeRO optimizer), so a checkpoint
 written by ZeRO-3 on 4 ranks loads into ZeRO-2 on 2 or DDP on 3: each rank reads the pieces it now needs from
-whichever files hold them. Replicated strategies split the writing: rank r saves its ``shard_range`` of every
-tensor.
+whichever files hold them. Every element is written once: when several ranks hold copies of it (data-parallel
+replicas, tensor ranks holding a replicated LayerNorm, pipeline stages sharing a tied embedding), the model's
+:meth:`ShardedModel.checkpoint_share` says how many copies there are and which one this rank is, and the copies
+split the writing (replicated strategies: rank r saves its ``shard_range`` of every tensor) or leave it to one
+(the stage owning a tied parameter).
 
 Saving is atomic: files go to a temporary folder beside the target, the manifest is written last, and the folder
 is renamed into place. Loading reads and verifies every byte it needs (file checksums, shapes, names, coverage)
@@ -29,6 +36,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,12 +52,15 @@ from .flat import exchange_bytes
 from .models.base import ShardedModel, module_segments, module_table
 from .optim.base import ShardedOptimizer, load_keeping_identity
 from .optim.compression import GradientCompressionOptimizer, check_compress_mode
+from .optim.hybrid import HybridShardedOptimizer
 from .optim.zero import _FlatShardOptimizer
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWrite", "latest_checkpoint", "load_checkpoint",
            "read_manifest", "remove_stale_staging", "save_checkpoint"]  # fmt: skip
 
-FORMAT = "gpudist.checkpoint.v1"
+FORMAT = "gpudist.checkpoint.v2"
+READABLE = ("gpudist.checkpoint.v1", FORMAT)
+"""v2 added strided piece entries (``[kind, name, start, n, count, stride]``); v1 folders load unchanged."""
 MANIFEST = "manifest.json"
 
 Segments = list[tuple[int, int, str, int]]
@@ -74,11 +85,30 @@ class CheckpointInfo:
 # What a rank holds
 
 
-def _model_parts(model: nn.Module) -> tuple[list[tuple[torch.Tensor, Segments]], bool, nn.Module, str]:
+Share = Callable[[str, bool], "tuple[int, int] | None"]
+"""``share(name, across_replicas)``: :meth:`ShardedModel.checkpoint_share` (``(copies, index)``, or None)."""
+
+
+@dataclass
+class _Parts:
+    """What a rank holds of a model, and which of it it writes."""
+
+    held: list[tuple[torch.Tensor, Segments]]
+    share: Share
+    buffers: list[tuple[str, torch.Tensor, bool]]  # (full name, tensor, whether this rank writes it)
+    buffer_table: list[dict[str, Any]]
+    strategy: str
+
+
+def _model_parts(model: nn.Module) -> _Parts:
     if isinstance(model, ShardedModel):
-        return model.checkpoint_segments(), not model.shards_parameters, model.module, model.strategy
+        return _Parts(model.checkpoint_segments(), model.checkpoint_share, model.checkpoint_buffers(),
+                      model.buffer_table(), model.strategy)  # fmt: skip
     if isinstance(model, nn.Module):
-        return module_segments(model), True, model, "module"
+        buffers = list(model.named_buffers())
+        table = [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in buffers]
+        return _Parts(module_segments(model), lambda name, across=True: (1, 0), [(n, b, True) for n, b in buffers],
+                      table, "module")  # fmt: skip
     raise TypeError(f"checkpoints hold an nn.Module or a gpudist ShardedModel, got {type(model).__name__}")
 
 
@@ -94,15 +124,37 @@ def _canonical(segments: Segments, lo: int, hi: int):
             yield a, b - a, name, at + a - off
 
 
-def _narrow(name_numel: dict[str, int], rank: int, world: int, pos: int, n: int, name: str, at: int):
-    """For replicated tensors: the part of a piece that falls in this rank's share of the full tensor."""
-    lo, hi = shard_range(name_numel[name], world, rank)
-    a, b = max(lo, at), min(hi, at + n)
-    return (pos + a - at, b - a, a) if a < b else None
+def _written(pieces, share: Share, across_replicas: bool) -> list[tuple[int, int, str, int]]:
+    """The parts of held ``pieces`` (``(position, length, name, position in name)``) that this rank writes.
+
+    The ranks holding copies of a parameter's elements hold the same pieces of it (the same replica's shard, the
+    same ZeRO-owned range, a whole replicated parameter); ``share(name, across_replicas)`` says how many they are
+    and which this rank is (:meth:`ShardedModel.checkpoint_share`). The ``index``-th copy writes the ``index``-th
+    :func:`shard_range` of those elements taken in canonical order, so each is written once and the copies write
+    equal amounts (a rowwise shard's rows split between replicas); None: another rank writes them."""
+    by_name: dict[str, list[tuple[int, int, str, int]]] = {}
+    for piece in pieces:
+        by_name.setdefault(piece[2], []).append(piece)
+    out = []
+    for name, held in by_name.items():
+        part = share(name, across_replicas)
+        if part is None:
+            continue
+        held.sort(key=lambda piece: piece[3])
+        lo, hi = shard_range(sum(n for _, n, _, _ in held), *part)
+        at = 0
+        for pos, n, _, c in held:
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                out.append((pos + a - at, b - a, name, c + a - at))
+            at += n
+    return out
 
 
 def _flat_owned(opt: _FlatShardOptimizer, segmap: dict[int, Segments]):
     """A ZeRO optimizer's owned buffer in canonical coordinates: (owned position, length, name, position)."""
+    # (the owned ranges are disjoint over the optimizer's ranks, the data-parallel replicas: copies elsewhere, as
+    # tensor ranks' replicated LayerNorms, are narrowed by the model's checkpoint_share(name, False))
     layout = opt._flat.layout
     for start, length, at in opt._segment_spans():
         for i, p in enumerate(opt._flat_params):
@@ -115,6 +167,11 @@ def _flat_owned(opt: _FlatShardOptimizer, segmap: dict[int, Segments]):
 
 def _torch_optimizer(opt) -> torch.optim.Optimizer:
     return opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
+
+
+def _state_holder(opt):
+    """The optimizer object holding the state: a HybridShardedOptimizer's data-parallel optimizer (ZeRO or DDP)."""
+    return opt.inner if isinstance(opt, HybridShardedOptimizer) else opt
 
 
 def _hyper(groups: list[dict]) -> list[dict]:
@@ -167,12 +224,14 @@ def _residual_pieces(opt: GradientCompressionOptimizer, segmap: dict[int, Segmen
     return pieces, meta
 
 
-def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel: dict[str, int], rank: int,
+def _optimizer_pieces(opt, segmap: dict[int, Segments], share: Share, rank: int,
                       world: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:  # fmt: skip
-    """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description."""
+    """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description. State held by
+    several ranks (replicated, or a tied parameter's on two stages) is written once, as the parameters are."""
+    opt = _state_holder(opt)
     if isinstance(opt, GradientCompressionOptimizer):
         target = opt.inner if opt.inner is not None else opt.optimizer
-        pieces, scalars, desc = _optimizer_pieces(target, segmap, replicated, numel, rank, world)
+        pieces, scalars, desc = _optimizer_pieces(target, segmap, share, rank, world)
         residuals, meta = _residual_pieces(opt, segmap, rank, world)
         return {**pieces, **residuals}, scalars, {**desc, "compression": meta}
     pieces: dict[str, torch.Tensor] = {}
@@ -182,7 +241,7 @@ def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel:
         pieces[f"state.{key}|{name}|{at}"] = values.detach().reshape(-1).contiguous().cpu().clone()
 
     if isinstance(opt, _FlatShardOptimizer):
-        owned = list(_flat_owned(opt, segmap))
+        owned = _written(_flat_owned(opt, segmap), share, False)  # the owned pieces this rank writes
         tensors = dict(opt._state)
         if not opt._master_is_view:
             tensors["master"] = opt._master
@@ -216,10 +275,8 @@ def _optimizer_pieces(opt, segmap: dict[int, Segments], replicated: bool, numel:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and key != "step":
                     flat = value.reshape(-1)
-                    for pos, n, name, c in _canonical(segmap.get(id(p), []), 0, p.numel()):
-                        part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
-                        if part is not None:
-                            put(key, name, part[2], flat[part[0] : part[0] + part[1]])
+                    for pos, n, name, c in _written(_canonical(segmap.get(id(p), []), 0, p.numel()), share, True):
+                        put(key, name, c, flat[pos : pos + n])
                 elif (s := _scalar(value)) is not None:
                     for _, _, name, _ in segmap.get(id(p), []):
                         scalars.setdefault(name, {})[key] = s
@@ -264,31 +321,24 @@ class CheckpointWrite:
         self.rank, self.world = rank, world
         if extra is not None and not _jsonable(extra):
             raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
-        held, replicated, module, strategy = _model_parts(model)
+        parts = _model_parts(model)
         table = _param_table(model)
-        numel = {row["name"]: int(torch.Size(row["shape"]).numel()) for row in table}
         pieces: dict[str, torch.Tensor] = {}
-        for tensor, segments in held:
+        for tensor, segments in parts.held:
             flat = tensor.detach().reshape(-1)
-            for pos, n, name, c in _canonical(segments, 0, flat.numel()):
-                part = (pos, n, c) if not replicated else _narrow(numel, rank, world, pos, n, name, c)
-                if part is not None:
-                    pieces[f"param|{name}|{part[2]}"] = flat[part[0] : part[0] + part[1]].contiguous().cpu().clone()
-        buffers = {name: b for name, b in module.named_buffers()}
-        if rank == 0:
-            for name, b in buffers.items():
+            for pos, n, name, c in _written(_canonical(segments, 0, flat.numel()), parts.share, True):
+                pieces[f"param|{name}|{c}"] = flat[pos : pos + n].contiguous().cpu().clone()
+        for name, b, writes in parts.buffers:
+            if writes:
                 pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
         scalars, opt_desc = {}, None
         if optimizer is not None:
-            segmap = {id(t): segs for t, segs in held}
-            opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, replicated, numel, rank, world)
+            segmap = {id(t): segs for t, segs in parts.held}
+            opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, parts.share, rank, world)
             pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
         self.body = {
-            "format": FORMAT, "strategy": strategy, "world_size": world, "step": int(step), "extra": extra or {},
-            "parameters": table,
-            "buffers": [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                        for n, b in buffers.items()],
-            "optimizer": opt_desc,
+            "format": FORMAT, "strategy": parts.strategy, "world_size": world, "step": int(step),
+            "extra": extra or {}, "parameters": table, "buffers": parts.buffer_table, "optimizer": opt_desc,
         }  # fmt: skip
         self.scalars = scalars
         token = uuid.uuid4().hex[:12]
@@ -309,12 +359,12 @@ class CheckpointWrite:
 
     def _write(self, pieces: dict[str, torch.Tensor]) -> None:
         try:
-            data = st_save(pieces, metadata={"format": FORMAT, "rank": str(self.rank)})
+            stored, listed = _pack_runs(pieces)
+            data = st_save(stored, metadata={"format": FORMAT, "rank": str(self.rank)})
             filename = f"rank-{self.rank:05d}.safetensors"
             atomic_write_bytes(self.staging / filename, data)
             self.info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                         "pieces": [[*k.split("|")[:2], int(k.split("|")[2]), v.numel()] for k, v in pieces.items()],
-                         "scalars": self.scalars}  # fmt: skip
+                         "pieces": listed, "scalars": self.scalars}  # fmt: skip
         except BaseException as e:  # reported to every rank by wait()
             self.error = e
 
@@ -358,6 +408,34 @@ class CheckpointWrite:
         return self.path
 
 
+def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """The tensors of a rank's file and their manifest entries. Pieces of one tensor of equal length at a fixed
+    stride (the rows of a rowwise split: ``in / tp`` elements every ``in``) are stored as one tensor, listed once as
+    ``[kind, name, start, n, count, stride]`` (elements ``start + k * stride + [0, n)`` for ``k < count``); any
+    other piece as ``[kind, name, start, n]``. The file's tensor is named ``kind|name|start`` either way."""
+    by_tensor: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    for key, values in pieces.items():
+        kind, name, start = key.rsplit("|", 2)
+        by_tensor.setdefault((kind, name), []).append((int(start), values))
+    stored: dict[str, torch.Tensor] = {}
+    listed: list[list] = []
+    for (kind, name), runs in by_tensor.items():
+        runs.sort(key=lambda run: run[0])
+        groups: list[list] = []  # [start, n, count, stride, [values]]
+        for start, values in runs:
+            g = groups[-1] if groups else None
+            if g is not None and values.numel() == g[1] and (g[2] == 1 or start == g[0] + g[2] * g[3]):
+                g[3] = start - g[0] if g[2] == 1 else g[3]
+                g[2] += 1
+                g[4].append(values)
+            else:
+                groups.append([start, values.numel(), 1, 0, [values]])
+        for start, n, count, stride, values in groups:
+            stored[f"{kind}|{name}|{start}"] = values[0] if count == 1 else torch.cat(values)
+            listed.append([kind, name, start, n] if count == 1 else [kind, name, start, n, count, stride])
+    return stored, listed
+
+
 def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
     """Delete the hidden folders that interrupted saves left under ``root`` (``.NAME.tmp-*``, ``.NAME.old-*``).
     Call it only when no save is in progress (e.g. on rank 0 when a job starts). Returns what it removed."""
@@ -393,8 +471,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{file} is damaged (not a gpudist manifest): {e}") from None
     if doc.get("sha256") != _body_digest(body):
         raise CheckpointError(f"{file} is damaged: its checksum does not match its content")
-    if body.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {body.get('format')!r}; this gpudist reads {FORMAT!r}")
+    if body.get("format") not in READABLE:
+        raise CheckpointError(f"{path} has format {body.get('format')!r}; this gpudist reads {READABLE}")
     return body
 
 
@@ -421,10 +499,12 @@ class _Reader:
 
     def __init__(self, path: Path, body: dict):
         self.path, self.body = path, body
-        self.index: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        # (kind, name) -> (start, n, count, stride, file): ``count`` runs of n elements, ``stride`` apart
+        self.index: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
         for f, entry in enumerate(body["files"]):
-            for kind, name, start, n in entry["pieces"]:
-                self.index.setdefault((kind, name), []).append((start, n, f))
+            for kind, name, start, n, *strided in entry["pieces"]:
+                count, stride = strided if strided else (1, n)
+                self.index.setdefault((kind, name), []).append((start, n, count, max(stride, 1), f))
         self.files: dict[int, dict[str, torch.Tensor]] = {}
 
     def _file(self, f: int) -> dict[str, torch.Tensor]:
@@ -440,9 +520,15 @@ class _Reader:
             if hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise CheckpointError(f"{file} is damaged: its SHA-256 does not match the manifest (bit flip?)")
             try:
-                self.files[f] = st_load(data)
+                tensors = st_load(data)
             except Exception as e:  # safetensors raises several types for garbled input
                 raise CheckpointError(f"{file} is damaged: {e}") from None
+            for kind, name, start, n, *strided in entry["pieces"]:
+                got = tensors.get(f"{kind}|{name}|{start}")
+                if got is None or got.numel() != n * (strided[0] if strided else 1):
+                    raise CheckpointError(f"{file} does not hold the {kind} piece of {name!r} at {start} that the "
+                                          "manifest lists (the file and manifest come from different saves?)")
+            self.files[f] = tensors
         return self.files[f]
 
     def has(self, kind: str, name: str) -> bool:
@@ -451,11 +537,14 @@ class _Reader:
     def read(self, kind: str, name: str, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(n, dtype=dtype, device="cpu")
         covered = 0
-        for s, m, f in self.index.get((kind, name), []):
-            a, b = max(start, s), min(start + n, s + m)
-            if a < b:
-                piece = self._file(f)[f"{kind}|{name}|{s}"]
-                out[a - start : b - start].copy_(piece[a - s : b - s])
+        for s0, m, count, stride, f in self.index.get((kind, name), []):
+            # the runs k that overlap [start, start + n): s0 + k * stride < start + n and s0 + k * stride + m > start
+            first, last = max(0, (start - s0 - m) // stride + 1), min(count - 1, (start + n - s0 - 1) // stride)
+            for k in range(first, last + 1):
+                s = s0 + k * stride
+                a, b = max(start, s), min(start + n, s + m)
+                piece = self._file(f)[f"{kind}|{name}|{s0}"]
+                out[a - start : b - start].copy_(piece[k * m + a - s : k * m + b - s])
                 covered += b - a
         if covered != n:
             raise CheckpointError(f"{self.path} lacks {kind} elements of {name!r} in [{start}, {start + n}): "
@@ -463,7 +552,7 @@ class _Reader:
         return out
 
 
-def _check_model(body: dict, model: nn.Module, table: list[dict], module: nn.Module) -> None:
+def _check_model(body: dict, table: list[dict], buffers: list[tuple[str, torch.Tensor, bool]]) -> None:
     saved = {row["name"]: row for row in body["parameters"]}
     mine = {row["name"]: row for row in table}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -475,7 +564,7 @@ def _check_model(body: dict, model: nn.Module, table: list[dict], module: nn.Mod
             raise CheckpointError(f"checkpoint does not match the model: {name} has shape {saved[name]['shape']} "
                                   f"in the checkpoint, {row['shape']} in the model")  # fmt: skip
     saved_buffers = {b["name"]: b for b in body["buffers"]}
-    for name, b in module.named_buffers():
+    for name, b, _ in buffers:
         if name not in saved_buffers or saved_buffers[name]["shape"] != list(b.shape):
             raise CheckpointError(f"checkpoint does not match the model: buffer {name} is missing or has another "
                                   "shape")  # fmt: skip
@@ -487,14 +576,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs."""
     path = Path(path)
     comm = _comm_of(model, optimizer)
-    held, _, module, _ = _model_parts(model)
+    parts = _model_parts(model)
+    held = parts.held
     table = _param_table(model)
     apply: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, staged values)
     finish = None
     error: Exception | None = None
     try:
         body = read_manifest(path)
-        _check_model(body, model, table, module)
+        _check_model(body, table, parts.buffers)
         reader = _Reader(path, body)
         for tensor, segments in held:
             flat = tensor.data.reshape(-1)
@@ -502,7 +592,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                 # fp32 parameters take an fp32 master copy when the checkpoint has one (saved by bf16 training)
                 kind = "state.master" if flat.dtype == torch.float32 and reader.has("state.master", name) else "param"
                 apply.append((flat[pos : pos + n], reader.read(kind, name, c, n, flat.dtype)))
-        for name, b in module.named_buffers():
+        for name, b, _ in parts.buffers:
             apply.append((b.data.reshape(-1), reader.read("buffer", name, 0, b.numel(), b.dtype)))
         if optimizer is not None:
             finish = _stage_optimizer(optimizer, body, reader, {id(t): s for t, s in held}, apply)
@@ -527,6 +617,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segments],
                      apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
     """Read the optimizer state this rank needs; return a function that installs it (after the parameters)."""
+    opt = _state_holder(opt)
     if isinstance(opt, GradientCompressionOptimizer):
         return _stage_compression(opt, body, reader, segmap, apply)
     saved = body.get("optimizer")

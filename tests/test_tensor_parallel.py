@@ -241,8 +241,7 @@ def save_trained(comm, path):
     for _ in range(2):
         model.train_step(x, y, optimizer=opt)
     model.save_model(path / "tp.safetensors")
-    with pytest.raises(NotImplementedError, match=r"save_model\('model.safetensors'\)"):
-        model.save_model(path / "folder")
+    model.save_model(path / "folder")  # a checkpoint folder: each rank writes its share
     twin = model.with_parameters(torch.zeros(model.parameter_count()))
     assert twin.gather_full_parameters().abs().sum() == 0, "with_parameters did not set the clone"
     twin.train_step(x, y, optimizer=OPTIMIZERS["sgd"](twin.parameters()))  # the clone trains on its own
@@ -250,9 +249,12 @@ def save_trained(comm, path):
 
 
 def load_saved(comm, path):
-    model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), tinylm_plan)
-    model.load_model(path / "tp.safetensors")
-    return model.gather_full_parameters()
+    loaded = []
+    for saved in ("tp.safetensors", "folder"):
+        model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), tinylm_plan)
+        model.load_model(path / saved)
+        loaded.append(model.gather_full_parameters())
+    return loaded
 
 
 # ---------------------------------------------------------------------------------------------- a generic model
@@ -367,9 +369,9 @@ def test_generic_plan_on_an_mlp(tp):
 
 
 def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
-    """Catches a .safetensors export holding shards instead of the full model (or losing the tied head), loading
-    that cannot take another tp size, clone() sharing parameters with the original, and predict() returning split
-    logits: trained on tp=2, loaded by a plain TinyLM and by tp=4, equal everywhere."""
+    """Catches a .safetensors export (or a checkpoint folder) holding shards instead of the full model (or losing
+    the tied head), loading that cannot take another tp size, clone() sharing parameters with the original, and
+    predict() returning split logits: trained on tp=2, loaded by a plain TinyLM and by tp=4, equal everywhere."""
     trained = run_ranks(save_trained, 2, "inmemory", path=tmp_path)
     example = lm()
     plain = example.TinyLM(**{**LM, "seed": 2})
@@ -377,8 +379,9 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
     assert plain.head.weight is plain.tok.weight
     torch.testing.assert_close(flat(plain), trained[0]["params"], rtol=0, atol=0)
     torch.testing.assert_close(trained[0]["predict"], plain(lm_batch()[0]).detach(), **TOL)
-    for loaded in run_ranks(load_saved, 4, "inmemory", path=tmp_path):
-        torch.testing.assert_close(loaded, trained[0]["params"], rtol=0, atol=0)
+    for from_file, from_folder in run_ranks(load_saved, 4, "inmemory", path=tmp_path):
+        torch.testing.assert_close(from_file, trained[0]["params"], rtol=0, atol=0)
+        torch.testing.assert_close(from_folder, trained[0]["params"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
 
-__all__ = ["ShardedModel", "model_fingerprint", "module_segments", "module_table"]
+__all__ = ["ShardedModel", "model_fingerprint", "module_segments", "module_table", "replica_share"]
 
 FORMAT = "gpudist.model.v1"
 
@@ -209,6 +209,28 @@ class ShardedModel(nn.Module):
         over flattened values. Replicated strategies hold whole parameters."""
         return module_segments(self.module)
 
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
+        """Which part of the pieces of parameter ``name`` this rank holds (:meth:`checkpoint_segments`) it writes
+        into a checkpoint, so that every canonical element is written exactly once: ``(copies, index)`` says that
+        ``copies`` ranks hold the same elements and this rank writes the ``index``-th :func:`shard_range` of the
+        full parameter (intersected with what it holds); None: another rank writes them all (a parameter tied
+        across pipeline stages, written by the stage that owns it). ``across_replicas=False`` asks about state that
+        is already split over the data-parallel replicas (a ZeRO optimizer's owned ranges): replicas are then not
+        copies of each other."""
+        if self.shards_parameters or not across_replicas:
+            return 1, 0
+        return self.world_size, self.rank
+
+    def buffer_table(self) -> list[dict]:
+        """Name, shape and dtype of every buffer of the full module (what a checkpoint's manifest lists)."""
+        return [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                for n, b in self.module.named_buffers()]  # fmt: skip
+
+    def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """The buffers this rank holds: ``(name in the full module, tensor, whether this rank writes it)``; each
+        buffer is written by one rank (rank 0 when every rank holds all of them)."""
+        return [(n, b, self.rank == 0) for n, b in self.module.named_buffers()]
+
     # -- serialization --------------------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -304,6 +326,17 @@ def module_table(module: nn.Module) -> list[dict]:
         aliases.setdefault(id(p), []).append(name)
     return [{"name": name, "aliases": aliases[id(p)][1:], "shape": list(p.shape),
              "dtype": str(p.dtype).removeprefix("torch.")} for name, p in module.named_parameters()]  # fmt: skip
+
+
+def replica_share(layout, rank: int, split: bool, across_replicas: bool) -> tuple[int, int]:
+    """:meth:`ShardedModel.checkpoint_share` of one parameter under a pipeline x data x tensor ``layout`` (on the
+    stage that writes it): a parameter tensor parallelism split has one copy of each element per data-parallel
+    replica, an unsplit one (LayerNorms, row-parallel biases) one per replica and tensor rank; replicas count only
+    ``across_replicas``. The copies of an element take turns in (data rank, tensor rank) order."""
+    _, data_rank, tensor_rank = layout.coords(rank)
+    tp, t = (1, 0) if split else (layout.tensor_parallel_size, tensor_rank)
+    dp, d = (layout.data_parallel_size, data_rank) if across_replicas else (1, 0)
+    return dp * tp, d * tp + t
 
 
 def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:

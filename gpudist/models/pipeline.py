@@ -24,13 +24,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 from torch import nn
 
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
-from ..flat import reduce_gradients_in
-from .base import ShardedModel, module_table
+from ..flat import exchange_bytes, reduce_gradients_in
+from .base import ShardedModel, module_table, replica_share
 from .layout import ParallelLayout, make_groups
+from .tensor import held_segments
 
 __all__ = ["PipelineParallelModel", "partition_blocks", "schedule_bubble", "stage_schedule"]
 
@@ -146,6 +149,11 @@ class PipelineParallelModel(ShardedModel):
     every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
     activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe).
     Communication per step: each micro-batch's activation and its gradient across every stage boundary.
+
+    Saving: :meth:`full_state_dict` and ``save_model("x.safetensors")`` give the full module on every rank
+    (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
+    optimizer over ``model.parameters()``) hold each element once under the full module's names, a tied parameter
+    written by the first stage holding it, and load into any strategy and stage count.
     """
 
     strategy = "pipeline"
@@ -218,6 +226,16 @@ class PipelineParallelModel(ShardedModel):
                               if holders[id(p)][0] == s] for s, (a, b) in enumerate(self.stage_blocks)]  # fmt: skip
         """Names of the parameters each stage owns, in the order it sends them in gather_full_parameters."""
         self._stage_numel = [sum(self._place[n][1] for n in names) for names in self._stage_names]
+        # Buffers (and the state_dict keys) of the full model, and the stage that saves each: the first holding it.
+        self._state_keys = list(root.state_dict().keys())
+        self._buffer_rows = [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+                             for n, b in root.named_buffers()]  # fmt: skip
+        buffer_names = {id(b): n for n, b in root.named_buffers()}
+        buffer_stage: dict[int, int] = {}
+        for s, (a, b) in enumerate(self.stage_blocks):
+            for block in blocks[a:b]:
+                for buf in block.buffers():
+                    buffer_stage.setdefault(id(buf), s)
 
         stage = self.pipeline_parallel_rank
         a, b = self.stage_blocks[stage]
@@ -227,6 +245,10 @@ class PipelineParallelModel(ShardedModel):
         params = list(self.module.parameters())
         self._stage_params = params
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
+        self._owned_names = set(self._stage_names[stage])
+        self._buffers = [(buffer_names[id(buf)], buf, buffer_stage[id(buf)] == stage)
+                         for buf in self.module.buffers() if id(buf) in buffer_names]  # fmt: skip
+        """(name in the full model, buffer, whether this stage owns it) of every buffer this stage holds."""
 
         pp_groups = layout.groups("pipeline")
         self.pipeline_group = make_groups(self.comm, pp_groups)
@@ -579,25 +601,69 @@ class PipelineParallelModel(ShardedModel):
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
             raise ValueError(f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
                              f"parameter count), got {shape}")  # fmt: skip
-        with torch.no_grad():
-            for name, local_name in self._local_names.items():
-                offset, numel, shape = self._place[name]
-                full = flat[offset : offset + numel].view(shape)
-                split, local = self._splits.get(name), self.module.get_parameter(local_name)
-                tp = self.tensor_group
-                local.copy_(full if split is None else split.shard(full, tp.rank, tp.world_size))
+        for name in self._local_names:
+            offset, numel, shape = self._place[name]
+            self._write_full(name, flat[offset : offset + numel].view(shape))
+
+    @torch.no_grad()
+    def _write_full(self, name: str, full: torch.Tensor) -> None:
+        """Overwrite this rank's tensor of parameter ``name`` from its full value (taking its shard when split)."""
+        split, local = self._splits.get(name), self.module.get_parameter(self._local_names[name])
+        full, tp = full.to(local.device), self.tensor_group
+        local.copy_(full if split is None else split.shard(full, tp.rank, tp.world_size))
 
     def clone(self) -> ShardedModel:
         raise NotImplementedError("PipelineParallelModel holds one stage per rank; build a new one from the full "
                                   "module to copy it")  # fmt: skip
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("PipelineParallelModel does not save models yet: gather_full_parameters() gives "
-                                  "the full parameter vector on every rank")  # fmt: skip
+        """The full module's state (parameters under every name, buffers), as a single process would hold it, on
+        every rank (collective): each stage contributes the parameters and buffers it owns, gathered over its
+        tensor group when split, and the stages exchange them over the pipeline group."""
+        mine = {name: self._full_value(name).cpu().clone() for name in self._stage_names[self.pipeline_parallel_rank]}
+        mine |= {name: buf.detach().cpu().clone() for name, buf, owned in self._buffers if owned}
+        full: dict[str, torch.Tensor] = {}
+        for payload in exchange_bytes(self.pipeline_group, st_save(mine)):
+            full.update(st_load(payload))
+        aliases = {alias: row["name"] for row in self._table for alias in row["aliases"]}
+        missing = [k for k in self._state_keys if k not in full and aliases.get(k) not in full]
+        if missing:
+            raise RuntimeError(f"PipelineParallelModel.full_state_dict: no stage holds {missing[:5]} (entries of the "
+                               "module outside the blocks the pipeline was built from)")  # fmt: skip
+        device = self.comm.device
+        return {k: (full[k] if k in full else full[aliases[k]].clone()).to(device) for k in self._state_keys}
 
-    def checkpoint_segments(self):
-        raise NotImplementedError("PipelineParallelModel does not write checkpoints yet: gather_full_parameters() "
-                                  "gives the full parameter vector on every rank")  # fmt: skip
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a full (unsplit) state into this stage: its parameters (this rank's shard when split) and buffers."""
+        for name in self._local_names:
+            self._write_full(name, state[name])
+        for name, buf, _ in self._buffers:
+            buf.copy_(state[name])
+
+    # -- checkpoints (gpudist.checkpoint) ----------------------------------------------------------------------------
+
+    def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+        """Every parameter of this stage (tied ones too, so that loading fills them) under its full-model name:
+        whole, or its runs in the full parameter when tensor parallelism split it."""
+        return [(p := self.module.get_parameter(local_name), held_segments(name, p, self._splits.get(name),
+                                                                              self.tensor_group))
+                for name, local_name in self._local_names.items()]  # fmt: skip
+
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
+        """Only the stage owning a parameter writes it (a tied one: the first stage holding it), its copies over the
+        replicas and unsplit tensor ranks taking turns (:func:`replica_share`)."""
+        if name not in self._owned_names:
+            return None
+        return replica_share(self.layout, self.rank, name in self._splits, across_replicas)
+
+    def buffer_table(self) -> list[dict]:
+        return [dict(row) for row in self._buffer_rows]
+
+    def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """This stage's buffers under their full-model names, written by the owning stage's first rank."""
+        first = self.data_parallel_rank == 0 and self.tensor_parallel_rank == 0
+        return [(name, buf, owned and first) for name, buf, owned in self._buffers]
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..comm import CommunicationBackend, ReductionOperation
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors, reduce_gradients_in
-from .base import ShardedModel, module_table
+from .base import ShardedModel, module_table, replica_share
 from .layout import ParallelLayout, make_groups
 
 __all__ = [
@@ -166,6 +166,23 @@ class _Split:
         blocks = parts.reshape(size, *local[:d], self.chunks, per, *local[d + 1 :]).movedim(0, d + 1)
         return blocks.reshape(*local[:d], self.chunks * size * per, *local[d + 1 :])
 
+    def segments(self, local_shape: torch.Size, rank: int, size: int) -> list[tuple[int, int, int]]:
+        """Where rank ``rank``'s part lies in the flattened full tensor: ``(offset in the part, length, offset in
+        the full tensor)`` runs, ascending. A split along dim 0 is one run per block (``chunks`` runs); along a
+        later dim, each index of the dims before it is a run of its own (a rowwise ``[out, in]`` weight: one run of
+        ``in / size`` per output row, ``in`` apart). Runs that happen to be adjacent in both are merged."""
+        d = self.dim
+        outer = int(torch.Size(local_shape[:d]).numel()) * self.chunks
+        run = local_shape[d] // self.chunks * int(torch.Size(local_shape[d + 1 :]).numel())
+        runs: list[tuple[int, int, int]] = []
+        for i in range(outer):
+            at, full = i * run, (i * size + rank) * run
+            if runs and runs[-1][0] + runs[-1][1] == at and runs[-1][2] + runs[-1][1] == full:
+                runs[-1] = (runs[-1][0], runs[-1][1] + run, runs[-1][2])
+            elif run:
+                runs.append((at, run, full))
+        return runs
+
     def __str__(self) -> str:
         return f"split along dim {self.dim}" + (f" in {self.chunks} blocks" if self.chunks > 1 else "")
 
@@ -175,6 +192,16 @@ class _Split:
         with comm.unchecked():  # every rank holds the same shard shape by construction
             comm.all_gather(local.detach().contiguous(), parts)
         return self.unshard(parts)
+
+
+def held_segments(name: str, local: torch.Tensor, split: _Split | None,
+                  group: CommunicationBackend | None) -> list[tuple[int, int, str, int]]:  # fmt: skip
+    """The checkpoint segments (``ShardedModel.checkpoint_segments``) of ``local``, this rank's tensor of parameter
+    ``name``: all of it when the parameter is not split, else its runs in the full parameter (``split`` over
+    ``group``, the tensor-parallel group). The one rule :class:`TensorParallelModel` and the pipeline share."""
+    if split is None:
+        return [(0, local.numel(), name, 0)]
+    return [(at, n, name, full) for at, n, full in split.segments(local.shape, group.rank, group.world_size)]
 
 
 def _shard_parameter(p: nn.Parameter, split: _Split, comm: CommunicationBackend) -> nn.Parameter:
@@ -612,7 +639,9 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     split by vocabulary (this rank's ``[vocab_start, vocab_start + V/tp)``): take the loss with
     :meth:`cross_entropy` (``train_step`` does when ``loss_fn`` is None); :meth:`predict` gathers full logits.
     Parameter names stay those of the module; :meth:`gather_full_parameters`, :meth:`full_state_dict` and
-    ``save_model("x.safetensors")`` give the full, unsplit model. Checkpoint folders are not supported yet.
+    ``save_model("x.safetensors")`` give the full, unsplit model; ``save_model("folder")`` and
+    :func:`gpudist.save_checkpoint` write each element once (a shard divided among the replicas holding it, a
+    replicated parameter among all ranks), loadable into any strategy and layout.
     """
 
     strategy = "tensor"
@@ -780,12 +809,16 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     shards_parameters = True
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
-        raise NotImplementedError(
-            "TensorParallelModel cannot write or read sharded checkpoint folders yet: gpudist.checkpoint expects each "
-            "rank's pieces to be either all replicated or all disjoint, but tensor-parallel ranks hold both (split "
-            "weights, replicated LayerNorms) and data-parallel replicas hold duplicates. Save the full state with "
-            "model.save_model('model.safetensors') and load it with load_model (any tensor/data-parallel layout)"
-        )
+        """Each parameter this rank holds: a replicated one whole, a split one as its runs in the full parameter
+        (:meth:`_Split.segments`; one per row for a rowwise weight)."""
+        return [(p := self.module.get_parameter(row["name"]),
+                 held_segments(row["name"], p, self._splits.get(row["name"]), self.tensor_group))
+                for row in self._table]  # fmt: skip
+
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
+        """Split parameters are written once per tensor rank (shared by the data-parallel replicas), unsplit ones
+        (LayerNorms, row-parallel biases) once in all (shared by every rank): :func:`replica_share`."""
+        return replica_share(self.layout, self.rank, name in self._splits, across_replicas)
 
     # -- reporting -------------------------------------------------------------------------------------------------
 
