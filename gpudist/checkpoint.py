@@ -100,15 +100,18 @@ class _Parts:
     strategy: str
 
 
-def _model_parts(model: nn.Module) -> _Parts:
+def _model_parts(model: nn.Module, comm: CommunicationBackend | None) -> _Parts:
     if isinstance(model, ShardedModel):
         return _Parts(model.checkpoint_segments(), model.checkpoint_share, model.checkpoint_buffers(),
                       model.buffer_table(), model.strategy)  # fmt: skip
     if isinstance(model, nn.Module):
+        # A plain module is whole on every rank of the optimizer's group (if any): rank r writes its shard_range of
+        # every parameter, rank 0 the buffers, as for a replicated ShardedModel.
+        rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
         buffers = list(model.named_buffers())
         table = [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in buffers]
-        return _Parts(module_segments(model), lambda name, across=True: (1, 0), [(n, b, True) for n, b in buffers],
-                      table, "module")  # fmt: skip
+        return _Parts(module_segments(model), lambda name, across=True: (world, rank) if across else (1, 0),
+                      [(n, b, rank == 0) for n, b in buffers], table, "module")  # fmt: skip
     raise TypeError(f"checkpoints hold an nn.Module or a gpudist ShardedModel, got {type(model).__name__}")
 
 
@@ -321,7 +324,7 @@ class CheckpointWrite:
         self.rank, self.world = rank, world
         if extra is not None and not _jsonable(extra):
             raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
-        parts = _model_parts(model)
+        parts = _model_parts(model, self.comm)
         table = _param_table(model)
         pieces: dict[str, torch.Tensor] = {}
         for tensor, segments in parts.held:
@@ -576,7 +579,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs."""
     path = Path(path)
     comm = _comm_of(model, optimizer)
-    parts = _model_parts(model)
+    parts = _model_parts(model, comm)
     held = parts.held
     table = _param_table(model)
     apply: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, staged values)

@@ -244,3 +244,28 @@ def test_save_model_to_a_folder_is_a_resharding_checkpoint(tmp_path):
     assert gpudist.read_manifest(tmp_path / "model")["optimizer"] is None
     for params in run_ranks(load, 2, "inmemory"):
         assert torch.equal(params, saved)
+
+
+def _save_plain(comm, state, path, opt_name):
+    config = ShardingConfiguration(comm)
+    net = fresh_net(state)
+    opt_cls = {"ddp": DDPOptimizer, "zero1": gpudist.ZeRO1Optimizer}[opt_name]
+    opt = opt_cls(torch.optim.AdamW(net.parameters(), lr=1e-2), config)
+    train_steps(net, opt, 2, comm.rank, comm.world_size)
+    save_checkpoint(path, net, opt, step=2)
+    return flat(net)
+
+
+@pytest.mark.parametrize("opt_name", ["ddp", "zero1"])
+def test_plain_module_with_a_sharded_optimizer_writes_each_element_once(tmp_path, opt_name):
+    """An unwrapped module under a DDP/ZeRO-1 optimizer is whole on every rank: the ranks must split its writing.
+    Catches every rank writing every parameter (and buffer): the files double, and the load refuses them as
+    covering each element twice."""
+    state = initial_state()
+    saved = run_ranks(_save_plain, 2, "inmemory", state=state, path=tmp_path / "ck", opt_name=opt_name)[0]
+    body = gpudist.read_manifest(tmp_path / "ck")
+    written = sum(n for f in body["files"] for kind, _, _, n, *_ in f["pieces"] if kind == "param")
+    assert written == saved.numel()
+    net = fresh_net(state)
+    load_checkpoint(tmp_path / "ck", net)
+    assert torch.equal(flat(net), saved)
