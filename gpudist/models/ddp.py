@@ -159,25 +159,22 @@ class DDPModel(ShardedModel):
 
     def _launch(self, bucket: GradientBucket) -> None:
         n = self.world_size
-        hooked = self._comm_hook is not None
+        hooked, lowp = self._comm_hook is not None, bucket.wire is not bucket.grads.data
         # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, or the cast to a
         # low-precision wire), and the wire is SUMmed: no backend pays a separate scaling pass. Only gradient views
         # on a full-precision wire (no pass at all) ask for AVERAGE: ncclAvg on NCCL >= 2.10, the backend's own
-        # division elsewhere.
+        # division elsewhere. A comm hook averages by itself.
         if not self._views:
-            prescaled = not hooked and bucket.wire is bucket.grads.data
-            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 / n if prescaled else 1.0)
+            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
         if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
             self._comm_hook.all_reduce(bucket.index, bucket.grads.data)
             self._pending.append((bucket, Work()))
             return
-        if bucket.wire is not bucket.grads.data:  # low-precision wire: cast and pre-divide by N in one pass
+        if lowp:
             kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
-            op, wire = ReductionOperation.SUM, bucket.wire
-        else:
-            op, wire = (ReductionOperation.AVERAGE if self._views else ReductionOperation.SUM), bucket.wire
+        op = ReductionOperation.AVERAGE if self._views and not lowp else ReductionOperation.SUM
         with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-            work = self.comm.all_reduce(wire, op, async_op=True)
+            work = self.comm.all_reduce(bucket.wire, op, async_op=True)
         self._pending.append((bucket, work))
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
