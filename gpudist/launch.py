@@ -114,14 +114,17 @@ def available_backends() -> dict[str, str]:
     return out
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True) -> CommunicationBackend:
+def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True,
+         connect_timeout: float | None = None) -> CommunicationBackend:  # fmt: skip
     """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
 
     ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo (under mpirun
     too: the rank and size come from Open MPI's or MPICH's variables). ``backend="mpi"`` uses MPI itself
     (``mpirun`` must have started the processes; no rendezvous port). The rendezvous
     store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set).
-    ``timeout`` bounds every op in seconds; ``validate`` turns on the cross-rank consistency check.
+    ``timeout`` bounds every op in seconds; ``connect_timeout`` bounds the join, how long the first rank waits for
+    the last to start (default: the longer of ``timeout`` and 300 s); ``validate`` turns on the cross-rank
+    consistency check.
     """
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")
@@ -149,11 +152,12 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
         device = env.local_rank % max(1, torch.cuda.device_count())
         torch.cuda.set_device(device)
         return NCCLCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port,
-                                               device=device, timeout=timeout, validate=validate)  # fmt: skip
+                                               device=device, timeout=timeout, validate=validate,
+                                               connect_timeout=connect_timeout)  # fmt: skip
     if torch.distributed.is_initialized():
         return GlooCommunicationBackend(timeout=timeout, validate=validate)
     backend = GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,
-                                              validate)  # fmt: skip
+                                              validate, connect_timeout=connect_timeout)  # fmt: skip
     # Tear the process group down while the interpreter is still whole: one left to static destruction aborted a
     # torchrun worker at exit once ("terminate called without an active exception"), under heavy load.
     atexit.register(backend.shutdown)
@@ -178,15 +182,19 @@ class RanksFailedError(RuntimeError):
         super().__init__(f"{len(self.failures)} of {len(results)} ranks failed (ranks {order}):\n{body}")
 
 
-def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate: bool, conn) -> None:
+def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate: bool, start_timeout: float,
+                 conn) -> None:  # fmt: skip
     torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each avoids oversubscription
+    start = datetime.timedelta(seconds=start_timeout)
     try:
-        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, False, datetime.timedelta(seconds=timeout))
-        comm = GlooCommunicationBackend.create(rank, world_size, "127.0.0.1", port, timeout, validate, store=store)
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, False, start)
+        comm = GlooCommunicationBackend.create(rank, world_size, "127.0.0.1", port, timeout, validate, store=store,
+                                               connect_timeout=start_timeout)  # fmt: skip
         conn.send_bytes(pickle.dumps(("ready", None, True)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
         os._exit(1)
+    calls = 0
     while True:
         try:
             message = conn.recv_bytes()
@@ -194,8 +202,15 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate
             break
         if not message:
             break
+        calls += 1
         try:
-            fn, args, kwargs = pickle.loads(message)
+            try:
+                fn, args, kwargs = pickle.loads(message)  # may import fn's module: seconds on a loaded machine
+            finally:  # (a rank that cannot unpickle still arrives, and reports its error below)
+                store.set(_start_key(calls, rank), b"1")
+            # Start together: every rank has its function in hand before any starts an op, so the op timeout
+            # measures the function, not how long a peer took to import it (under the start-up deadline).
+            store.wait([_start_key(calls, r) for r in range(world_size)], start)
             comm.stats.reset()  # each run starts from zero, as on a fresh backend
             reply = ("ok", fn(comm, *args, **kwargs), comm.healthy)
         except BaseException:
@@ -207,6 +222,10 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate
         conn.send_bytes(data)
     # Skip interpreter teardown: Gloo's destructors abort the process when a peer already vanished.
     os._exit(0)
+
+
+def _start_key(call: int, rank: int) -> str:
+    return f"gpudist/pool/call{call}/rank{rank}"
 
 
 def _listen_loopback() -> tuple[int, int]:
@@ -228,7 +247,9 @@ class WorkerPool:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout, self.validate = world_size, timeout, validate
+        self.start_timeout = start_timeout
         self.broken = False
+        self._calls = 0
         port, fd = _listen_loopback()
         # The parent hosts the rendezvous store (bound to loopback) so no rank races for a port.
         self._store = torch.distributed.TCPStore("127.0.0.1", port, world_size, True,
@@ -238,8 +259,8 @@ class WorkerPool:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, timeout, validate, child),
-                               daemon=True, name=f"gpudist-rank{rank}")
+            args = (rank, world_size, port, timeout, validate, start_timeout, child)
+            proc = ctx.Process(target=_worker_main, args=args, daemon=True, name=f"gpudist-rank{rank}")
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -255,11 +276,23 @@ class WorkerPool:
         payload = pickle.dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(payload)
+        self._calls += 1
+        self._await_start(self._calls)
         results, failures = self._collect(call_timeout or self.timeout + 60.0, grace=self.timeout + 10.0)
         if failures:
             self.close()
             raise RanksFailedError(failures, results)
         return results
+
+    def _await_start(self, call: int) -> None:
+        """Wait (up to ``start_timeout``) until every rank has unpickled call ``call``, so that the call's own deadline
+        counts from when all ranks run it; return early when a rank replies or dies (``_collect`` reports it)."""
+        keys = [_start_key(call, r) for r in range(self.world_size)]
+        deadline = time.monotonic() + self.start_timeout
+        waitables = self._conns + [p.sentinel for p in self._procs]
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            if wait_any(waitables, timeout=0.005):
+                return
 
     def _collect(self, limit: float, grace: float) -> tuple[list[Any], dict[int, str]]:
         """Gather one reply per rank. After the first failure the others get ``grace`` seconds to report theirs."""

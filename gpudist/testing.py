@@ -24,6 +24,9 @@ __all__ = ["RanksFailedError", "free_port", "mpi_launcher", "mpi_unavailable", "
 
 TEST_TIMEOUT = 60.0
 """Default per-op timeout of run_ranks: long enough for a slow 2-core CI machine, short enough to fail fast."""
+START_TIMEOUT = 180.0
+"""Seconds the harness waits for every rank to start (spawn, import torch and the test's module) before the op
+timeout applies: start-up speed depends on the machine's load, which no test should."""
 
 
 def run_ranks(
@@ -142,7 +145,7 @@ def _run_mpi(fn: Callable[..., Any], world_size: int, timeout: float, validate: 
         # Containers often forbid the cross-memory-attach syscalls Open MPI's shared memory uses for large messages.
         env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         cmd = [*mpi_launcher(world_size), sys.executable, "-m", "gpudist.testing", str(job)]
-        limit = timeout + 240.0
+        limit = timeout + START_TIMEOUT + 60.0
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired as e:
@@ -175,7 +178,9 @@ def _mpi_rank_main(job: str) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
     comm, rank, finish = None, -1, None
     try:
-        finish = MPICommunicationBackend(MPICommunicationBackend()._comm.Dup(), timeout=60.0, group="run_ranks")
+        # The harness's own communicator: the start barrier below and the leaving barrier, under the start-up deadline.
+        finish = MPICommunicationBackend(MPICommunicationBackend()._comm.Dup(), timeout=START_TIMEOUT,
+                                         group="run_ranks")  # fmt: skip
         with open(job, "rb") as f:
             main_path = pickle.load(f)
             if main_path is not None:  # fn lives in the launching script: load it as multiprocessing's spawn does
@@ -186,6 +191,9 @@ def _mpi_rank_main(job: str) -> None:
                 main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
                 sys.modules["__main__"] = sys.modules["__mp_main__"] = main
             fn, kwargs, timeout, validate = pickle.load(f)
+        # Start together (mpirun starts the ranks, and they import torch and fn's module, at their own pace), so
+        # ``timeout`` bounds fn's ops, not a peer's start-up.
+        finish.barrier()
         comm = MPICommunicationBackend(timeout=timeout, validate=validate)
         rank = comm.rank
         reply = ("ok", fn(comm, **kwargs))

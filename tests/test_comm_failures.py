@@ -212,12 +212,45 @@ def test_inmemory_rank_that_never_joins():
 
 
 def test_gloo_rank_that_never_joins():
-    """Rank 0 of a 2-rank Gloo job whose rank 1 never starts raises CommunicationTimeoutError within the timeout.
-    Catches a rendezvous that waits forever."""
+    """Rank 0 of a 2-rank Gloo job whose rank 1 never starts raises CommunicationTimeoutError within the join
+    timeout. Catches a rendezvous that waits forever."""
     start = time.monotonic()
     with pytest.raises(CommunicationTimeoutError, match=r"never joined"):
-        GlooCommunicationBackend.create(0, 2, "127.0.0.1", free_port(), timeout=SHORT)
+        GlooCommunicationBackend.create(0, 2, "127.0.0.1", free_port(), timeout=SHORT, connect_timeout=SHORT)
     assert time.monotonic() - start < NO_HANG
+    with pytest.raises(ValueError, match="connect_timeout must be a positive"):
+        GlooCommunicationBackend.create(0, 2, "127.0.0.1", free_port(), connect_timeout=0)
+
+
+class _SlowToUnpickle:
+    """Unpickles ``delay`` seconds late in the worker named ``gpudist-rank{rank}`` (a slow import of a test module on
+    a loaded machine), at once elsewhere."""
+
+    def __init__(self, rank: int, delay: float):
+        self.rank, self.delay = rank, delay
+
+    def __reduce__(self):
+        return _arrive_late, (self.rank, self.delay)
+
+
+def _arrive_late(rank: int, delay: float) -> _SlowToUnpickle:
+    import multiprocessing
+
+    if multiprocessing.current_process().name == f"gpudist-rank{rank}":
+        time.sleep(delay)
+    return _SlowToUnpickle(rank, delay)
+
+
+def _sum_after_late_start(comm, late) -> float:
+    return _sum_ranks(comm)
+
+
+def test_slow_start_of_one_rank_does_not_use_up_the_op_timeout():
+    """Rank 1 takes longer than the op timeout to unpickle its function; the call still succeeds, because the pool
+    starts a function on all ranks together and the op timeout counts from there. Catches the harness timing a
+    peer's start-up (module imports on a loaded machine) against the op timeout, which failed
+    test_rank_that_never_calls_times_out on a loaded host."""
+    assert run_ranks(_sum_after_late_start, 2, "gloo", timeout=SHORT, late=_SlowToUnpickle(1, SHORT * 2)) == [1, 1]
 
 
 def _one_rank_dies(comm) -> dict:

@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover
         BroadcastOptions,
     )
 
-__all__ = ["GlooCommunicationBackend", "create_store", "is_loopback"]
+__all__ = ["GlooCommunicationBackend", "create_store", "is_loopback", "join_timeout"]
 
 _TORCH_OPS = {
     ReductionOperation.SUM: dist.ReduceOp.SUM,
@@ -70,6 +70,15 @@ _TORCH_OPS = {
 }
 _PEER_GONE = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Read error",
               "Write error", "closed by peer", "Socket closed")
+
+
+def join_timeout(timeout: float, connect_timeout: float | None) -> float:
+    """Seconds a rank waits for its peers to join: ``connect_timeout``, or by default the longer of the op timeout
+    and :data:`DEFAULT_TIMEOUT` (joining waits for the slowest process start, which no op timeout should bound)."""
+    join = max(timeout, DEFAULT_TIMEOUT) if connect_timeout is None else connect_timeout
+    if not join > 0:
+        raise ValueError(f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}")
+    return float(join)
 
 
 def is_loopback(host: str) -> bool:
@@ -169,7 +178,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._recent: collections.deque = collections.deque(maxlen=8)
 
     @classmethod
-    def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True) -> GlooCommunicationBackend:
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
+                 connect_timeout: float | None = None) -> GlooCommunicationBackend:
         """Join (and initialize ``torch.distributed`` with) the Gloo group described by torchrun's variables."""
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
@@ -184,6 +194,7 @@ class GlooCommunicationBackend(CommunicationBackend):
             master_port=int(os.environ.get("MASTER_PORT", "29500")),
             timeout=timeout,
             validate=validate,
+            connect_timeout=connect_timeout,
         )
 
     @classmethod
@@ -196,8 +207,15 @@ class GlooCommunicationBackend(CommunicationBackend):
         timeout: float = DEFAULT_TIMEOUT,
         validate: bool = True,
         store: dist.Store | None = None,
+        connect_timeout: float | None = None,
     ) -> GlooCommunicationBackend:
-        """Initialize ``torch.distributed``'s default group with Gloo and return this rank's backend."""
+        """Initialize ``torch.distributed``'s default group with Gloo and return this rank's backend.
+
+        ``connect_timeout`` bounds the join (rendezvous and Gloo's connections to every peer) in seconds: how long
+        the first rank waits for the last one to start. It defaults to ``max(timeout, DEFAULT_TIMEOUT)``, so a
+        short per-op ``timeout`` (fast failure detection) does not also fail a job whose ranks take a while to
+        import torch on a loaded machine. Every op afterwards gets ``timeout``.
+        """
         if dist.is_initialized():
             raise CommunicationError(
                 "torch.distributed is already initialized; wrap the existing group with "
@@ -207,14 +225,15 @@ class GlooCommunicationBackend(CommunicationBackend):
             raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
         if is_loopback(master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep Gloo's own sockets on loopback too
+        join = join_timeout(timeout, connect_timeout)
         if store is None:
-            store = create_store(master_addr, master_port, rank, world_size, timeout)
+            store = create_store(master_addr, master_port, rank, world_size, join)
         try:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+                                    timeout=datetime.timedelta(seconds=join))
         except RuntimeError as e:
             raise CommunicationTimeoutError(
-                f"rank {rank}: Gloo process group did not form within {timeout:g}s: {e}",
+                f"rank {rank}: Gloo process group did not form within {join:g}s: {e}",
                 op="init", group="world", rank=rank,
             ) from e
         return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store)
@@ -250,16 +269,19 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._recent.append(work)  # see _work (deque appends are thread-safe: the send thread uses this too)
         return work
 
-    def _work(self, *works, then=None) -> Work:
+    def _work(self, *works, then=None, p2p: bool = False) -> Work:
         # Gloo's worker thread drops its reference to an op when the op is done; if that is the last one, it frees
         # the op's tensors, which takes the GIL. During interpreter shutdown that kills the thread inside C++ and
         # aborts the process ("terminate called without an active exception"; 1 in 8 three-rank torchrun runs of
         # gpudist.elastic_job here). Holding the latest ops here makes Python, with the GIL, free them instead.
         self._recent.extend(works)
+        # Point-to-point ops take no options struct, so their wait is given the op timeout here (Gloo's default
+        # would be the group's, which is the longer join timeout for the world group).
+        bound = (self._delta,) if p2p else ()
 
         def wait() -> None:
             for w in works:
-                w.wait()
+                w.wait(*bound)
             if then is not None:
                 then()
 
@@ -319,7 +341,7 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         if not self.validate:
-            return self._work(self._gloo.send([tensor], dst, 0))
+            return self._work(self._gloo.send([tensor], dst, 0), p2p=True)
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-send-r{self.rank}")
         future = self._sender.submit(self._send_checked, sig, tensor, dst)
@@ -327,19 +349,19 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
         expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        self._keep(self._gloo.recv([expected], dst, self._HANDSHAKE_TAG)).wait()
+        self._keep(self._gloo.recv([expected], dst, self._HANDSHAKE_TAG)).wait(self._delta)
         wanted = Signature.decode(expected.tolist())
         status = self._keep(self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], dst, 0))
         matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
         payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
-        self._keep(self._gloo.send([payload], dst, 0)).wait()
-        status.wait()
+        self._keep(self._gloo.send([payload], dst, 0)).wait(self._delta)
+        status.wait(self._delta)
         if not matches:
             raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         if not self.validate:
-            return self._work(self._gloo.recv([tensor], src, 0))
+            return self._work(self._gloo.recv([tensor], src, 0), p2p=True)
         status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
         works = (
             self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], src, self._HANDSHAKE_TAG),
@@ -352,7 +374,7 @@ class GlooCommunicationBackend(CommunicationBackend):
             if (sent.dtype, sent.shape) != (sig.dtype, sig.shape):
                 raise p2p_mismatch_error(self.group, self.rank, src, sent=sent, posted=sig, side="recv")
 
-        return self._work(*works, then=check)
+        return self._work(*works, then=check, p2p=True)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
         self._check(sig)

@@ -199,21 +199,28 @@ class NCCLCommunicationBackend(CommunicationBackend):
     @classmethod
     def create(cls, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
                device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-               store: torch.distributed.Store | None = None) -> NCCLCommunicationBackend:  # fmt: skip
-        """Join through torch's TCPStore at ``master_addr:master_port`` (rank 0 hosts it and publishes the id)."""
-        from .gloo import create_store
+               store: torch.distributed.Store | None = None,
+               connect_timeout: float | None = None) -> NCCLCommunicationBackend:  # fmt: skip
+        """Join through torch's TCPStore at ``master_addr:master_port`` (rank 0 hosts it and publishes the id).
+        ``connect_timeout`` bounds the join as in :meth:`GlooCommunicationBackend.create`."""
+        from .gloo import create_store, join_timeout
 
+        join = join_timeout(timeout, connect_timeout)
         if store is None:
-            store = create_store(master_addr, master_port, rank, world_size, timeout)
+            store = create_store(master_addr, master_port, rank, world_size, join)
         key = "gpudist/nccl/unique_id"
         if rank == 0:
             store.set(key, cls.unique_id())
-        store.wait([key], datetime.timedelta(seconds=timeout))
+        store.wait([key], datetime.timedelta(seconds=join))
         return cls(rank, world_size, store.get(key), device=device, timeout=timeout, validate=validate)
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def averages_in_transport(self) -> bool:
+        return self._avg is not None  # ncclAvg (NCCL >= 2.10); older NCCL averages as SUM and a scaling kernel
 
     # -- machinery ---------------------------------------------------------------------------------------------------
 
@@ -299,7 +306,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
             tensor.mul_(scale)
         return self._enqueued("all_reduce")
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
+                        scratch_input: bool = False) -> Work:  # fmt: skip
         self._check(sig)
         nccl_op, scale = self._reduce_op(op)
         dtype, stream, n, size = self._dtype(inp, "reduce_scatter"), self._stream(), inp.numel(), inp.element_size()
