@@ -35,6 +35,7 @@ class FlatBuffer:
 
     layout: FlatLayout
     data: torch.Tensor
+    _views: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def empty_like(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, zero: bool = True):
@@ -44,8 +45,12 @@ class FlatBuffer:
         return cls(layout, alloc(layout.total, dtype=dtype or first.dtype, device=first.device))
 
     def views(self) -> list[torch.Tensor]:
-        """Views shaped like the tensors: writing one writes the buffer."""
-        return self.layout.views(self.data)
+        """Views shaped like the tensors: writing one writes the buffer. Built once per ``data`` and kept here, with
+        the buffer they view (a bucket is viewed every step; 100 views cost 0.2 ms of Python). Do not modify the
+        returned list."""
+        if self._views is None or self._views[0] is not self.data:
+            self._views = (self.data, self.layout.views(self.data))
+        return self._views[1]
 
     def shard(self, world_size: int, rank: int) -> torch.Tensor:
         """This rank's contiguous range of the buffer (a view), by the collectives' uneven-split rule."""

@@ -8,7 +8,6 @@ occupies ``flat[offsets[i] : offsets[i] + numels[i]]``; starts are rounded up to
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
@@ -41,7 +40,6 @@ class FlatLayout:
         #: Elements a buffer needs to hold every tensor (padding included, none after the last).
         self.total: int = cursor
         self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        self._views: dict[tuple, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], align: int = 1) -> FlatLayout:
@@ -67,19 +65,13 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views into ``flat`` shaped like the layout's tensors (writing a view writes the buffer).
 
-        The list for the last two buffers is cached (a bucket is viewed every step; building 100 views
-        costs 0.2 ms of Python). Do not modify the returned list.
+        Not cached here: a view keeps its buffer's storage alive (and, through ``_base``, the buffer's Python
+        object, so no weak reference to the buffer ever dies), so a cache of views in a layout shared by every
+        buffer of that shape held the last buffers it saw, a full copy of the model among them. An owner that views
+        its buffer every step keeps the views beside the buffer (:class:`gpudist.flat.FlatBuffer` does).
         """
         self.check_buffer(flat)
-        key = (flat.data_ptr(), flat.dtype, flat.device, flat.numel())
-        hit = self._views.get(key)
-        if hit is not None and hit[0]() is flat:
-            return hit[1]
-        views = [flat[self.slice(i)].view(shape) for i, shape in enumerate(self.shapes)]
-        if len(self._views) >= 2:
-            self._views.pop(next(iter(self._views)))
-        self._views[key] = (weakref.ref(flat), views)
-        return views
+        return [flat[self.slice(i)].view(shape) for i, shape in enumerate(self.shapes)]
 
     def check_buffer(self, flat: torch.Tensor, name: str = "flat buffer") -> None:
         """Raise a clear error unless ``flat`` is a 1-D contiguous tensor large enough for this layout."""

@@ -327,6 +327,10 @@ class CommunicationBackend(ABC):
     #: post receives only when needed and group crossing sends and receives with :meth:`batch_send_recv`.
     ordered_p2p: bool = False
 
+    #: True where AVERAGE costs no more than SUM (the transport divides while it reduces: ncclAvg). Elsewhere it is
+    #: SUM and then a division pass, so callers that touch the data anyway fold the 1/N into that pass and send SUM.
+    averages_in_transport: bool = False
+
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -352,8 +356,8 @@ class CommunicationBackend(ABC):
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work: ...
 
     @abstractmethod
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
-        ...
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
+                        scratch_input: bool = False) -> Work: ...  # fmt: skip
 
     @abstractmethod
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work: ...
@@ -418,8 +422,13 @@ class CommunicationBackend(ABC):
         op: ReductionOperation | str = ReductionOperation.SUM,
         *,
         async_op: bool = False,
+        scratch_input: bool = False,
     ) -> Work | None:
-        """Combine ``inp`` over all ranks; rank r gets range r of the result (:func:`split_sizes`) in ``out``."""
+        """Combine ``inp`` over all ranks; rank r gets range r of the result (:func:`split_sizes`) in ``out``.
+
+        ``scratch_input=True`` says the caller has no further use for ``inp``: a transport whose reduce-scatter is
+        an all-reduce (Gloo) then reduces ``inp`` in place instead of a copy of it, and ``inp`` holds garbage after.
+        """
         op = ReductionOperation.parse(op)
         self._check_pair("reduce_scatter", inp, out)
         self._check_reduction("reduce_scatter", op, inp.dtype)
@@ -432,7 +441,7 @@ class CommunicationBackend(ABC):
             )
         sig = Signature("reduce_scatter", inp.dtype, tuple(inp.shape), op)
         nbytes = inp.numel() * inp.element_size()
-        return self._run(sig, nbytes, async_op, lambda: self._reduce_scatter(sig, inp, out, op))
+        return self._run(sig, nbytes, async_op, lambda: self._reduce_scatter(sig, inp, out, op, scratch_input))
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
         """Concatenate every rank's ``inp`` in rank order into ``out`` (flat; uneven shares per :func:`split_sizes`)."""

@@ -217,7 +217,8 @@ class InMemoryCommunicationBackend(CommunicationBackend):
             sig, tensor, lambda ts: _reduce(ts, op), lambda r: tensor.view(-1).copy_(r)
         )
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
+                        scratch_input: bool = False) -> Work:  # fmt: skip
         start, end = shard_range(inp.numel(), self.world_size, self.rank)
         return self._collective(sig, inp, lambda ts: _reduce(ts, op), lambda r: out.view(-1).copy_(r[start:end]))
 

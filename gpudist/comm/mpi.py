@@ -200,7 +200,8 @@ class MPICommunicationBackend(CommunicationBackend):
         return self._collective(sig, lambda: self._comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]),
                                 self._finish(work, tensor, op))  # fmt: skip
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> Work:
+    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
+                        scratch_input: bool = False) -> Work:  # fmt: skip
         counts = split_sizes(inp.numel(), self.world_size)
         send = self._reduced(inp)
         recv = torch.empty(out.numel(), dtype=torch.float32) if out.dtype in _NARROW else out.view(-1)

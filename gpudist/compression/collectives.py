@@ -111,7 +111,7 @@ class CompressedChannel:
             sent = inp * (1.0 / world)
             received = torch.empty_like(sent[: out.numel()])
             with self._checked():
-                self.comm.reduce_scatter(sent, received, ReductionOperation.SUM)
+                self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, scratch_input=True)
             out.copy_(received)
             return
         work = inp.float()

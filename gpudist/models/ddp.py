@@ -130,16 +130,39 @@ class DDPModel(ShardedModel):
     def _view(self, bucket: GradientBucket, j: int) -> torch.Tensor:
         return bucket.grads.views()[j]
 
+    def _ready_scale(self, bucket: GradientBucket) -> float | None:
+        """The 1/N of the average, applied to a gradient as it reaches its bucket view (folded into the copy when
+        there is one), or None: no views (the pack scales), a comm hook (it averages), a low-precision wire (the
+        cast scales), the transport averages for free (ncclAvg), or one rank."""
+        n = self.world_size
+        if not self._views or self._comm_hook is not None or bucket.wire is not bucket.grads.data or n == 1:
+            return None
+        return None if self.comm.averages_in_transport else 1.0 / n
+
+    def _into_bucket(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """Views: make ``param.grad`` its bucket view, holding the gradient (times the ready scale, if any)."""
+        view, scale = self._view(bucket, j), self._ready_scale(bucket)
+        if param.grad is None:
+            view.zero_()
+        elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+            # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in, scaled in the
+            # same pass (as torch DDP's mul_out into its bucket).
+            if scale is None:
+                view.copy_(param.grad)
+            else:
+                torch.mul(param.grad, scale, out=view)
+            param.grad = view
+            return
+        elif scale is not None:
+            view.mul_(scale)  # accumulated in place (zero_grad(set_to_none=False), no_sync): one scaling pass
+        param.grad = view
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:
             return
         bucket, j = self._slot[id(param)]
         if self._views:
-            view = self._view(bucket, j)
-            if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
-                # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in.
-                view.copy_(param.grad)
-                param.grad = view
+            self._into_bucket(bucket, j, param)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -160,10 +183,10 @@ class DDPModel(ShardedModel):
     def _launch(self, bucket: GradientBucket) -> None:
         n = self.world_size
         hooked, lowp = self._comm_hook is not None, bucket.wire is not bucket.grads.data
-        # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, or the cast to a
-        # low-precision wire), and the wire is SUMmed: no backend pays a separate scaling pass. Only gradient views
-        # on a full-precision wire (no pass at all) ask for AVERAGE: ncclAvg on NCCL >= 2.10, the backend's own
-        # division elsewhere. A comm hook averages by itself.
+        # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, the copy of a
+        # fresh gradient into its view, the cast to a low-precision wire), and the wire is SUMmed: no backend pays a
+        # separate scaling pass. Only views on a transport that averages for free (ncclAvg) ask for AVERAGE. A comm
+        # hook averages by itself.
         if not self._views:
             kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
         if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
@@ -172,7 +195,8 @@ class DDPModel(ShardedModel):
             return
         if lowp:
             kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
-        op = ReductionOperation.AVERAGE if self._views and not lowp else ReductionOperation.SUM
+        scaled_on_arrival = not self._views or lowp or self._ready_scale(bucket) is not None or n == 1
+        op = ReductionOperation.SUM if scaled_on_arrival else ReductionOperation.AVERAGE
         with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
             work = self.comm.all_reduce(bucket.wire, op, async_op=True)
         self._pending.append((bucket, work))
@@ -237,12 +261,7 @@ class DDPModel(ShardedModel):
         for p in self._params:
             bucket, j = self._slot[id(p)]
             if self._views:
-                view = self._view(bucket, j)
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+                self._into_bucket(bucket, j, p)
             bucket.ready.add(j)
         self._launch_ready_buckets()
         self._finish_backward()

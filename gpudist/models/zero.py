@@ -75,7 +75,8 @@ class ZeRO2Model(DDPModel):
             work = Work()
         else:
             with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-                work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
+                work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True,
+                                                scratch_input=True)  # sent is this bucket's own packed copy
         bucket.in_flight = (sent, received)
         self._pending.append((bucket, work))
 

@@ -182,10 +182,21 @@ class ZeRO3Model(ShardedModel):
                     del mod._parameters[attr]
             self._release(group)
         self._shard_ids = {id(g.shard) for g in self._groups}
+        # Reduced gradients land in one flat buffer of every trainable shard, in shard order, so the optimizer steps
+        # it in place; the shards' .grad are its slices (and keep it alive until zero_grad drops them).
+        trainable = [g for g in self._groups if g.requires_grad]
+        self._grad_at: dict[int, int] | None = None
+        if len({(g.dtype, g.device) for g in trainable}) == 1:
+            self._grad_at, at = {}, 0
+            for g in trainable:
+                self._grad_at[g.index] = at
+                at += g.end - g.start
+            self._grad_numel = at
+        self._flat_grads: torch.Tensor | None = None
         self._live: dict[int, _Group] = {}
         self._order: list[_Group] = []  # groups in the order the last forward gathered them
         self._seen: list[_Group] = []
-        self._pending: list[tuple[_Group, torch.Tensor, object]] = []
+        self._pending: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._callback_queued = False
         self._hooks = []
         for name in units[1:]:
@@ -310,10 +321,27 @@ class ZeRO3Model(ShardedModel):
         wire_dtype = self.config.communication_dtype or group.dtype
         sent = torch.empty(group.total, dtype=wire_dtype, device=group.device)
         kernels.pack([grad_full], sent, scale=1.0 / self.world_size)
-        received = torch.empty(group.end - group.start, dtype=wire_dtype, device=group.device)
-        work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True)
+        slot = self._grad_slot(group)
+        if slot is not None and wire_dtype == group.dtype:
+            received = slot  # straight into the shard's gradient
+        else:
+            received = torch.empty(group.end - group.start, dtype=wire_dtype, device=group.device)
+        work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
         group.reduced = True
-        self._pending.append((group, received, work))
+        self._pending.append((group, received, slot, work))
+
+    def _grad_slot(self, group: _Group) -> torch.Tensor | None:
+        """Where this backward's gradient of ``group``'s shard goes when the shard has none yet: its slice of the
+        flat gradient buffer, allocated by the first reduce after every shard's gradient was dropped. None when the
+        shard already has a gradient (accumulate into it) or the shards differ in dtype or device."""
+        if self._grad_at is None or group.shard.grad is not None:
+            return None
+        if self._flat_grads is None:
+            if any(g.shard.grad is not None for g in self._groups if g.requires_grad):
+                return None  # some gradients kept (set by hand?): do not take a new buffer for the rest
+            self._flat_grads = torch.empty(self._grad_numel, dtype=group.dtype, device=group.device)
+        at = self._grad_at[group.index]
+        return self._flat_grads[at : at + group.end - group.start]
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -335,10 +363,14 @@ class ZeRO3Model(ShardedModel):
                         f"({', '.join(names)}), so ranks cannot agree on the reduce-scatters; pass "
                         "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on them"
                     )
-            for group, received, work in self._pending:
+            for group, received, slot, work in self._pending:
                 work.wait()
                 shard = group.shard
-                if shard.grad is None:
+                if slot is not None:
+                    if received is not slot:
+                        slot.copy_(received)  # a low-precision wire
+                    shard.grad = slot
+                elif shard.grad is None:
                     shard.grad = received.to(shard.dtype)
                 else:
                     shard.grad.add_(received)
@@ -351,6 +383,7 @@ class ZeRO3Model(ShardedModel):
             self._release(group)
             group.grad_full, group.used, group.reduced = None, False, False
         self._pending = []
+        self._flat_grads = None  # the shards' .grad hold it from here on
         self._callback_queued = False
 
     def synchronize_gradients(self) -> None:

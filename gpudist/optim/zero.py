@@ -94,15 +94,18 @@ class _FlatShardOptimizer(ShardedOptimizer):
         else:
             self._master = torch.empty(owned, dtype=torch.float32, device=device)
         self._refresh_master()
-        self._grad = torch.zeros(owned, dtype=dtype, device=device)
+        # The owned gradients: a view of the model's where it has them in our order (no copy), else a buffer of our
+        # own, allocated when first needed (``_private_grad``): none is held before the first step.
+        self._owned_numel = owned
+        self._grad = torch.empty(0, dtype=dtype, device=device)
         self._kind = _fused_kind(optimizer)
         self._steps = [0] * len(self.param_groups)
         self._state: dict[str, torch.Tensor] = {}
+        fp32_state = lambda: torch.zeros(owned, dtype=torch.float32, device=device)
         if self._kind in ("adam", "adamw"):
-            self._state = {"exp_avg": torch.zeros_like(self._grad, dtype=torch.float32),
-                           "exp_avg_sq": torch.zeros_like(self._grad, dtype=torch.float32)}  # fmt: skip
+            self._state = {"exp_avg": fp32_state(), "exp_avg_sq": fp32_state()}
         elif self._kind == "sgd" and any(g["momentum"] != 0 for g in self.param_groups):
-            self._state = {"momentum_buffer": torch.zeros_like(self._grad, dtype=torch.float32)}
+            self._state = {"momentum_buffer": fp32_state()}
         self._inner: torch.optim.Optimizer | None = None
         self._comm_hook = None
         self.last_step_skipped, self.last_grad_norm = False, math.nan
@@ -177,12 +180,20 @@ class _FlatShardOptimizer(ShardedOptimizer):
             if view is not None:
                 self._grad = view
                 return
-            if self._grad.numel() and self._grad.untyped_storage().data_ptr() == self._storage_of(model):
-                self._grad = torch.empty_like(self._grad)  # do not write into the model's gradients
+            grad = self._private_grad()
             for start, length, at in self._segment_spans():
-                kernels.pack(self._grad_views_for(start, length), self._grad[at : at + length])
+                kernels.pack(self._grad_views_for(start, length), grad[at : at + length])
             return
         self._reduce_scatter_gradients()
+
+    def _private_grad(self) -> torch.Tensor:
+        """The owned gradient buffer as memory of this optimizer's own, to write into: allocated on first use, and
+        again after ``_grad`` was a view of the model's gradients (which a copy must not overwrite)."""
+        grad, model = self._grad, self.model()
+        borrowed = model is not None and grad.numel() and grad.untyped_storage().data_ptr() == self._storage_of(model)
+        if grad.numel() != self._owned_numel or borrowed:
+            self._grad = torch.empty(self._owned_numel, dtype=grad.dtype, device=grad.device)
+        return self._grad
 
     def _owned_gradient_view(self, model) -> torch.Tensor | None:
         """Our range of the model's one flat gradient buffer, when we own one range and every ``param.grad`` is a
@@ -358,14 +369,15 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
         return {0: BufferSpec.of(self._flat_params, "reduce_scatter")}
 
     def _reduce_scatter_gradients(self) -> None:
-        full = torch.empty(self._flat.layout.total, dtype=self._grad.dtype, device=self._grad.device)
+        owned = self._private_grad()
+        full = torch.empty(self._flat.layout.total, dtype=owned.dtype, device=owned.device)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._flat_params]
         if self._comm_hook is not None:
             kernels.pack(grads, full)
-            self._comm_hook.reduce_scatter(0, full, self._grad)
+            self._comm_hook.reduce_scatter(0, full, owned)
             return
         kernels.pack(grads, full, scale=1.0 / self.comm.world_size)
-        self.comm.reduce_scatter(full, self._grad, ReductionOperation.SUM)
+        self.comm.reduce_scatter(full, owned, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
@@ -434,16 +446,16 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
                 for i, part in enumerate(self._parts)}  # fmt: skip
 
     def _reduce_scatter_gradients(self) -> None:
-        hook = self._comm_hook
+        hook, owned = self._comm_hook, self._private_grad()
         for i, part in enumerate(self._parts):
             views = self._grad_views_for(part.flat_offset, part.numel)
-            sent = torch.empty(part.numel, dtype=self._grad.dtype, device=self._grad.device)
-            out = self._grad[part.owned_at : part.owned_at + part.owned_numel]
+            sent = torch.empty(part.numel, dtype=owned.dtype, device=owned.device)
+            out = owned[part.owned_at : part.owned_at + part.owned_numel]
             kernels.pack(views, sent, scale=1.0 if hook is not None else 1.0 / self.comm.world_size)
             if hook is not None:
                 hook.reduce_scatter(i, sent, out)
             else:
-                self.comm.reduce_scatter(sent, out, ReductionOperation.SUM)
+                self.comm.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         dtype = self._flat.data.dtype
@@ -482,8 +494,34 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
         if not self._sharded():
             super().reduce_gradients()
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._flat_params]
-        kernels.pack(grads, self._grad)  # already averaged by the model's reduce-scatter
+        # The model reduce-scattered every shard's gradient into one flat buffer in parameter order (the shards'
+        # .grad are its slices): step that buffer in place. Otherwise (a gradient missing or replaced), a copy.
+        grads = [p.grad for p in self._flat_params]
+        common = self._common_buffer(grads)
+        if common is not None:
+            self._grad = common
+            return
+        self._grad = torch.empty(self._owned_numel, dtype=self._grad.dtype, device=self._grad.device)
+        kernels.pack([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self._flat_params,
+                                                                              strict=True)], self._grad)  # fmt: skip
+
+    def _common_buffer(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The 1-D buffer whose consecutive slices ``grads`` are, in this optimizer's layout, or None."""
+        base = grads[0]._base if grads and grads[0] is not None else None
+        layout = self._flat.layout
+        if base is None or base.dim() != 1 or base.numel() != layout.total or not base.is_contiguous():
+            return None
+        storage, ptr, size = base.untyped_storage().data_ptr(), base.data_ptr(), base.element_size()
+        for g, offset, numel in zip(grads, layout.offsets, layout.numels, strict=True):
+            if (g is None or g.numel() != numel or g.data_ptr() != ptr + offset * size
+                    or g.untyped_storage().data_ptr() != storage):  # fmt: skip
+                return None
+        return base
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if set_to_none and self._sharded():
+            self._grad = self._grad.new_empty(0)  # the shards' gradients are gone: this view of them goes too
 
     def _gather_parameters(self) -> None:
         if not self._sharded():
