@@ -16,11 +16,12 @@ costs one small-message latency per op (measured in ``benchmarks/collectives.py`
 
 from __future__ import annotations
 
-import collections
+import atexit
 import datetime
 import ipaddress
 import os
 import socket
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +71,26 @@ _TORCH_OPS = {
 }
 _PEER_GONE = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Read error",
               "Write error", "closed by peer", "Socket closed")
+
+
+_EXIT_GRACE = 0.5
+"""Seconds after the last Gloo op completed during which the interpreter does not finish (see ``_retain``): Gloo's
+worker thread lets go of an op within microseconds of completing it, unless the machine is loaded and it waits for a
+core; half a second covers that on a loaded 2-core CI machine."""
+_last_completion = [-_EXIT_GRACE]
+
+
+def _op_completed() -> None:
+    _last_completion[0] = time.monotonic()
+
+
+@atexit.register
+def _let_gloo_threads_go() -> None:
+    """At exit, give Gloo's worker threads the moment they need to let go of the last ops (sleeping releases the
+    GIL they need to free the ops' tensors) before the interpreter finishes: a free during finalization aborts."""
+    left = _last_completion[0] + _EXIT_GRACE - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def join_timeout(timeout: float, connect_timeout: float | None) -> float:
@@ -175,7 +196,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._subgroups = 0
         self._sender: ThreadPoolExecutor | None = None
         self._children: weakref.WeakSet[GlooCommunicationBackend] = weakref.WeakSet()
-        self._recent: collections.deque = collections.deque(maxlen=8)
+        self._in_flight: list = []  # see _retain
+        self._in_flight_lock = threading.Lock()
 
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
@@ -257,6 +279,7 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         self._keep(self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions))).wait()
+        _op_completed()
 
     def _opts(self, cls, **fields):
         opts = cls()
@@ -266,15 +289,33 @@ class GlooCommunicationBackend(CommunicationBackend):
         return opts
 
     def _keep(self, work):
-        self._recent.append(work)  # see _work (deque appends are thread-safe: the send thread uses this too)
+        self._retain((work,))
         return work
 
+    def _retain(self, works) -> None:
+        """Hold the ops in flight, and let completed ones go at once (their tensors must not outlive them: a bucket's
+        send buffer held here stayed alive after backward).
+
+        Gloo's worker thread drops its reference to an op a moment after completing it; if that is the last one, it
+        frees the op's tensors, which takes the GIL. That is harmless while the interpreter runs, but during its
+        shutdown it kills the thread inside C++ and aborts the process ("terminate called without an active
+        exception"; 1 in 8 three-rank torchrun runs of gpudist.elastic_job, when nothing held the ops). So ops are
+        held while in flight, and at exit :func:`_let_gloo_threads_go` waits out that moment after the last one.
+        Called from the send thread too."""
+        with self._in_flight_lock:
+            kept = [w for w in self._in_flight if not w.is_completed()]
+            if len(kept) < len(self._in_flight):
+                _op_completed()
+            self._in_flight = kept + list(works)
+
+    def _release(self, works) -> None:
+        _op_completed()
+        done = {id(w) for w in works}
+        with self._in_flight_lock:
+            self._in_flight = [w for w in self._in_flight if id(w) not in done]
+
     def _work(self, *works, then=None, p2p: bool = False) -> Work:
-        # Gloo's worker thread drops its reference to an op when the op is done; if that is the last one, it frees
-        # the op's tensors, which takes the GIL. During interpreter shutdown that kills the thread inside C++ and
-        # aborts the process ("terminate called without an active exception"; 1 in 8 three-rank torchrun runs of
-        # gpudist.elastic_job here). Holding the latest ops here makes Python, with the GIL, free them instead.
-        self._recent.extend(works)
+        self._retain(works)
         # Point-to-point ops take no options struct, so their wait is given the op timeout here (Gloo's default
         # would be the group's, which is the longer join timeout for the world group).
         bound = (self._delta,) if p2p else ()
@@ -282,6 +323,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         def wait() -> None:
             for w in works:
                 w.wait(*bound)
+            self._release(works)
             if then is not None:
                 then()
 
@@ -358,6 +400,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
         self._keep(self._gloo.send([payload], dst, 0)).wait(self._delta)
         status.wait(self._delta)
+        _op_completed()
         if not matches:
             raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
 
@@ -412,11 +455,13 @@ class GlooCommunicationBackend(CommunicationBackend):
         if self.group == "world" and dist.is_initialized():
             dist.destroy_process_group()
         self._gloo = None
-        if self._recent:
+        with self._in_flight_lock:
+            held, self._in_flight = self._in_flight, []
+        if held:
             # A finished op stays in Gloo's worker thread for a moment after wait() returns; give the threads time
             # to let go (no GIL needed while we hold a reference), then free the ops here, with the GIL.
             time.sleep(0.05)
-            self._recent.clear()
+            del held
         self._store = None
         if self._broken is None:
             self._broken = CommunicationError(f"group {self.group!r} was shut down", op="shutdown", group=self.group,

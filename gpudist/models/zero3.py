@@ -329,6 +329,26 @@ class ZeRO3Model(ShardedModel):
         work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
         group.reduced = True
         self._pending.append((group, received, slot, work))
+        # At most _IN_FLIGHT reduce-scatters at a time (FSDP2 keeps one): each holds its unit's full-size send
+        # buffer, so waiting for all of them at the end of backward held a full copy of the gradients at the peak.
+        while len(self._pending) > self._IN_FLIGHT:
+            self._complete(*self._pending.pop(0))
+
+    _IN_FLIGHT = 2
+
+    @staticmethod
+    def _complete(group: _Group, received: torch.Tensor, slot: torch.Tensor | None, work) -> None:
+        """Wait for ``group``'s reduce-scatter and put the result in its shard's gradient."""
+        work.wait()
+        shard = group.shard
+        if slot is not None:
+            if received is not slot:
+                slot.copy_(received)  # a low-precision wire
+            shard.grad = slot
+        elif shard.grad is None:
+            shard.grad = received.to(shard.dtype)
+        else:
+            shard.grad.add_(received)
 
     def _grad_slot(self, group: _Group) -> torch.Tensor | None:
         """Where this backward's gradient of ``group``'s shard goes when the shard has none yet: its slice of the
@@ -363,17 +383,8 @@ class ZeRO3Model(ShardedModel):
                         f"({', '.join(names)}), so ranks cannot agree on the reduce-scatters; pass "
                         "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on them"
                     )
-            for group, received, slot, work in self._pending:
-                work.wait()
-                shard = group.shard
-                if slot is not None:
-                    if received is not slot:
-                        slot.copy_(received)  # a low-precision wire
-                    shard.grad = slot
-                elif shard.grad is None:
-                    shard.grad = received.to(shard.dtype)
-                else:
-                    shard.grad.add_(received)
+            for pending in self._pending:
+                self._complete(*pending)
         finally:
             self._reset()
         self._mark_step_bytes()
