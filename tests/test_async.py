@@ -1,4 +1,8 @@
-"""AsyncSGDOptimizer: parameter-server shards with bounded staleness, against synchronous references."""
+"""AsyncSGDOptimizer: parameter-server shards with bounded staleness, against synchronous references.
+
+Synchronous parity (max_staleness=0) is against single-process training in float64, within a multiple of the
+float32 run's own error (tests/tolerances.py): the shards differ from one process only in summation order.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from torch import nn
 
 import gpudist
 from gpudist.testing import run_ranks
+
+from .tolerances import assert_matches_reference, reference_pair
 
 STEPS, BATCH = 6, 12
 
@@ -38,10 +44,10 @@ def _make_optimizer(kind: str, module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=0.01)
 
 
-def _reference(kind: str, template: nn.Module) -> torch.Tensor:
+def _reference(kind: str, template: nn.Module, dtype=torch.float32) -> torch.Tensor:
     """Single-process training on the global batch."""
-    x, y = _data()
-    model = copy.deepcopy(template)
+    x, y = (t.to(dtype) for t in _data())
+    model = copy.deepcopy(template).to(dtype)
     opt = _make_optimizer(kind, model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for i in range(STEPS):
@@ -77,10 +83,10 @@ def test_staleness_zero_equals_synchronous(world, backend, kind):
     to the wrong shard, the mean taken over the wrong count, server hyper-parameters not following the scheduler,
     or parameters not pulled after the last round."""
     template = _template()
-    expected = _reference(kind, template)
+    expected = reference_pair(_reference, kind, template)
     results = run_ranks(_train_async, world, backend, kind=kind, template=template, max_staleness=0)
     for flat, stats in results:
-        torch.testing.assert_close(flat, expected, atol=1e-6, rtol=1e-5)
+        assert_matches_reference(flat, *expected)
         assert stats["rounds"] == STEPS and stats["dropped"] == 0 and stats["max_staleness_seen"] == 0
 
 
@@ -160,7 +166,9 @@ def _convex(comm, max_staleness: int, sleep: float):
 
 def test_converges_on_a_convex_problem_with_a_straggler():
     """Least squares with one slow worker and stale gradients still reaches the true weights (1% relative error).
-    Catches stale gradients applied with the wrong sign or scale, or rounds that lose gradients."""
+    Catches stale gradients applied with the wrong sign or scale, or rounds that lose gradients. The 1% bounds the
+    optimization, not rounding: which version each stale gradient meets depends on thread timing (host speed and
+    load), and any such schedule within max_staleness=2 converges on this problem."""
     results = run_ranks(_convex, 3, "inmemory", max_staleness=2, sleep=0.005)
     for err, _ in results:
         assert err < 0.01, err

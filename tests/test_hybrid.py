@@ -1,4 +1,11 @@
-"""HybridShardedModel + HybridShardedOptimizer (3D: pipeline x data x tensor) against single-process training."""
+"""HybridShardedModel + HybridShardedOptimizer (3D: pipeline x data x tensor) against single-process training.
+
+Tolerance: the layouts differ from one process only in summation order (tensor-parallel matmuls and all-reduces,
+micro-batch and replica sums), which Adam turns into update noise where a gradient is a near-cancelling sum. Every
+result (parameters, losses, the clipping norm) is compared with single-process training in float64, within a
+multiple of the float32 single-process run's own error (tests/tolerances.py). A wrong gradient moves parameters by
+about the learning rate (1e-2); SGD catches a constant factor that Adam would normalise away.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ import torch
 from gpudist import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
 from gpudist.models.tensor import tinylm_plan
 from gpudist.testing import run_ranks
+
+from .tolerances import assert_matches_reference, reference_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from lm import TinyLM, as_sequential, lm_loss
@@ -35,8 +44,8 @@ def make_optimizer(params, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def reference(kind: str = "adamw") -> tuple[torch.Tensor, list[float]]:
-    net = tiny()
+def reference(kind: str = "adamw", dtype=torch.float32) -> tuple[torch.Tensor, list[float]]:
+    net = tiny().to(dtype)
     opt = make_optimizer(net.parameters(), kind)
     losses = []
     for step in range(STEPS):
@@ -66,18 +75,12 @@ def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="
     return model.gather_full_parameters(), losses, ranks, model.predict(batch(0)[0])
 
 
-# Adam turns fp32 summation-order differences (tensor-parallel matmuls and all-reduces) into update noise of up to
-# ~1e-5 in 3 steps; a wrong gradient moves parameters by about the learning rate (1e-2). SGD catches a constant
-# factor that Adam would normalise away.
-TOL = {"adamw": {"rtol": 1e-4, "atol": 2e-5}, "sgd": {"rtol": 1e-4, "atol": 1e-5}}
-
-
 def check(results, kind: str, world: int) -> None:
-    want, want_losses = reference(kind)
+    (params32, losses32), (params64, losses64) = reference_pair(reference, kind)
     logits = tiny()(batch(0)[0]).detach()
     for params, losses, _, predicted in results:
-        torch.testing.assert_close(params, want, **TOL[kind])
-        assert losses == pytest.approx(want_losses, rel=1e-4)
+        assert_matches_reference(params, params32, params64, what="parameters")
+        assert_matches_reference(losses, losses32, losses64, what="losses")
         assert predicted.shape == logits.shape  # full logits on every rank (after training, so values differ)
     assert sorted(r[2] for r in results) == sorted({r[2] for r in results}) and len(results) == world
 
@@ -99,9 +102,9 @@ def test_3d_on_gloo(pp, tp):
     check(run_ranks(hybrid_train, 4, "gloo", pp=pp, tp=tp, schedule=schedule), "adamw", 4)
 
 
-def clipped_reference(max_grad_norm: float) -> tuple[torch.Tensor, list[float], float]:
+def clipped_reference(max_grad_norm: float, dtype=torch.float32) -> tuple[torch.Tensor, list[float], float]:
     """SGD on one process with clip_grad_norm_; also the last step's gradient norm (before clipping)."""
-    net = tiny()
+    net = tiny().to(dtype)
     opt = make_optimizer(net.parameters(), "sgd")
     losses, norm = [], None
     for step in range(STEPS):
@@ -123,13 +126,13 @@ def test_3d_2x2x2_clips_to_the_global_gradient_norm(zero_stage):
     different factor), a tensor-replicated parameter (LayerNorms, biases) counted once per tensor rank, the tied
     embedding/head counted on both stages, DDP's equal replicas all counted, and a norm taken before the replica
     average (the replicas' local norms are larger than their average's)."""
-    want, want_losses, want_norm = clipped_reference(0.05)
-    assert want_norm > 0.5  # the limit clips every step by a large factor
+    (params32, losses32, norm32), (params64, losses64, norm64) = reference_pair(clipped_reference, 0.05)
+    assert norm64 > 0.5  # the limit clips every step by a large factor
     results = run_ranks(hybrid_train, 8, "inmemory", zero_stage=zero_stage, kind="sgd", max_grad_norm=0.05)
     for params, losses, norm in results:
-        torch.testing.assert_close(params, want, **TOL["sgd"])
-        assert losses == pytest.approx(want_losses, rel=1e-4)
-        assert norm == pytest.approx(want_norm, rel=1e-4)
+        assert_matches_reference(params, params32, params64, what="parameters")
+        assert_matches_reference(losses, losses32, losses64, what="losses")
+        assert_matches_reference([norm], [norm32], [norm64], what="gradient norm")
 
 
 def bad_layouts(comm):

@@ -91,7 +91,7 @@ def assert_matches_reference(got, ref32, ref64, *, factor: float = REFERENCE_FAC
     err = (g - r64).abs()
     worst = int(err.argmax()) if err.numel() else 0
     if err.numel() and float(err[worst]) > bound:
-        own = float((_as64(ref32) - r64).abs().max())
+        own = float((_as64(ref32).reshape(-1) - r64).abs().max())
         raise AssertionError(
             f"{what}: max |got - float64 reference| = {float(err[worst]):.3g} at index {worst} (got "
             f"{float(g[worst]):.9g}, reference {float(r64[worst]):.9g}) exceeds {bound:.3g} = "
