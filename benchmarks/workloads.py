@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["WORKLOADS", "GPT", "GPTConfig", "batch", "describe", "loss", "make", "mlp"]
+__all__ = ["GPT", "WORKLOADS", "GPTConfig", "batch", "describe", "loss", "make", "mlp"]
 
 
 def mlp(width: int = 1024, depth: int = 19, classes: int = 10) -> nn.Sequential:

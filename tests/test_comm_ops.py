@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpudist.comm import ReductionOperation, split_sizes
+from gpudist.comm import ReductionOperation, shard_range, split_sizes
 from gpudist.testing import run_ranks
 
 from .backends import ALL as BACKENDS
@@ -253,3 +253,42 @@ def _big_world(comm) -> float:
 def test_inmemory_simulates_64_ranks():
     """64 threads form one group. Catches slot bookkeeping that only works for small worlds."""
     assert run_ranks(_big_world, 64) == [float(sum(range(64)))] * 64
+
+
+def _reduce_scatter_forms(comm) -> dict:
+    """Every rank reduce-scatters arange(n) + 100 * rank (13 and 16 elements: uneven and even shares) four ways:
+    out separate or inp's own range (in place), each with and without ``scratch_input``. Small integers: exact."""
+    out = {}
+    for numel in (13, 16):
+        start, end = shard_range(numel, comm.world_size, comm.rank)
+        for in_place in (False, True):
+            for scratch in (False, True):
+                inp = torch.arange(numel, dtype=torch.float32) + 100 * comm.rank
+                target = inp[start:end] if in_place else torch.full((end - start,), -1.0)
+                comm.reduce_scatter(inp, target, scratch_input=scratch)
+                out[(numel, in_place, scratch)] = target.tolist()
+                if not scratch:  # the caller still owns its input: untouched outside its own range
+                    outside = torch.cat([inp[:start], inp[end:]])
+                    expect = torch.cat([torch.arange(numel)[:start], torch.arange(numel)[end:]]) + 100 * comm.rank
+                    assert torch.equal(outside, expect.float()), "reduce_scatter wrote into its input"
+    return out
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "nccl-sim"])
+def test_reduce_scatter_in_place_and_on_scratch_input(backend):
+    """ZeRO-2 reduce-scatters its packed bucket in place (out = the bucket's own range) with ``scratch_input``, which
+    lets Gloo reduce the bucket itself instead of a copy. Catches an in-place form that reads its own already
+    written range, MPI handed overlapping buffers, a result copied from the wrong range, and a caller's input
+    clobbered without ``scratch_input``."""
+    world = 3
+    if backend == "nccl-sim":
+        from .fakenccl import FakeNccl, run_nccl
+
+        results = run_nccl(_reduce_scatter_forms, world, FakeNccl())
+    else:
+        results = run_ranks(_reduce_scatter_forms, world, backend)
+    for rank, res in enumerate(results):
+        for (numel, in_place, scratch), got in res.items():
+            start, end = shard_range(numel, world, rank)
+            want = [float(world * i + 100 * sum(range(world))) for i in range(start, end)]
+            assert got == want, f"n={numel} in_place={in_place} scratch_input={scratch} on rank {rank}: {got}"

@@ -252,7 +252,7 @@ SETUPS = list(PAIRINGS)
 def build(comm, state, setup, compressor=None, error_feedback=True, warmup_steps=0, config_kw=None):
     """One of the supported pairings, uncompressed (compressor None) or wrapped in a GradientCompressionOptimizer.
     ``"<pairing>-momentum"``: momentum SGD (two param groups, one with weight decay) and ``compress="momentum"``."""
-    config = ShardingConfiguration(comm, **({"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001} | (config_kw or {})))
+    config = ShardingConfiguration(comm, **({"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.00002} | (config_kw or {})))
     net = fresh_net(state)
     pairing = setup.removesuffix("-momentum")
     model_cls, opt_cls = PAIRINGS[pairing]

@@ -41,7 +41,8 @@ OPTIMIZERS = {
 
 STAGES = {1: (ZeRO1Model, ZeRO1Optimizer), 2: (ZeRO2Model, ZeRO2Optimizer), 3: (ZeRO3Model, ZeRO3Optimizer),
           "fsdp": (FSDPModel, ZeRO3Optimizer)}
-SMALL_BUCKETS = {"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001}  # ~200 B: several uneven buckets
+SMALL_BUCKETS = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.00002}
+"""~100 B and ~20 B: three uneven buckets, the first (norm.bias alone) 5 elements: at 8 ranks three own none of it."""
 
 
 def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, config_kw=None, nan_step=None, stage=1):
@@ -220,3 +221,33 @@ def test_zero2_memory_and_bytes_follow_the_formulas(world):
         # reduce-scatter counts its input (P), all-gather its output (P), plus the 8-byte norm all-reduce
         assert r["bytes"] == [2 * n_params * 4 + 8] * 2
     assert sum(r["meta"]["memory_per_rank"]["gradients"] for r in results) == n_params * 4
+
+
+def zero2_gradient_bookkeeping(comm, state):
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    model = gpudist.ZeRO2Model(fresh_net(state), config)
+    opt = gpudist.ZeRO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    x, y = batch(0, comm.rank, comm.world_size)
+    loss = lambda scale=1.0: F.mse_loss(model(x), y) * scale
+    loss().backward()
+    opt.step()
+    opt.zero_grad()  # set_to_none: the owned pieces are left as they are, to be written by the next backward
+    after_zero_grad = model.owned_gradients().clone()
+    loss().backward()
+    loss().backward()  # accumulates onto the first
+    twice = model.owned_gradients().clone()
+    opt.zero_grad()
+    loss(2.0).backward()
+    doubled = model.owned_gradients().clone()
+    return after_zero_grad, twice, doubled
+
+
+def test_zero2_zero_grad_leaves_no_stale_gradient_and_accumulation_adds():
+    """zero_grad(set_to_none=True) no longer zeroes ZeRO-2's owned gradients (the next reduce writes them). Catches
+    a step after zero_grad with no backward reading the previous step's gradients, the first reduce adding onto
+    stale values, and a second backward overwriting instead of accumulating: two backward passes must equal one of
+    twice the loss, bit for bit (every scaling involved is by a power of two, exact)."""
+    state = initial_state()
+    for after_zero_grad, twice, doubled in run_ranks(zero2_gradient_bookkeeping, 2, "inmemory", state=state):
+        assert not after_zero_grad.any(), "stale gradients survived zero_grad"
+        assert twice.any() and torch.equal(twice, doubled)

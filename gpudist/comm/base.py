@@ -426,8 +426,9 @@ class CommunicationBackend(ABC):
     ) -> Work | None:
         """Combine ``inp`` over all ranks; rank r gets range r of the result (:func:`split_sizes`) in ``out``.
 
-        ``scratch_input=True`` says the caller has no further use for ``inp``: a transport whose reduce-scatter is
-        an all-reduce (Gloo) then reduces ``inp`` in place instead of a copy of it, and ``inp`` holds garbage after.
+        ``out`` may be ``inp``'s own range r (the in-place form, as NCCL defines it). ``scratch_input=True`` says the
+        caller has no further use for ``inp``: a transport whose reduce-scatter is an all-reduce (Gloo) then reduces
+        ``inp`` in place instead of a copy of it, and ``inp`` holds garbage after (but for ``out``).
         """
         op = ReductionOperation.parse(op)
         self._check_pair("reduce_scatter", inp, out)

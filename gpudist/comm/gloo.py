@@ -349,7 +349,10 @@ class GlooCommunicationBackend(CommunicationBackend):
         scratch = inp.view(-1) if scratch_input else inp.reshape(-1).clone()
         start, end = shard_range(scratch.numel(), self.world_size, self.rank)
         work = self._gloo.allreduce([scratch], self._opts(AllreduceOptions, reduceOp=_TORCH_OPS[op]))
-        return self._work(work, then=lambda: out.view(-1).copy_(scratch[start:end]))
+        mine = scratch[start:end]
+        if out.numel() == 0 or out.data_ptr() == mine.data_ptr():  # in place: out is inp's own range already
+            return self._work(work)
+        return self._work(work, then=lambda: out.view(-1).copy_(mine))
 
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
         self._check(sig)

@@ -67,6 +67,14 @@ def _buffer(t: torch.Tensor):
     return (flat.view(torch.int16) if flat.dtype in _NARROW else flat).numpy()
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class MPICommunicationBackend(CommunicationBackend):
     """One rank of an MPI communicator (default ``MPI.COMM_WORLD``) exchanging CPU tensors.
 
@@ -204,7 +212,12 @@ class MPICommunicationBackend(CommunicationBackend):
                         scratch_input: bool = False) -> Work:  # fmt: skip
         counts = split_sizes(inp.numel(), self.world_size)
         send = self._reduced(inp)
-        recv = torch.empty(out.numel(), dtype=torch.float32) if out.dtype in _NARROW else out.view(-1)
+        # MPI forbids overlapping send and receive buffers: the in-place form (out is inp's own range) receives into
+        # a copy, as bf16/fp16 do anyway.
+        if out.dtype in _NARROW or _overlap(send, out):
+            recv = torch.empty(out.numel(), dtype=send.dtype)
+        else:
+            recv = out.view(-1)
         bufs = (_buffer(send), _buffer(recv))
         return self._collective(sig, lambda: self._comm.Reduce_scatter(*bufs, counts, op=self._ops[op]),
                                 self._finish(recv, out, op))  # fmt: skip

@@ -54,6 +54,9 @@ class ZeRO2Model(DDPModel):
         self.owned_grads = torch.zeros(owned, dtype=first.dtype if first is not None else torch.float32,
                                        device=first.device if first is not None else "cpu")  # fmt: skip
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
+        self._stale: set[int] = set()
+        """Buckets whose owned piece holds no gradient since zero_grad(set_to_none=True): the next reduce writes it
+        instead of adding to it, so zero_grad makes no zeroing pass (:meth:`owned_gradients` zeroes what is left)."""
 
     def _make_bucket(self, index, params, names, storage=None) -> GradientBucket:
         return GradientBucket(index, params, names)
@@ -63,17 +66,18 @@ class ZeRO2Model(DDPModel):
         return sorted(b.part.segment for b in self._buckets)
 
     def _launch(self, bucket: GradientBucket) -> None:
-        hook = self._comm_hook
+        hook, part = self._comm_hook, bucket.part
         wire_dtype = self.owned_grads.dtype if hook is not None else self._wire_dtype
         sent = torch.empty(bucket.numel, dtype=wire_dtype, device=self.owned_grads.device)
         kernels.pack(self._grads_of(bucket), sent, scale=1.0 if hook is not None else 1.0 / self.world_size)
         for p in bucket.params:
             p.grad = None  # the full gradient is in the bucket now; free it
-        received = torch.empty(bucket.part.owned_numel, dtype=wire_dtype, device=sent.device)
         if hook is not None:
+            received = torch.empty(part.owned_numel, dtype=wire_dtype, device=sent.device)
             hook.reduce_scatter(bucket.index, sent, received)
             work = Work()
         else:
+            received = sent[part.owned_start : part.owned_start + part.owned_numel]  # in place: no second buffer
             with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
                 work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True,
                                                 scratch_input=True)  # sent is this bucket's own packed copy
@@ -83,12 +87,31 @@ class ZeRO2Model(DDPModel):
     def _after_reduce(self, bucket: GradientBucket) -> None:
         _, received = bucket.in_flight
         part = bucket.part
-        # Accumulate: several synced backward passes before a step add up, as plain gradients do.
-        self.owned_grads[part.owned_at : part.owned_at + part.owned_numel].add_(received)
+        piece = self.owned_grads[part.owned_at : part.owned_at + part.owned_numel]
+        if bucket.index in self._stale:  # the first reduce since zero_grad(set_to_none=True): write
+            piece.copy_(received)
+            self._stale.discard(bucket.index)
+        else:  # several synced backward passes before a step add up, as plain gradients do
+            piece.add_(received)
         bucket.in_flight = None
 
+    def owned_gradients(self) -> torch.Tensor:
+        """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``."""
+        for bucket in self._buckets:
+            if bucket.index in self._stale:
+                part = bucket.part
+                self.owned_grads[part.owned_at : part.owned_at + part.owned_numel].zero_()
+        self._stale.clear()
+        return self.owned_grads
+
     def zero_grad_buckets(self, set_to_none: bool = True) -> None:
-        self.owned_grads.zero_()  # accumulated into by every synced backward, so always zeroed (it is only P/N)
+        """Clear the gradients. The owned pieces are not zeroed here but overwritten by the next backward
+        (``set_to_none``, torch's default: no pass over P/N), or zeroed now (``set_to_none=False``)."""
+        if set_to_none:
+            self._stale = {b.index for b in self._buckets}
+        else:
+            self.owned_grads.zero_()
+            self._stale.clear()
         for p in self._params:
             p.grad = None
 

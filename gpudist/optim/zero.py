@@ -124,6 +124,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
         the flat parameters (``_by_group`` merges ranges only then)."""
         if self._master is not None:
             return self._master[lo:hi]
+        if hi <= lo:  # this rank owns nothing of a bucket smaller than the world (its share is empty)
+            return self._flat.data[:0]
         start, _, at = next(span for span in self._segment_spans() if span[2] <= lo < span[2] + span[1])
         return self._flat.data[start + lo - at : start + lo - at + hi - lo]
 
@@ -439,7 +441,7 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
                 "ZeRO2Optimizer pairs with a ZeRO2Model whose trainable parameters are the optimizer's, in the "
                 f"model's parameters() order; got {type(model).__name__} with a different parameter list/order"
             )
-        self._grad = owned  # the model's reduce-scattered pieces, same order: step them in place, no copy
+        self._grad = model.owned_gradients()  # the model's reduce-scattered pieces, same order: stepped in place
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
         return {i: BufferSpec.of(self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel)
