@@ -344,3 +344,43 @@ def test_rss_peak_follows_touched_memory_and_resets():
     after, now = peak_rss_bytes(), rss_bytes()
     assert after <= peak - size // 2, (peak, after)
     assert now is None or after <= now + (16 << 20)  # other threads may touch a little memory meanwhile
+
+
+def count_send_buffers_alive(comm, layers: int, width: int) -> dict:
+    """ZeRO-2 backward over ``layers`` one-bucket layers; at each reduce-scatter, how many of the send buffers of this
+    backward's earlier reduce-scatters are still alive (weak references: alive means something, the model or the
+    backend, still holds the memory)."""
+    import weakref
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    layer_mb = (width * width + width) * 4 / 2**20
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.9 * layer_mb, first_bucket_mb=0.9 * layer_mb)
+    model = ZeRO2Model(net, config)
+    sent, alive = [], []
+    reduce_scatter = comm.reduce_scatter
+
+    def spy(inp, out, *args, **kwargs):
+        alive.append(sum(ref() is not None for ref in sent))
+        sent.append(weakref.ref(inp))
+        return reduce_scatter(inp, out, *args, **kwargs)
+
+    comm.reduce_scatter = spy
+    try:
+        model(torch.randn(4, width)).sum().backward()
+    finally:
+        comm.reduce_scatter = reduce_scatter
+    return {"launched": len(sent), "most_alive": max(alive), "buckets": len(model._buckets)}
+
+
+@pytest.mark.parametrize(("backend", "world"), [("inmemory", 2), ("gloo", 2)])
+def test_zero2_holds_at_most_two_buckets_in_flight_during_backward(backend, world):
+    """Catches ZeRO-2 launching every bucket's reduce-scatter and waiting for them all at the end of backward: each
+    holds its bucket's full-size send buffer, so at the last launch a full copy of the gradients was alive (P, where
+    the formula allows P/N plus the working buckets), and on Gloo that memory freed at once went back to the OS and
+    was faulted in again every step. With 8 one-layer buckets, at most 2 earlier send buffers may be alive when a
+    third is launched (ZeRO2Model._IN_FLIGHT); without the bound the last launch sees 7."""
+    layers = 8
+    for rank, r in enumerate(run_ranks(count_send_buffers_alive, world, backend, layers=layers, width=128)):
+        assert r["buckets"] == r["launched"] == layers, (rank, r)
+        assert r["most_alive"] <= ZeRO2Model._IN_FLIGHT, f"rank {rank}: {r['most_alive']} send buffers alive at once"

@@ -83,6 +83,15 @@ class ZeRO2Model(DDPModel):
                                                 scratch_input=True)  # sent is this bucket's own packed copy
         bucket.in_flight = (sent, received)
         self._pending.append((bucket, work))
+        # At most _IN_FLIGHT reduce-scatters at a time, as ZeRO3Model: each holds its bucket's full-size send buffer,
+        # so letting all of them run to the end of backward held a full copy of the gradients at the peak, and the
+        # memory freed at once went back to the OS and had to be faulted in again the next step.
+        while len(self._pending) > self._IN_FLIGHT:  # the work objects hold the buffers too: let them go
+            done, work = self._pending.pop(0)
+            work.wait()
+            self._after_reduce(done)
+
+    _IN_FLIGHT = 2
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
         _, received = bucket.in_flight

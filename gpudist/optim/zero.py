@@ -265,6 +265,40 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._generic_step(scale)
         self._gather_parameters()
 
+    def _overlaps_gather(self) -> bool:
+        """Whether the update can be sent piece by piece as it is made: fused kernels on fp32 parameters (the owned
+        values are the flat buffer's own, sent in place) and more than one rank."""
+        return self._kind is not None and self._master_is_view and self.comm.world_size > 1
+
+    def _update_and_send(self, scale: float, regions: list[tuple[int, int, int]]) -> None:
+        """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
+        split evenly over the ranks (:func:`shard_range`) and this rank's range is updated in chunks of at most
+        4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one async broadcast per rank's
+        matching chunk, straight into the flat buffer) while the next chunk is updated. Same bytes as all-gathering
+        every region after the whole update, which on 2 Gloo processes left the update's time exposed
+        (``benchmarks/zero.py``)."""
+        world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
+        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
+        self._count_steps()
+        works = []
+        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
+            for offset, numel, owned_at in regions:
+                ranges = [shard_range(numel, world, r) for r in range(world)]
+                widest = max(end - start for start, end in ranges)
+                chunks = max(1, min(8, -(-widest * flat.element_size() // chunk_bytes)))
+                mine = ranges[rank][1] - ranges[rank][0]
+                for c in range(chunks):
+                    lo, hi = shard_range(mine, chunks, c)
+                    if hi > lo:
+                        self._fused_step(scale, (owned_at + lo, owned_at + hi))
+                    for r, (start, end) in enumerate(ranges):
+                        lo, hi = shard_range(end - start, chunks, c)
+                        if hi > lo:
+                            piece = flat[offset + start + lo : offset + start + hi]
+                            works.append(self.comm.broadcast(piece, src=r, async_op=True))
+        for work in works:
+            work.wait()
+
     def _count_steps(self) -> None:
         for g in self._by_group():
             self._steps[g] += 1
@@ -387,28 +421,11 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
         self.comm.all_gather(src, self._flat.data)
 
     def _update_and_gather(self, scale: float) -> None:
-        """Fused fp32 path: update the owned range in chunks and send each chunk as soon as it is updated (one
-        async broadcast per rank and chunk, straight into the flat buffer), so the update of chunk c+1 overlaps
-        the transfer of chunk c. Same bytes as the all-gather; on 2 Gloo processes it cut the step by the
-        update's time (``benchmarks/zero.py``). Other paths: update everything, then one all-gather."""
-        world, flat = self.comm.world_size, self._flat.data
-        if self._kind is None or not self._master_is_view or world == 1:
+        """Fused fp32 path: the flat buffer is one gathered region (:meth:`_update_and_send`)."""
+        if not self._overlaps_gather():
             super()._update_and_gather(scale)
             return
-        ranges = [shard_range(flat.numel(), world, r) for r in range(world)]
-        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
-        chunks = max(1, min(8, -(-max(e - s for s, e in ranges) * flat.element_size() // chunk_bytes)))
-        self._count_steps()
-        works = []
-        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-            for c in range(chunks):
-                self._fused_step(scale, shard_range(self._grad.numel(), chunks, c))
-                for r, (start, end) in enumerate(ranges):
-                    lo, hi = shard_range(end - start, chunks, c)
-                    if hi > lo:
-                        works.append(self.comm.broadcast(flat[start + lo : start + hi], src=r, async_op=True))
-        for work in works:
-            work.wait()
+        self._update_and_send(scale, [(0, self._flat.data.numel(), 0)])
 
 
 class ZeRO2Optimizer(_FlatShardOptimizer):
@@ -465,6 +482,13 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
             piece = self._master_of(part.owned_at, part.owned_at + part.owned_numel)
             src = piece if self._master_is_view else piece.to(dtype)  # fp32: in place, as ZeRO-1
             self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
+
+    def _update_and_gather(self, scale: float) -> None:
+        """Fused fp32 path: each bucket is a gathered region (:meth:`_update_and_send`), in launch order."""
+        if not self._parts or not self._overlaps_gather():  # ZeRO-3's own shards: nothing to gather
+            super()._update_and_gather(scale)
+            return
+        self._update_and_send(scale, [(part.flat_offset, part.numel, part.owned_at) for part in self._parts])
 
 
 class ZeRO3Optimizer(ZeRO2Optimizer):
