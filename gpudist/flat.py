@@ -24,6 +24,7 @@ __all__ = [
     "assign_buckets",
     "broadcast_tensors",
     "exchange_bytes",
+    "flatten_parameters",
     "partition_buckets",
     "shard_range",
 ]
@@ -43,6 +44,26 @@ class FlatBuffer:
         first = tensors[0]
         alloc = torch.zeros if zero else torch.empty
         return cls(layout, alloc(layout.total, dtype=dtype or first.dtype, device=first.device))
+
+    @classmethod
+    def holding(cls, tensors: Sequence[torch.Tensor]) -> FlatBuffer | None:
+        """The buffer ``tensors`` already are, back to back and in order in one storage (as :func:`flatten_parameters`
+        leaves parameters), or None. Lets a second owner share that memory instead of packing a copy. (A parameter
+        whose ``.data`` was set to a view has no ``_base``, so this compares storages and offsets.)"""
+        if not tensors:
+            return None
+        first = tensors[0]
+        storage, origin = first.untyped_storage(), first.storage_offset()
+        layout = FlatLayout.of(list(tensors))
+        for t, offset, numel in zip(tensors, layout.offsets, layout.numels, strict=True):
+            same_kind = t.dtype == first.dtype and t.device == first.device and t.is_contiguous() and t.numel() == numel
+            in_place = t.untyped_storage().data_ptr() == storage.data_ptr() and t.storage_offset() == origin + offset
+            if not (same_kind and in_place):
+                return None
+        if (origin + layout.total) * first.element_size() > storage.nbytes():
+            return None
+        data = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, origin, (layout.total,))
+        return cls(layout, data)
 
     def views(self) -> list[torch.Tensor]:
         """Views shaped like the tensors: writing one writes the buffer. Built once per ``data`` and kept here, with
@@ -178,10 +199,31 @@ def partition_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, firs
     return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]
 
 
+def flatten_parameters(params: Sequence[torch.nn.Parameter]) -> FlatBuffer | None:
+    """Move ``params`` (one dtype and device) into one flat buffer, back to back in order: each parameter's ``.data``
+    becomes a view of it and its old storage is freed as it moves (the peak is the buffer plus the parameters not
+    moved yet). Returns the buffer, or None (nothing moved) when the parameters are of several kinds or already
+    one buffer's views (:meth:`FlatBuffer.holding`)."""
+    params = list(params)
+    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+        return None
+    held = FlatBuffer.holding(params)
+    if held is not None:
+        return held
+    flat = FlatBuffer.empty_like(params, zero=False)
+    with torch.no_grad():
+        for p, view in zip(params, flat.views(), strict=True):
+            view.copy_(p.data)
+            p.data = view
+    return flat
+
+
 def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per device and dtype through a flat
-    buffer. Tensors off the backend's device (Adam's ``step`` counters stay on the CPU next to CUDA moments) travel
-    through a copy on it."""
+    buffer (a kind that is one contiguous tensor, or the views of one such as :func:`flatten_parameters` leaves, goes
+    as it is, no copy).
+    Tensors off the backend's device (Adam's ``step`` counters stay on the CPU next to CUDA moments) travel through a
+    copy on it."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
@@ -189,7 +231,12 @@ def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
     with torch.no_grad():
         for (device, dtype), group in by_kind.items():
             staged = group if device.type == comm.device.type else [t.to(comm.device) for t in group]
-            if dtype in FLOAT_DTYPES:
+            held = FlatBuffer.holding(staged) if len(staged) > 1 else None
+            if held is not None:
+                comm.broadcast(held.data, src)
+            elif len(staged) == 1 and staged[0].is_contiguous():
+                comm.broadcast(staged[0].view(-1), src)
+            elif dtype in FLOAT_DTYPES:
                 flat = FlatBuffer.empty_like(staged, zero=False)
                 pack(staged, flat.data)
                 comm.broadcast(flat.data, src)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpudist
-from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration
+from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
 from gpudist.testing import run_ranks
 
 from .backends import mpi_world
@@ -113,10 +113,15 @@ def train_torch_ddp(comm, state, steps=STEPS):
     return flat(net)
 
 
-def accumulate(comm, state, micro_batches=3):
-    config = ShardingConfiguration(comm)
-    model = DDPModel(fresh_net(state), config)
-    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+PAIRS = {"ddp": (DDPModel, DDPOptimizer), "zero2": (ZeRO2Model, ZeRO2Optimizer)}
+"""DDP and ZeRO-2 share the gradient hooks; ZeRO-2 copies each gradient into its bucket's send buffer as it arrives."""
+
+
+def accumulate(comm, state, micro_batches=3, strategy="ddp"):
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.0002)
+    model_cls, opt_cls = PAIRS[strategy]
+    model = model_cls(fresh_net(state), config)
+    opt = opt_cls(torch.optim.SGD(model.parameters(), lr=0.1), config)
     x, y = batch(0, comm.rank, comm.world_size)
     chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
     bytes_inside = comm.stats.total_bytes
@@ -130,10 +135,11 @@ def accumulate(comm, state, micro_batches=3):
     return flat(model.module), bytes_inside
 
 
-def branch_step(comm, state, find_unused):
+def branch_step(comm, state, find_unused, strategy="ddp"):
     config = ShardingConfiguration(comm, find_unused_parameters=find_unused, bucket_cap_mb=0.0002)
-    model = DDPModel(fresh_net(state, with_branch=True), config)
-    opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    model_cls, opt_cls = PAIRS[strategy]
+    model = model_cls(fresh_net(state, with_branch=True), config)
+    opt = opt_cls(torch.optim.SGD(model.parameters(), lr=0.1), config)
     x, y = batch(0, comm.rank, comm.world_size)
     use_branch = comm.rank == 0  # only rank 0 uses the branch
     F.mse_loss(model(x, use_branch=use_branch), y).backward()
@@ -209,23 +215,33 @@ def test_ddp_optimizer_alone_averages_gradients():
         assert_matches_reference(r["params"], *expected)
 
 
-def test_no_sync_accumulation_equals_one_big_batch():
-    """Catches no_sync communicating anyway, or the final synced backward reducing only its own micro-batch."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_no_sync_accumulation_equals_one_big_batch(strategy):
+    """Catches no_sync communicating anyway, or the final synced backward reducing only its own micro-batch (ZeRO-2:
+    copying only the last micro-batch's gradient into the send buffer)."""
     state = initial_state()
-    results = run_ranks(accumulate, 2, "inmemory", state=state)
+    results = run_ranks(accumulate, 2, "inmemory", state=state, strategy=strategy)
     expected = reference_pair(single_process, state, torch.optim.SGD, steps=1, lr=0.1)
     for params, bytes_inside in results:
         assert bytes_inside == 0
         assert_matches_reference(params, *expected)
 
 
-def test_unused_parameters():
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_unused_parameters(strategy):
     """Catches a hang or silent skip when a parameter gets no gradient: without find_unused_parameters the error
-    names the parameter; with it, the unused rank contributes zeros and the replicas agree."""
+    names the parameter; with it, the unused rank contributes zeros (ZeRO-2: a send-buffer slot no gradient wrote
+    must be zeroed, not sent as whatever the memory held) and the replicas agree."""
     state = initial_state(with_branch=True)
     with pytest.raises(Exception, match=r"branch\.weight.*find_unused_parameters=True"):
-        run_ranks(branch_step, 2, "inmemory", state=state, find_unused=False, timeout=5)
-    results = run_ranks(branch_step, 2, "inmemory", state=state, find_unused=True)
+        run_ranks(branch_step, 2, "inmemory", state=state, find_unused=False, timeout=5, strategy=strategy)
+    # torch.empty then returns NaNs (torch.utils.deterministic.fill_uninitialized_memory): a slot nobody wrote shows up
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = run_ranks(branch_step, 2, "inmemory", state=state, find_unused=True, strategy=strategy)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     assert torch.equal(results[0], results[1])
     # The branch's gradient is rank 0's divided by 2 (rank 1 contributed zeros).
     def branch_after_step(dtype):

@@ -9,7 +9,15 @@ import torch
 
 from .. import kernels
 from ..comm import ReductionOperation, Work
-from ..flat import BufferSpec, FlatBuffer, FlatLayout, GradientBucket, assign_buckets, broadcast_tensors
+from ..flat import (
+    BufferSpec,
+    FlatBuffer,
+    FlatLayout,
+    GradientBucket,
+    assign_buckets,
+    broadcast_tensors,
+    flatten_parameters,
+)
 from .base import ShardedModel
 
 __all__ = ["DDPModel"]
@@ -30,7 +38,15 @@ class DDPModel(ShardedModel):
     def initialize_sharding(self) -> None:
         module, comm, config = self.module, self.comm, self.config
         self._check_same_model()
-        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        flat = flatten_parameters(trainable) if self._flat_parameters else None
+        if flat is not None:  # rank 0's values go straight into the buffer the ZeRO optimizer then steps in place
+            broadcast_tensors(comm, [flat.data])
+            moved = set(map(id, trainable))
+            broadcast_tensors(comm, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in moved])
+            del flat  # the parameters' views keep the buffer; holding it here would outlive a later move
+        else:
+            broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._param_ids = {id(p) for p in self._params}
@@ -61,6 +77,10 @@ class DDPModel(ShardedModel):
         self._pending: list[tuple[GradientBucket, object]] = []
         self._callback_queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    _flat_parameters = False
+    """Whether the trainable parameters move into one flat buffer at wrap time (ZeRO-1/2: their optimizer adopts it
+    instead of allocating and packing a second copy of the model). DDP keeps torch's parameters as they are."""
 
     @property
     def _views(self) -> bool:
@@ -157,12 +177,16 @@ class DDPModel(ShardedModel):
             view.mul_(scale)  # accumulated in place (zero_grad(set_to_none=False), no_sync): one scaling pass
         param.grad = view
 
+    def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """``param``'s gradient (bucket slot ``j``) is complete for this backward: views put it in the bucket now."""
+        if self._views:
+            self._into_bucket(bucket, j, param)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:
             return
         bucket, j = self._slot[id(param)]
-        if self._views:
-            self._into_bucket(bucket, j, param)
+        self._arrived(bucket, j, param)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..comm import ReductionOperation, Work
-from ..flat import GradientBucket, partition_buckets
+from ..flat import FlatLayout, GradientBucket, partition_buckets
 from .base import ShardedModel
 from .ddp import DDPModel
 
@@ -20,6 +19,7 @@ class ZeRO1Model(DDPModel):
     and all-gathers the updated parameters."""
 
     strategy = "zero1"
+    _flat_parameters = True
 
 
 class ZeRO2Model(DDPModel):
@@ -33,6 +33,7 @@ class ZeRO2Model(DDPModel):
 
     strategy = "zero2"
     _hook_op = "reduce_scatter"
+    _flat_parameters = True
 
     @property
     def _views(self) -> bool:
@@ -54,6 +55,11 @@ class ZeRO2Model(DDPModel):
         self.owned_grads = torch.zeros(owned, dtype=first.dtype if first is not None else torch.float32,
                                        device=first.device if first is not None else "cpu")  # fmt: skip
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
+        self._layouts = {b.index: FlatLayout.of(b.params) for b in self._buckets}
+        self._filling: dict[int, torch.Tensor] = {}
+        """Send buffers of the buckets whose gradients are arriving (bucket index -> buffer), and their slots
+        written so far (``_filled``)."""
+        self._filled: dict[int, set[int]] = {}
         self._stale: set[int] = set()
         """Buckets whose owned piece holds no gradient since zero_grad(set_to_none=True): the next reduce writes it
         instead of adding to it, so zero_grad makes no zeroing pass (:meth:`owned_gradients` zeroes what is left)."""
@@ -65,15 +71,34 @@ class ZeRO2Model(DDPModel):
         """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order)."""
         return sorted(b.part.segment for b in self._buckets)
 
+    def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """Copy the gradient into its slot of the bucket's send buffer (allocated by the bucket's first gradient), times
+        1/N unless a comm hook averages, and free it: full gradients never pile up while a bucket fills, and the
+        copy reads the gradient while it is still in cache (as torch DDP's copy into its bucket)."""
+        sent = self._filling.get(bucket.index)
+        if sent is None:
+            dtype = self.owned_grads.dtype if self._comm_hook is not None else self._wire_dtype
+            sent = self._filling[bucket.index] = torch.empty(bucket.numel, dtype=dtype, device=self.owned_grads.device)
+        layout = self._layouts[bucket.index]
+        slot = sent[layout.offsets[j] : layout.offsets[j] + layout.numels[j]].view(param.shape)
+        if param.grad is None:  # unused in this backward (find_unused_parameters): zeros
+            slot.zero_()
+        elif self._comm_hook is not None:
+            slot.copy_(param.grad)
+        else:
+            torch.mul(param.grad, 1.0 / self.world_size, out=slot)
+        param.grad = None  # the full gradient is in the bucket now; free it
+        self._filled.setdefault(bucket.index, set()).add(j)
+
     def _launch(self, bucket: GradientBucket) -> None:
         hook, part = self._comm_hook, bucket.part
-        wire_dtype = self.owned_grads.dtype if hook is not None else self._wire_dtype
-        sent = torch.empty(bucket.numel, dtype=wire_dtype, device=self.owned_grads.device)
-        kernels.pack(self._grads_of(bucket), sent, scale=1.0 if hook is not None else 1.0 / self.world_size)
-        for p in bucket.params:
-            p.grad = None  # the full gradient is in the bucket now; free it
+        filled = self._filled.pop(bucket.index, set())
+        for j in range(len(bucket.params)):
+            if j not in filled:  # no hook ran (unused, find_unused_parameters): its no_sync sum, or zeros
+                self._arrived(bucket, j, bucket.params[j])
+        sent = self._filling.pop(bucket.index)
         if hook is not None:
-            received = torch.empty(part.owned_numel, dtype=wire_dtype, device=sent.device)
+            received = torch.empty(part.owned_numel, dtype=sent.dtype, device=sent.device)
             hook.reduce_scatter(bucket.index, sent, received)
             work = Work()
         else:
@@ -103,6 +128,11 @@ class ZeRO2Model(DDPModel):
         else:  # several synced backward passes before a step add up, as plain gradients do
             piece.add_(received)
         bucket.in_flight = None
+
+    def _reset_step(self) -> None:
+        super()._reset_step()
+        self._filling.clear()
+        self._filled.clear()
 
     def owned_gradients(self) -> torch.Tensor:
         """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``."""

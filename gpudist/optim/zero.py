@@ -19,7 +19,7 @@ from .. import kernels
 from ..comm import ReductionOperation, shard_range
 from ..comm.base import _stable_hash
 from ..config import ShardingConfiguration
-from ..flat import BufferSpec, FlatBuffer, partition_buckets
+from ..flat import BufferSpec, flatten_parameters, partition_buckets
 from ..models.base import same_on_every_rank
 from ..models.zero3 import ZeRO3Model
 from .base import ShardedOptimizer
@@ -70,11 +70,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 "rank's; every rank must build the same model and optimizer"
             )
         self._flat_params = params
-        self._flat = FlatBuffer.empty_like(params, zero=False)
-        with torch.no_grad():
-            kernels.pack(params, self._flat.data)
-            for p, view in zip(params, self._flat.views(), strict=True):
-                p.data = view  # parameters now live in the flat buffer: an all-gather into it updates them in place
+        # The parameters live in one flat buffer, so an all-gather into it updates them in place. ZeRO1Model and
+        # ZeRO2Model put them there at wrap time (adopted here as it is: no second copy of the model, even for a
+        # moment); otherwise they move now.
+        self._flat = flatten_parameters(params)
         ends, offset = [], 0
         for g in self.param_groups:
             offset += sum(p.numel() for p in g["params"] if p.requires_grad)
