@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import mmap
 import time
 
 import pytest
@@ -354,12 +355,16 @@ def test_rss_peak_follows_touched_memory_and_resets():
     """Catches peak RSS that is not the high-water mark of resident memory (e.g. VmRSS read for VmHWM) and a reset
     that does not work where the kernel offers it: a 64 MiB buffer written and freed raises the peak by at least
     that, and after reset_peak_rss the peak is back near the current resident set."""
-    size = 64 << 20
+    size, page = 64 << 20, mmap.PAGESIZE
     before = peak_rss_bytes()
-    buf = torch.ones(size // 4)  # written: resident
+    # Its own mapping, not malloc's: malloc may serve 64 MiB from free heap memory that is already resident and keep
+    # it after the free (seen under OMP_NUM_THREADS=1 after the rest of the suite), which this test must not depend on.
+    buf = mmap.mmap(-1, size)
+    for offset in range(0, size, page):
+        buf[offset] = 1  # written: resident
     assert rss_bytes() is None or rss_bytes() >= size
     peak = peak_rss_bytes()
-    del buf  # 64 MiB is mmapped by malloc, so freeing it returns it to the kernel at once
+    buf.close()  # unmapped: back to the kernel at once
     assert peak >= max(before, size)
     if not reset_peak_rss():
         pytest.skip("reset_peak_rss is not available here (/proc/self/clear_refs not writable)")
