@@ -24,22 +24,29 @@ range with gpudist's fused kernel).
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import gpudist
+from gpudist.bench import environment
 from gpudist.comm import ReductionOperation
+from gpudist.fileio import atomic_write_json
 
 from . import workloads as W
 
 LR = 1e-4
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH = {"mlp": 32, "gpt": 2, "gpt-deep": 2}
+"""Samples per rank per step (GPT: sequences of 128 tokens)."""
 TARGET = 1.05
 """gpudist must step at least this much faster than each best-configured peer (median over rounds)."""
 
@@ -444,3 +451,68 @@ def format_tables(title: str, variants: dict[str, dict], summary: dict, checks: 
 
 def describe_variants(variants: list[Variant]) -> dict[str, dict]:
     return {v.name: {"role": v.role, "label": v.label, "settings": v.settings} for v in variants}
+
+
+# -- what every strategy benchmark does around its variants -------------------------------------------------------
+
+
+def measure(comm, workload: str, batches: list[tuple], variants: list[Variant], steps: int, rounds: int,
+            phase_steps: int = 0) -> dict:  # fmt: skip
+    """On every rank: the same-function check, a warm-up step, the interleaved rounds, the phases if asked, and this
+    rank's peak RSS after building and at the end."""
+    rss_built = max_rss_mib()
+    checks = check_same_function(comm, workload, batches, variants)
+    for v in variants:  # warm-up (the training variants also took the check's steps)
+        v.step()
+    rounds_data = interleaved_rounds(comm, {v.name: v.step for v in variants}, steps, rounds)
+    phases = phase_times(comm, variants, phase_steps) if phase_steps else None
+    return {"rounds": rounds_data, "checks": checks, "variants": describe_variants(variants), "phases": phases,
+            "max_rss_mib": {"after_build": rss_built, "end": max_rss_mib()}}  # fmt: skip
+
+
+def arguments(doc: str, bucket_help: str) -> argparse.ArgumentParser:
+    """The options every strategy benchmark takes; each adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--workload", nargs="+", default=["mlp", "gpt"], choices=list(W.WORKLOADS))
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=None, help=f"samples per rank per step (default {BATCH})")
+    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help=bucket_help)
+    parser.add_argument("--only", type=lambda t: t.split(","), default=None,
+                        help="comma-separated variant names to run (development and profiling)")
+    parser.add_argument("--phases", type=int, default=0, metavar="STEPS",
+                        help="also time forward, backward, step and zero_grad of each variant over STEPS steps")
+    parser.add_argument("--out", default=None, help="JSON path; {workload} is replaced by the workload's name")
+    return parser
+
+
+def document(benchmark: str, workload: str, args, batch: int, res_all: list[dict], comparisons) -> dict:
+    """The JSON every strategy benchmark writes, from rank 0's measurement (``comparisons(rounds, summary)`` picks
+    the pairs)."""
+    res = res_all[0]
+    summary = summarize(res["rounds"])
+    return {"benchmark": benchmark, "backend": "gloo", "world_size": args.world_size, "workload": workload,
+            "model": W.describe(W.make(workload)),
+            "settings": {**vars(args), "batch": batch, "workload": workload, "optimizer": f"AdamW lr {LR}"},
+            "environment": environment(), "variants": res["variants"], "summary": summary,
+            "comparisons": comparisons(res["rounds"], summary), "target_ratio": TARGET, "checks": res["checks"],
+            "rounds": res["rounds"], "phases": res["phases"],
+            "max_rss_mib_per_rank": [r["max_rss_mib"] for r in res_all],
+            "memory_note": "all variants live in the same processes, so the RSS is their sum (fine for speed, not a "
+                           "memory measurement)"}  # fmt: skip
+
+
+def report(doc: dict, title: str, notes: list[str], args) -> dict:
+    """Print the tables, ``notes``, the phases and the RSS; write the JSON (``--out`` or the results folder)."""
+    print(format_tables(title, doc["variants"], doc["summary"], doc["checks"], doc["comparisons"]))
+    for line in notes:
+        print(line)
+    if doc["phases"]:
+        print(format_phases(doc["phases"]))
+    print(f"# max RSS per rank {max(r['end'] for r in doc['max_rss_mib_per_rank']):.0f} MiB (all variants in one "
+          "process)")
+    name = f"{doc['benchmark']}_{doc['workload']}_gloo_w{doc['world_size']}.json"
+    out = Path(args.out.format(workload=doc["workload"])) if args.out else RESULTS / name
+    print(f"# wrote {atomic_write_json(out, doc)}")
+    return doc

@@ -23,21 +23,11 @@ local reference (the ``check`` columns). Results: ``benchmarks/results/zero_<wor
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
-from gpudist.bench import environment
-from gpudist.fileio import atomic_write_json
 from gpudist.launch import spawn
 
 from . import peers
-from . import workloads as W
-
-RESULTS = Path(__file__).resolve().parent / "results"
-BATCH = {"mlp": 32, "gpt": 2, "gpt-deep": 2}
-"""Samples per rank per step (GPT: sequences of 128 tokens)."""
 
 
 def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_mb: float, deepspeed: bool,
@@ -65,14 +55,7 @@ def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_
     if not deepspeed:
         factories = {k: v for k, v in factories.items() if not k.startswith("deepspeed")}
     variants = [make() for name, make in factories.items() if only is None or name in only]
-    rss_built = peers.max_rss_mib()
-    checks = peers.check_same_function(comm, workload, batches, variants)
-    for v in variants:  # warm-up (every variant also took the check's steps)
-        v.step()
-    rounds_data = peers.interleaved_rounds(comm, {v.name: v.step for v in variants}, steps, rounds)
-    phases = peers.phase_times(comm, variants, phase_steps) if phase_steps else None
-    return {"rounds": rounds_data, "checks": checks, "variants": peers.describe_variants(variants),
-            "phases": phases, "max_rss_mib": {"after_build": rss_built, "end": peers.max_rss_mib()}}  # fmt: skip
+    return peers.measure(comm, workload, batches, variants, steps, rounds, phase_steps)
 
 
 def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
@@ -91,54 +74,25 @@ def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
 
 def run(workload: str, args) -> dict:
     n = args.world_size
-    batch = args.batch or BATCH[workload]
-    skipped = None if args.no_deepspeed else peers.deepspeed_status()
-    if args.no_deepspeed:
-        skipped = "skipped: --no-deepspeed"
+    batch = args.batch or peers.BATCH[workload]
+    skipped = "skipped: --no-deepspeed" if args.no_deepspeed else peers.deepspeed_status()
     res_all = spawn(bench_rank, n, workload=workload, batch=batch, steps=args.steps, rounds=args.rounds,
                     bucket_mb=args.bucket_mb, deepspeed=skipped is None, phase_steps=args.phases,
                     only=args.only, timeout=1800.0)  # fmt: skip
-    res = res_all[0]
-    info = W.describe(W.make(workload))
-    summary = peers.summarize(res["rounds"])
-    comparisons = comparisons_for(res["rounds"], summary)
-    doc = {"benchmark": "zero", "backend": "gloo", "world_size": n, "workload": workload, "model": info,
-           "settings": {**vars(args), "batch": batch, "workload": workload, "optimizer": f"AdamW lr {peers.LR}"},
-           "environment": environment(), "variants": res["variants"], "summary": summary, "comparisons": comparisons,
-           "best_peers": {"zero1": "torch_zero_best", "zero2": ["torch_zero_best", "deepspeed_zero2"],
-                          "fsdp": ["fsdp2_best", "deepspeed_zero3"]},
-           "target_ratio": peers.TARGET, "deepspeed": skipped or "ran", "checks": res["checks"],
-           "rounds": res["rounds"], "phases": res["phases"],
-           "max_rss_mib_per_rank": [r["max_rss_mib"] for r in res_all],
-           "memory_note": "all variants live in the same processes, so the RSS is their sum (fine for speed, not a "
-                          "memory measurement)"}  # fmt: skip
+    doc = peers.document("zero", workload, args, batch, res_all, comparisons_for)
+    doc["best_peers"] = {"zero1": "torch_zero_best", "zero2": ["torch_zero_best", "deepspeed_zero2"],
+                         "fsdp": ["fsdp2_best", "deepspeed_zero3"]}  # fmt: skip
+    doc["deepspeed"] = skipped or "ran"
+    info = doc["model"]
     title = (f"# ZeRO and FSDP, workload {workload} ({info['parameters'] / 1e6:.1f}M parameters in {info['tensors']} "
              f"tensors), gloo world {n}, batch {batch}/rank, AdamW; {args.rounds} rounds x {args.steps} steps, "
              f"order rotated; DeepSpeed: {skipped or 'ran'}")  # fmt: skip
-    print(peers.format_tables(title, res["variants"], summary, res["checks"], comparisons))
-    if res["phases"]:
-        print(peers.format_phases(res["phases"]))
-    print(f"# max RSS per rank {max(r['end'] for r in doc['max_rss_mib_per_rank']):.0f} MiB (all variants in one "
-          "process)")
-    out = Path(args.out.format(workload=workload)) if args.out else RESULTS / f"zero_{workload}_gloo_w{n}.json"
-    print(f"# wrote {atomic_write_json(out, doc)}")
-    return doc
+    return peers.report(doc, title, [], args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="+", default=["mlp", "gpt"], choices=list(W.WORKLOADS))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=None, help=f"samples per rank per step (default {BATCH})")
-    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of gpudist and of the peers")
+    parser = peers.arguments(__doc__, "bucket size of gpudist and of the peers")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even if it is installed")
-    parser.add_argument("--only", type=lambda t: t.split(","), default=None,
-                        help="comma-separated variant names to run (development and profiling)")
-    parser.add_argument("--phases", type=int, default=0, metavar="STEPS",
-                        help="also time forward, backward, step and zero_grad of each variant over STEPS steps")
-    parser.add_argument("--out", default=None, help="JSON path; {workload} is replaced by the workload's name")
     args = parser.parse_args(argv)
     for workload in args.workload:
         run(workload, args)

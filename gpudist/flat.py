@@ -220,10 +220,9 @@ def flatten_parameters(params: Sequence[torch.nn.Parameter]) -> FlatBuffer | Non
 
 def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
     """Overwrite ``tensors`` on every rank with ``src``'s values: one broadcast per device and dtype through a flat
-    buffer (a kind that is one contiguous tensor, or the views of one such as :func:`flatten_parameters` leaves, goes
-    as it is, no copy).
-    Tensors off the backend's device (Adam's ``step`` counters stay on the CPU next to CUDA moments) travel through a
-    copy on it."""
+    buffer (a kind that already is one buffer, such as a contiguous tensor or :func:`flatten_parameters`' views, goes
+    as it is, no copy). Tensors off the backend's device (Adam's ``step`` counters stay on the CPU next to CUDA
+    moments) travel through a copy on it."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
@@ -231,11 +230,9 @@ def broadcast_tensors(comm, tensors: list[torch.Tensor], src: int = 0) -> None:
     with torch.no_grad():
         for (device, dtype), group in by_kind.items():
             staged = group if device.type == comm.device.type else [t.to(comm.device) for t in group]
-            held = FlatBuffer.holding(staged) if len(staged) > 1 else None
+            held = FlatBuffer.holding(staged)
             if held is not None:
                 comm.broadcast(held.data, src)
-            elif len(staged) == 1 and staged[0].is_contiguous():
-                comm.broadcast(staged[0].view(-1), src)
             elif dtype in FLOAT_DTYPES:
                 flat = FlatBuffer.empty_like(staged, zero=False)
                 pack(staged, flat.data)

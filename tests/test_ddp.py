@@ -63,20 +63,24 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def train_steps(model, opt, stop: int, rank: int = 0, world: int = 1, start: int = 0, dtype=torch.float32) -> None:
-    """Plain training steps ``start..stop-1``: MSE on this rank's slice of each step's batch, step, zero_grad."""
+def train_steps(model, opt, stop: int, rank: int = 0, world: int = 1, start: int = 0, dtype=torch.float32,
+                max_norm: float | None = None) -> None:  # fmt: skip
+    """Plain training steps ``start..stop-1``: MSE on this rank's slice of each step's batch, ``clip_grad_norm_`` to
+    ``max_norm`` if given (gpudist's optimizers clip by the same rule), step, zero_grad."""
     for step in range(start, stop):
         x, y = batch(step, rank, world)
         F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
 
 
 def single_process(state: dict, opt_cls=torch.optim.Adam, steps: int = STEPS, dtype=torch.float32,
-                   **opt_kw) -> torch.Tensor:  # fmt: skip
+                   max_norm: float | None = None, **opt_kw) -> torch.Tensor:  # fmt: skip
     net = fresh_net(state).to(dtype)
     opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
-    train_steps(net, opt, steps, dtype=dtype)
+    train_steps(net, opt, steps, dtype=dtype, max_norm=max_norm)
     return flat(net)
 
 

@@ -34,6 +34,7 @@ import gc
 import itertools
 import mmap
 import time
+import weakref
 
 import pytest
 import torch
@@ -377,8 +378,6 @@ def count_send_buffers_alive(comm, layers: int, width: int) -> dict:
     """ZeRO-2 backward over ``layers`` one-bucket layers; at each reduce-scatter, how many of the send buffers of this
     backward's earlier reduce-scatters are still alive (weak references: alive means something, the model or the
     backend, still holds the memory)."""
-    import weakref
-
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
     layer_mb = (width * width + width) * 4 / 2**20

@@ -114,24 +114,10 @@ def test_zero1_gradient_and_gather_paths(config_kw):
     chunks (10-byte buckets) each broadcast into the wrong place or before its update."""
     state = initial_state()
     results = run_ranks(train_zero1, 3, "inmemory", state=state, config_kw=config_kw)
-    expected = reference_pair(clipped_single_process, state, "adam", config_kw.get("max_grad_norm"))
+    cls, kw = OPTIMIZERS["adam"]
+    expected = reference_pair(single_process, state, cls, max_norm=config_kw.get("max_grad_norm"), **kw)
     for r in results:
         assert_matches_reference(r["params"], *expected)
-
-
-def clipped_single_process(state, opt_name: str, max_norm: float | None, dtype=torch.float32) -> torch.Tensor:
-    """One process on the global batch with clip_grad_norm_ (gpudist clips by the same rule) when ``max_norm``."""
-    net = fresh_net(state).to(dtype)
-    cls, kw = OPTIMIZERS[opt_name]
-    opt = cls(net.parameters(), **kw)
-    for step in range(STEPS):
-        x, y = batch(step)
-        F.mse_loss(net(x.to(dtype)), y.to(dtype)).backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-    return flat(net)
 
 
 def train_torch_zero(comm, state, steps=STEPS):
@@ -176,7 +162,8 @@ def test_zero1_clipping_matches_clip_grad_norm():
     """Catches a per-shard norm (each rank clipping by its own slice's norm) instead of the global norm."""
     state = initial_state()
     results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name="sgd", config_kw={"max_grad_norm": 0.05})
-    expected = reference_pair(clipped_single_process, state, "sgd", 0.05)
+    cls, kw = OPTIMIZERS["sgd"]
+    expected = reference_pair(single_process, state, cls, max_norm=0.05, **kw)
     for r in results:
         assert_matches_reference(r["params"], *expected)
 

@@ -182,20 +182,6 @@ def test_zero3_bf16_parameters_with_fp32_master_match_zero2():
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
 
 
-def single_process_plain(state, clip=None, dtype=torch.float32) -> torch.Tensor:
-    """:func:`train_plain_optimizer`'s momentum SGD (and clip_grad_norm_) on one process over the global batch."""
-    net = fresh_net(state).to(dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step)
-        F.mse_loss(net(x.to(dtype)), y.to(dtype)).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return flat(net)
-
-
 def train_plain_optimizer(comm, state, clip=None):
     model = ZeRO3Model(fresh_net(state), ShardingConfiguration(comm))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -214,7 +200,7 @@ def test_zero3_with_a_plain_torch_optimizer(clip):
     """Catches shards whose .grad is not the global average (a plain torch optimizer steps them as they are) and
     a per-shard clipping norm instead of the global one."""
     state = initial_state()
-    expected = reference_pair(single_process_plain, state, clip)
+    expected = reference_pair(single_process, state, torch.optim.SGD, lr=0.1, momentum=0.9, max_norm=clip)
     for params in run_ranks(train_plain_optimizer, 3, "inmemory", state=state, clip=clip):
         assert_matches_reference(params, *expected)
 

@@ -39,14 +39,11 @@ class DDPModel(ShardedModel):
         module, comm, config = self.module, self.comm, self.config
         self._check_same_model()
         trainable = [p for p in module.parameters() if p.requires_grad]
-        flat = flatten_parameters(trainable) if self._flat_parameters else None
-        if flat is not None:  # rank 0's values go straight into the buffer the ZeRO optimizer then steps in place
-            broadcast_tensors(comm, [flat.data])
-            moved = set(map(id, trainable))
-            broadcast_tensors(comm, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in moved])
-            del flat  # the parameters' views keep the buffer; holding it here would outlive a later move
-        else:
-            broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+        if self._flat_parameters:  # ZeRO-1/2: one buffer, which their optimizer adopts instead of packing a copy
+            flatten_parameters(trainable)
+        broadcast_tensors(comm, trainable)  # rank 0's values; one buffer's views go straight into it
+        moved = set(map(id, trainable))
+        broadcast_tensors(comm, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in moved])
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._param_ids = {id(p) for p in self._params}
@@ -270,7 +267,9 @@ class DDPModel(ShardedModel):
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     view.zero_()  # stale since zero_grad(set_to_none=True); no_sync sums in a live view are kept
                     param.grad = view
-            bucket.ready.add(j)  # without views, _launch packs a missing gradient as zeros
+            else:  # DDP's _launch packs a missing gradient as zeros; ZeRO-2 writes its send-buffer slot now
+                self._arrived(bucket, j, param)
+            bucket.ready.add(j)
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:

@@ -57,9 +57,8 @@ class ZeRO2Model(DDPModel):
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
         self._layouts = {b.index: FlatLayout.of(b.params) for b in self._buckets}
         self._filling: dict[int, torch.Tensor] = {}
-        """Send buffers of the buckets whose gradients are arriving (bucket index -> buffer), and their slots
-        written so far (``_filled``)."""
-        self._filled: dict[int, set[int]] = {}
+        """Send buffers of the buckets whose gradients are arriving (bucket index -> buffer): every slot is written by
+        its parameter's hook, or by ``_complete_unused`` for a parameter this backward did not use."""
         self._stale: set[int] = set()
         """Buckets whose owned piece holds no gradient since zero_grad(set_to_none=True): the next reduce writes it
         instead of adding to it, so zero_grad makes no zeroing pass (:meth:`owned_gradients` zeroes what is left)."""
@@ -81,21 +80,16 @@ class ZeRO2Model(DDPModel):
             sent = self._filling[bucket.index] = torch.empty(bucket.numel, dtype=dtype, device=self.owned_grads.device)
         layout = self._layouts[bucket.index]
         slot = sent[layout.offsets[j] : layout.offsets[j] + layout.numels[j]].view(param.shape)
-        if param.grad is None:  # unused in this backward (find_unused_parameters): zeros
+        if param.grad is None:  # unused in this backward (find_unused_parameters), nothing from no_sync: zeros
             slot.zero_()
         elif self._comm_hook is not None:
             slot.copy_(param.grad)
         else:
             torch.mul(param.grad, 1.0 / self.world_size, out=slot)
         param.grad = None  # the full gradient is in the bucket now; free it
-        self._filled.setdefault(bucket.index, set()).add(j)
 
     def _launch(self, bucket: GradientBucket) -> None:
         hook, part = self._comm_hook, bucket.part
-        filled = self._filled.pop(bucket.index, set())
-        for j in range(len(bucket.params)):
-            if j not in filled:  # no hook ran (unused, find_unused_parameters): its no_sync sum, or zeros
-                self._arrived(bucket, j, bucket.params[j])
         sent = self._filling.pop(bucket.index)
         if hook is not None:
             received = torch.empty(part.owned_numel, dtype=sent.dtype, device=sent.device)
@@ -132,7 +126,6 @@ class ZeRO2Model(DDPModel):
     def _reset_step(self) -> None:
         super()._reset_step()
         self._filling.clear()
-        self._filled.clear()
 
     def owned_gradients(self) -> torch.Tensor:
         """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``."""
