@@ -67,8 +67,9 @@ def _throughput(comm, strategy: str, seconds: float, step_s: float, staleness: i
         opt = gpudist.DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
     else:
         model = _model()
-        opt = gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config,
-                                        max_staleness=staleness)  # fmt: skip
+        opt = gpudist.AsyncSGDOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config, max_staleness=staleness
+        )
     comm.barrier()
     start = time.perf_counter()
     steps, losses = 0, []
@@ -103,26 +104,48 @@ def measure_throughput(world: int, seconds: float, step_ms: float, staleness: in
     for r in range(rounds):
         row = {"round": r}
         for strategy in ("ddp", "async") if r % 2 == 0 else ("async", "ddp"):
-            results = run_ranks(_throughput, world, "gloo", strategy=strategy, seconds=seconds,
-                                step_s=step_ms / 1e3, staleness=staleness, timeout=120)  # fmt: skip
+            results = run_ranks(
+                _throughput,
+                world,
+                "gloo",
+                strategy=strategy,
+                seconds=seconds,
+                step_s=step_ms / 1e3,
+                staleness=staleness,
+                timeout=120,
+            )
             span = max(x["seconds"] for x in results)
             applied = results[0]["steps"] * world if strategy == "ddp" else results[0]["accepted"]
-            row[strategy] = {"samples_per_s": applied * BATCH / span, "steps_per_rank": [x["steps"] for x in results],
-                             "final_loss": statistics.fmean(x["final_loss"] for x in results),
-                             }  # fmt: skip
+            row[strategy] = {
+                "samples_per_s": applied * BATCH / span,
+                "steps_per_rank": [x["steps"] for x in results],
+                "final_loss": statistics.fmean(x["final_loss"] for x in results),
+            }
             if strategy == "async":
                 row[strategy]["dropped"] = results[0]["dropped"]
                 row[strategy]["max_staleness_seen"] = max(x["max_staleness_seen"] for x in results)
         row["ratio"] = row["async"]["samples_per_s"] / row["ddp"]["samples_per_s"]
         rows.append(row)
-        print(f"round {r}: DDP {row['ddp']['samples_per_s']:8.0f} samples/s (steps {row['ddp']['steps_per_rank']}), "
-              f"async {row['async']['samples_per_s']:8.0f} samples/s (steps {row['async']['steps_per_rank']}, dropped "
-              f"{row['async']['dropped']}), ratio {row['ratio']:.2f}")  # fmt: skip
+        print(
+            f"round {r}: DDP {row['ddp']['samples_per_s']:8.0f} samples/s (steps {row['ddp']['steps_per_rank']}), "
+            f"async {row['async']['samples_per_s']:8.0f} samples/s (steps {row['async']['steps_per_rank']}, dropped "
+            f"{row['async']['dropped']}), ratio {row['ratio']:.2f}"
+        )
     ratios = [row["ratio"] for row in rows]
-    return {"world": world, "seconds": seconds, "step_ms": step_ms, "straggler_step_ms": 2 * step_ms,
-            "max_staleness": staleness, "batch_per_rank": BATCH, "rounds": rows,
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "target": TARGET_RATIO, "target_met": statistics.median(ratios) >= TARGET_RATIO}  # fmt: skip
+    return {
+        "world": world,
+        "seconds": seconds,
+        "step_ms": step_ms,
+        "straggler_step_ms": 2 * step_ms,
+        "max_staleness": staleness,
+        "batch_per_rank": BATCH,
+        "rounds": rows,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "target": TARGET_RATIO,
+        "target_met": statistics.median(ratios) >= TARGET_RATIO,
+    }
 
 
 def measure_recovery(kills: int, every: int = 5, sleep: float = 0.1) -> dict:
@@ -140,38 +163,63 @@ def measure_recovery(kills: int, every: int = 5, sleep: float = 0.1) -> dict:
         try:
             since = time.time()
             for k in range(kills):
-                elastic_job.wait_for(lambda t=since: sum(e["event"] == "step" and e["world"] == 3 and e["time"] > t
-                                                         for e in status()) >= 8, "8 steps at world 3", agents, logs)
+                elastic_job.wait_for(
+                    lambda t=since: (
+                        sum(e["event"] == "step" and e["world"] == 3 and e["time"] > t for e in status()) >= 8
+                    ),
+                    "8 steps at world 3",
+                    agents,
+                    logs,
+                )
                 time.sleep(every * sleep * 0.5)  # lands mid-interval: part of a checkpoint interval is at stake
                 killed = time.time()
                 elastic_job.kill_node(agents[victims[k % 2]])
-                resumed_at = elastic_job.wait_for(lambda t=killed: any(
-                    e["event"] == "step" and e["world"] == 2 and e["time"] > t for e in status()),
-                    "a step at world 2", agents, logs)  # fmt: skip
+                resumed_at = elastic_job.wait_for(
+                    lambda t=killed: any(e["event"] == "step" and e["world"] == 2 and e["time"] > t for e in status()),
+                    "a step at world 2",
+                    agents,
+                    logs,
+                )
                 events = status()
                 start = next(e for e in events if e["event"] == "start" and e["time"] > killed)
                 reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] <= killed)
-                results.append({"kill": k, "step_reached": reached, "resumed_from": start["step"],
-                                "steps_redone": reached - start["step"], "recovery_s": resumed_at - killed,
-                                "worker_started_s": start["time"] - killed})  # restart + rendezvous + init + load
-                print(f"kill {k}: reached step {reached}, resumed from {start['step']} at world 2, "
-                      f"{resumed_at - killed:.1f} s from kill to the first step ({start['time'] - killed:.1f} s to a "
-                      "restored worker)")
+                results.append(
+                    {
+                        "kill": k,
+                        "step_reached": reached,
+                        "resumed_from": start["step"],
+                        "steps_redone": reached - start["step"],
+                        "recovery_s": resumed_at - killed,
+                        "worker_started_s": start["time"] - killed,
+                    }
+                )  # restart + rendezvous + init + load
+                print(
+                    f"kill {k}: reached step {reached}, resumed from {start['step']} at world 2, "
+                    f"{resumed_at - killed:.1f} s from kill to the first step ({start['time'] - killed:.1f} s to a "
+                    "restored worker)"
+                )
                 agents.append(launch(logs[3 + k]))  # a new node joins
                 victims[k % 2] = len(agents) - 1
                 since = time.time()
             alive = [a for a in agents if a.poll() is None]
-            elastic_job.wait_for(lambda: all(a.poll() is not None for a in alive), "the agents to finish", agents,
-                                 logs, limit=240)  # fmt: skip
+            elastic_job.wait_for(
+                lambda: all(a.poll() is not None for a in alive), "the agents to finish", agents, logs, limit=240
+            )
             final = torch.load(root / "final.pt")
             exact = torch.allclose(final["params"], elastic_job.reference(steps), atol=2e-6, rtol=1e-5)
         finally:
             for a in agents:
                 if a.poll() is None:
                     os.killpg(a.pid, signal.SIGKILL)
-    return {"steps": steps, "checkpoint_every": every, "step_sleep_s": sleep, "kills": results,
-            "history": final["history"], "final_equals_single_process": exact,
-            "recovery_s_median": statistics.median(r["recovery_s"] for r in results) if results else None}
+    return {
+        "steps": steps,
+        "checkpoint_every": every,
+        "step_sleep_s": sleep,
+        "kills": results,
+        "history": final["history"],
+        "final_equals_single_process": exact,
+        "recovery_s_median": statistics.median(r["recovery_s"] for r in results) if results else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -185,16 +233,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-elastic", action="store_true")
     parser.add_argument("--json", default=str(RESULTS / "async_elastic.json"))
     args = parser.parse_args(argv)
-    doc = {"benchmark": "async_elastic", "environment": environment(),
-           "throughput": measure_throughput(args.world, args.seconds, args.step_ms, args.staleness, args.rounds)}
+    doc = {
+        "benchmark": "async_elastic",
+        "environment": environment(),
+        "throughput": measure_throughput(args.world, args.seconds, args.step_ms, args.staleness, args.rounds),
+    }
     t = doc["throughput"]
     verdict = "met" if t["target_met"] else "NOT met"
-    print(f"async / DDP throughput with one worker 2x slower: median {t['ratio_median']:.2f} (rounds "
-          f"{t['ratio_min']:.2f}-{t['ratio_max']:.2f}), target {TARGET_RATIO}: {verdict}")
+    print(
+        f"async / DDP throughput with one worker 2x slower: median {t['ratio_median']:.2f} (rounds "
+        f"{t['ratio_min']:.2f}-{t['ratio_max']:.2f}), target {TARGET_RATIO}: {verdict}"
+    )
     if not args.skip_elastic:
         doc["recovery"] = measure_recovery(args.kills)
-        print(f"elastic: history {doc['recovery']['history']}, final model equals single-process training: "
-              f"{doc['recovery']['final_equals_single_process']}")
+        print(
+            f"elastic: history {doc['recovery']['history']}, final model equals single-process training: "
+            f"{doc['recovery']['final_equals_single_process']}"
+        )
     atomic_write_json(args.json, doc)
     print(f"wrote {args.json}")
     return doc

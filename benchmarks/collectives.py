@@ -47,14 +47,22 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/collectives_B_wN.json)")
     args = parser.parse_args()
     out = Path(args.out) if args.out else RESULTS / f"collectives_{args.backend}_w{args.world_size}.json"
-    doc = run_collectives(args.backend, args.world_size, json_path=None, min_bytes=parse_size(args.min_bytes),
-                          max_bytes=parse_size(args.max_bytes), rounds=args.rounds)
+    doc = run_collectives(
+        args.backend,
+        args.world_size,
+        json_path=None,
+        min_bytes=parse_size(args.min_bytes),
+        max_bytes=parse_size(args.max_bytes),
+        rounds=args.rounds,
+    )
     doc["summary"] = summarize(doc["rows"])
     s = doc["summary"]
     if s:
-        print(f"# overhead vs {doc['baseline']} at >= 1 MiB (median of {s['rows']} rows): "
-              f"checked {s['median_overhead_checked']:+.1%}, unchecked {s['median_overhead_unchecked']:+.1%} "
-              f"(target < 5%)")
+        print(
+            f"# overhead vs {doc['baseline']} at >= 1 MiB (median of {s['rows']} rows): "
+            f"checked {s['median_overhead_checked']:+.1%}, unchecked {s['median_overhead_unchecked']:+.1%} "
+            f"(target < 5%)"
+        )
     print(f"# wrote {atomic_write_json(out, doc)}")
 
 

@@ -74,8 +74,14 @@ class ThrottledGloo(GlooCommunicationBackend):
     """
 
     def __init__(self, comm: GlooCommunicationBackend, gbit_per_s: float | None = None, latency_s: float = 0.0):
-        super().__init__(timeout=comm.timeout, validate=comm.validate, _gloo=comm._gloo, _store=comm._store,
-                         _rank_world=(comm.rank, comm.world_size), _group_name=comm.group)  # fmt: skip
+        super().__init__(
+            timeout=comm.timeout,
+            validate=comm.validate,
+            _gloo=comm._gloo,
+            _store=comm._store,
+            _rank_world=(comm.rank, comm.world_size),
+            _group_name=comm.group,
+        )
         self.latency_s = latency_s
         self.set_link(gbit_per_s)
         self.wire_bytes = 0
@@ -90,8 +96,14 @@ class ThrottledGloo(GlooCommunicationBackend):
 
     def send_volume(self, op: str, nbytes: int) -> float:
         n = self.world_size
-        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
-                  "all_gather": (n - 1) / n, "broadcast": 1.0, "send": 1.0}.get(op, 0.0)  # fmt: skip
+        factor = {
+            "all_reduce": 2 * (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "broadcast": 1.0,
+            "send": 1.0,
+        }.get(op, 0.0)
         return factor * nbytes
 
     def _run(self, sig, nbytes, async_op, start, stat_name=None) -> Work | None:
@@ -136,8 +148,12 @@ def wire_rank(comm, numel: int, specs: list[str]) -> dict:
         start = time.perf_counter()
         channel.all_reduce(buf)
         seconds = time.perf_counter() - start
-        rows[spec] = {"sent_bytes": channel.sent_bytes - sent, "dense_bytes": channel.dense_bytes - dense,
-                      "charged_by_cap": capped.wire_bytes - charged, "seconds": seconds}  # fmt: skip
+        rows[spec] = {
+            "sent_bytes": channel.sent_bytes - sent,
+            "dense_bytes": channel.dense_bytes - dense,
+            "charged_by_cap": capped.wire_bytes - charged,
+            "seconds": seconds,
+        }
     return rows
 
 
@@ -215,21 +231,31 @@ def codec_variants(n: int, ratio: float = 0.01, block: int = 256) -> dict[str, d
         out.view(-1, block).add_(torch.where(negative, -b_scales.view(-1, 1), b_scales.view(-1, 1)))
 
     return {
-        "topk_exact_1pct": {"gpudist": lambda: kernels.topk_compress(grad, res["exact"], k, "exact"),
-                            "torch": torch_topk},
-        "topk_threshold_1pct": {"gpudist": lambda: kernels.topk_compress(grad, res["threshold"], k, "threshold",
-                                                                          generator=generator), "torch": torch_topk},
-        "quantize_int8": {"gpudist": lambda: kernels.quantize_int8(grad, res["int8"], block_size=block),
-                          "torch": torch_int8},
-        "quantize_1bit": {"gpudist": lambda: kernels.quantize_1bit(grad, res["1bit"], block_size=block),
-                          "torch": torch_1bit},
-        "dequantize_int8_accumulate": {"gpudist": lambda: kernels.dequantize_int8_accumulate(q, q_scales, out,
-                                                                                             block_size=block),
-                                       "torch": torch_deq_int8},
-        "dequantize_1bit_accumulate": {"gpudist": lambda: kernels.dequantize_1bit_accumulate(bits, b_scales, out,
-                                                                                             block_size=block),
-                                       "torch": torch_deq_1bit},
-    }  # fmt: skip
+        "topk_exact_1pct": {
+            "gpudist": lambda: kernels.topk_compress(grad, res["exact"], k, "exact"),
+            "torch": torch_topk,
+        },
+        "topk_threshold_1pct": {
+            "gpudist": lambda: kernels.topk_compress(grad, res["threshold"], k, "threshold", generator=generator),
+            "torch": torch_topk,
+        },
+        "quantize_int8": {
+            "gpudist": lambda: kernels.quantize_int8(grad, res["int8"], block_size=block),
+            "torch": torch_int8,
+        },
+        "quantize_1bit": {
+            "gpudist": lambda: kernels.quantize_1bit(grad, res["1bit"], block_size=block),
+            "torch": torch_1bit,
+        },
+        "dequantize_int8_accumulate": {
+            "gpudist": lambda: kernels.dequantize_int8_accumulate(q, q_scales, out, block_size=block),
+            "torch": torch_deq_int8,
+        },
+        "dequantize_1bit_accumulate": {
+            "gpudist": lambda: kernels.dequantize_1bit_accumulate(bits, b_scales, out, block_size=block),
+            "torch": torch_deq_1bit,
+        },
+    }
 
 
 def codec_table(n: int, rounds: int) -> list[dict]:
@@ -237,9 +263,16 @@ def codec_table(n: int, rounds: int) -> list[dict]:
     n = n // 256 * 256
     for op, variants in codec_variants(n).items():
         seconds, iters = time_variants(variants, torch.device("cpu"), rounds=rounds)
-        rows.append({"op": op, "elements": n, "seconds": seconds, "iters_per_round": iters,
-                     "gb_per_s": {k: 4 * n / v / 1e9 for k, v in seconds.items()},
-                     "speedup_vs_torch": seconds["torch"] / seconds["gpudist"]})  # fmt: skip
+        rows.append(
+            {
+                "op": op,
+                "elements": n,
+                "seconds": seconds,
+                "iters_per_round": iters,
+                "gb_per_s": {k: 4 * n / v / 1e9 for k, v in seconds.items()},
+                "speedup_vs_torch": seconds["torch"] / seconds["gpudist"],
+            }
+        )
     return rows
 
 
@@ -247,8 +280,18 @@ def codec_table(n: int, rounds: int) -> list[dict]:
 # 3. End to end over a capped link
 
 
-def e2e_rank(comm, width: int, depth: int, batch: int, steps: int, rounds: int, bucket_mb: float,
-             links: list[float | None], specs: list[str], latency_s: float) -> dict:  # fmt: skip
+def e2e_rank(
+    comm,
+    width: int,
+    depth: int,
+    batch: int,
+    steps: int,
+    rounds: int,
+    bucket_mb: float,
+    links: list[float | None],
+    specs: list[str],
+    latency_s: float,
+) -> dict:
     link = ThrottledGloo(comm, latency_s=latency_s)
     torch.manual_seed(comm.rank)
     x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
@@ -284,8 +327,15 @@ def e2e_rank(comm, width: int, depth: int, batch: int, steps: int, rounds: int, 
             for name, t in interleaved_times(link, variants, steps, 1, warmup=False).items():
                 times[gbit][name].append(t)
             waited[gbit] += link.waited_s - before
-    rows = [{"gbit_per_s": gbit, "step_seconds": {name: statistics.median(ts) for name, ts in times[gbit].items()},
-             "round_seconds": times[gbit], "slept_for_cap_s": waited[gbit]} for gbit in links]  # fmt: skip
+    rows = [
+        {
+            "gbit_per_s": gbit,
+            "step_seconds": {name: statistics.median(ts) for name, ts in times[gbit].items()},
+            "round_seconds": times[gbit],
+            "slept_for_cap_s": waited[gbit],
+        }
+        for gbit in links
+    ]
     link.set_link(None)
     wire = {}
     for name, fn in variants.items():  # one more step each: what the cap charges per step
@@ -293,8 +343,13 @@ def e2e_rank(comm, width: int, depth: int, batch: int, steps: int, rounds: int, 
         fn()
         wire[name] = link.wire_bytes - before
     reports = {spec: setups[spec][1].communication_report()["last_step"] for spec in specs}
-    return {"params": sum(p.numel() for p in local.parameters()), "buckets": setups["ddp"][0].bucket_sizes(),
-            "rows": rows, "wire_bytes_per_step": wire, "compression_report": reports}  # fmt: skip
+    return {
+        "params": sum(p.numel() for p in local.parameters()),
+        "buckets": setups["ddp"][0].bucket_sizes(),
+        "rows": rows,
+        "wire_bytes_per_step": wire,
+        "compression_report": reports,
+    }
 
 
 def break_even(rows: list[dict], spec: str) -> dict:
@@ -304,13 +359,19 @@ def break_even(rows: list[dict], spec: str) -> dict:
     while prefix < len(points) and points[prefix][1] > 1:
         prefix += 1
     if not prefix:
-        return {"pays_up_to_gbit_per_s": None, "break_even_gbit_per_s": None,
-                "text": f"does not pay at any measured link (slowest {points[0][0]:g} Gbit/s)"}  # fmt: skip
+        return {
+            "pays_up_to_gbit_per_s": None,
+            "break_even_gbit_per_s": None,
+            "text": f"does not pay at any measured link (slowest {points[0][0]:g} Gbit/s)",
+        }
     fastest = points[prefix - 1][0]
     faster_none_pay = all(s <= 1 for _, s in points[prefix:])
     if math.isinf(fastest):
-        return {"pays_up_to_gbit_per_s": "uncapped", "break_even_gbit_per_s": None,
-                "text": "pays at every measured link, uncapped loopback included"}  # fmt: skip
+        return {
+            "pays_up_to_gbit_per_s": "uncapped",
+            "break_even_gbit_per_s": None,
+            "text": "pays at every measured link, uncapped loopback included",
+        }
     nxt = min(bw for bw, _ in points if bw > fastest)
     s_lo, s_hi = dict(points)[fastest], dict(points)[nxt]
     estimate = None
@@ -361,23 +422,33 @@ def main() -> None:
     # while another process held a core, quantize_int8 took 68.6 ms and dequantize_int8_accumulate 190.6 ms
     # (OpenMP threads waiting on a busy core) where 1 thread took 13.2 and 3.2 ms in the same minute.
     torch.set_num_threads(args.codec_threads)
-    doc = {"benchmark": "compression", "backend": "gloo", "settings": vars(args),
-           "environment": {**environment(), "torch_threads_codec": torch.get_num_threads(),
-                           "torch_threads_per_rank": 1}}  # fmt: skip
+    doc = {
+        "benchmark": "compression",
+        "backend": "gloo",
+        "settings": vars(args),
+        "environment": {**environment(), "torch_threads_codec": torch.get_num_threads(), "torch_threads_per_rank": 1},
+    }
     started = time.perf_counter()
 
     if "codec" not in skip:  # first, while no rank processes compete for the cores
         rows = codec_table(args.numel, args.codec_rounds)
-        doc["throughput"] = {"cpu": rows, "gpu": None,
-                             "gpu_note": "GPU throughput needs a CUDA device: run python -m benchmarks.kernels on a "
-                                         "lent GPU (Triton kernels); this machine has none"}  # fmt: skip
-        print(f"# codec throughput on CPU, {rows[0]['elements'] / 2**20:g}M fp32, {torch.get_num_threads()} "
-              f"threads; GB/s of fp32 gradient (4n bytes / time); median of {args.codec_rounds} rounds")  # fmt: skip
+        doc["throughput"] = {
+            "cpu": rows,
+            "gpu": None,
+            "gpu_note": "GPU throughput needs a CUDA device: run python -m benchmarks.kernels on a "
+            "lent GPU (Triton kernels); this machine has none",
+        }
+        print(
+            f"# codec throughput on CPU, {rows[0]['elements'] / 2**20:g}M fp32, {torch.get_num_threads()} "
+            f"threads; GB/s of fp32 gradient (4n bytes / time); median of {args.codec_rounds} rounds"
+        )
         print(f"{'op':>28} {'gpudist ms':>10} {'GB/s':>6} {'torch ms':>9} {'GB/s':>6} {'torch/gpudist':>13}")
         for r in rows:
             s, g = r["seconds"], r["gb_per_s"]
-            print(f"{r['op']:>28} {s['gpudist'] * 1e3:>10.2f} {g['gpudist']:>6.2f} {s['torch'] * 1e3:>9.2f} "
-                  f"{g['torch']:>6.2f} {r['speedup_vs_torch']:>13.2f}")  # fmt: skip
+            print(
+                f"{r['op']:>28} {s['gpudist'] * 1e3:>10.2f} {g['gpudist']:>6.2f} {s['torch'] * 1e3:>9.2f} "
+                f"{g['torch']:>6.2f} {r['speedup_vs_torch']:>13.2f}"
+            )
         print("# gpu: null (no CUDA device here; python -m benchmarks.kernels on a lent GPU)")
 
     pool = WorkerPool(2, timeout=600.0) if {"wire", "e2e"} - skip else None
@@ -385,14 +456,19 @@ def main() -> None:
         if "wire" not in skip:
             rows = wire_table(args.numel, worlds, ["topk:0.01", "int8", "1bit", "none"], pool)
             doc["wire"] = {"numel": args.numel, "rows": rows}
-            print(f"# wire bytes / dense fp32, {args.numel / 2**20:g}M elements: payload per rank, and per-rank send "
-                  f"volume of a compressed all-reduce on Gloo (bus bytes; dense = 2(N-1)/N x 4n)")  # fmt: skip
+            print(
+                f"# wire bytes / dense fp32, {args.numel / 2**20:g}M elements: payload per rank, and per-rank send "
+                f"volume of a compressed all-reduce on Gloo (bus bytes; dense = 2(N-1)/N x 4n)"
+            )
             head = "".join(f" {'vol N=' + str(n):>9}" for n in worlds)
             print(f"{'compressor':>10} {'payload':>8}{head} {'target':>7} {'met':>4} {'ms N=2':>7}")
             for spec, r in rows.items():
                 vol = "".join(f" {r['volume'][str(n)]['ratio']:>9.2%}" for n in worlds)
-                met = "-" if "target" not in r else (
-                    "yes" if r["payload_meets_target"] and r.get("volume_n2_meets_target", True) else "NO")
+                met = (
+                    "-"
+                    if "target" not in r
+                    else ("yes" if r["payload_meets_target"] and r.get("volume_n2_meets_target", True) else "NO")
+                )
                 target = f"{r['target']:.1%}" if "target" in r else "-"
                 ms = r["volume"]["2"]["seconds"] * 1e3 if "2" in r["volume"] else float("nan")
                 print(f"{spec:>10} {r['payload_ratio']:>8.2%}{vol} {target:>7} {met:>4} {ms:>7.1f}")
@@ -401,28 +477,48 @@ def main() -> None:
             doc["wire"]["cap_agrees_with_channel"] = agree
 
         if "e2e" not in skip:
-            res = pool.run(e2e_rank, width=args.width, depth=args.depth, batch=args.batch, steps=args.steps,
-                           rounds=args.rounds, bucket_mb=args.bucket_mb, links=links, specs=specs,
-                           latency_s=args.latency_us * 1e-6, call_timeout=3600.0)[0]  # fmt: skip
+            res = pool.run(
+                e2e_rank,
+                width=args.width,
+                depth=args.depth,
+                batch=args.batch,
+                steps=args.steps,
+                rounds=args.rounds,
+                bucket_mb=args.bucket_mb,
+                links=links,
+                specs=specs,
+                latency_s=args.latency_us * 1e-6,
+                call_timeout=3600.0,
+            )[0]
             for r in res["rows"]:
                 s = r["step_seconds"]
                 # Paired: DDP's time over the variant's in the same round (seconds apart), then the median over
                 # rounds; a neighbour's load that comes and goes then cancels within a pair.
                 rs = r["round_seconds"]
-                r["speedup"] = {spec: statistics.median(d / c for d, c in zip(rs["ddp"], rs[spec], strict=True))
-                                for spec in specs}  # fmt: skip
+                r["speedup"] = {
+                    spec: statistics.median(d / c for d, c in zip(rs["ddp"], rs[spec], strict=True)) for spec in specs
+                }
                 r["speedup_of_medians"] = {spec: s["ddp"] / s[spec] for spec in specs}
                 if r["gbit_per_s"] is not None:  # the cap's time for each variant's bytes, without overlap
-                    r["wire_seconds"] = {n: b * 8 / (r["gbit_per_s"] * 1e9) for n, b in
-                                         res["wire_bytes_per_step"].items()}  # fmt: skip
+                    r["wire_seconds"] = {
+                        n: b * 8 / (r["gbit_per_s"] * 1e9) for n, b in res["wire_bytes_per_step"].items()
+                    }
             pays = {spec: break_even(res["rows"], spec) for spec in specs}
-            doc["end_to_end"] = {"world_size": 2, "parameters": res["params"], "buckets": res["buckets"],
-                                 "rows": res["rows"], "wire_bytes_per_step": res["wire_bytes_per_step"],
-                                 "compression_report": res["compression_report"], "pays": pays}  # fmt: skip
+            doc["end_to_end"] = {
+                "world_size": 2,
+                "parameters": res["params"],
+                "buckets": res["buckets"],
+                "rows": res["rows"],
+                "wire_bytes_per_step": res["wire_bytes_per_step"],
+                "compression_report": res["compression_report"],
+                "pays": pays,
+            }
             names = ["local_step", "ddp", *specs]
-            print(f"# step time (ms) at world 2 on Gloo over a capped link, {res['params'] / 1e6:.1f}M params, "
-                  f"batch {args.batch}/rank, {len(res['buckets'])} buckets; median of {args.rounds} rounds x "
-                  f"{args.steps} steps; (speedup: ddp / it, same link, median of per-round pairs)")  # fmt: skip
+            print(
+                f"# step time (ms) at world 2 on Gloo over a capped link, {res['params'] / 1e6:.1f}M params, "
+                f"batch {args.batch}/rank, {len(res['buckets'])} buckets; median of {args.rounds} rounds x "
+                f"{args.steps} steps; (speedup: ddp / it, same link, median of per-round pairs)"
+            )
             print(f"{'Gbit/s':>8}" + "".join(f" {n:>20}" for n in names))
             for r in res["rows"]:
                 s = r["step_seconds"]
@@ -430,8 +526,10 @@ def main() -> None:
                 link = "uncapped" if r["gbit_per_s"] is None else f"{r['gbit_per_s']:g}"
                 print(f"{link:>8}" + "".join(f" {c:>20}" for c in cells))
             wire = res["wire_bytes_per_step"]
-            print("# MiB per rank per step charged by the cap: "
-                  + ", ".join(f"{n} {wire[n] / 2**20:.2f}" for n in names[1:]))  # fmt: skip
+            print(
+                "# MiB per rank per step charged by the cap: "
+                + ", ".join(f"{n} {wire[n] / 2**20:.2f}" for n in names[1:])
+            )
             for spec in specs:
                 print(f"# {spec}: {pays[spec]['text']}")
     finally:

@@ -30,14 +30,25 @@ from . import peers
 from . import workloads as W
 
 
-def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_mb: float, analysis: bool,
-               phase_steps: int = 0, only: list[str] | None = None) -> dict:
+def bench_rank(
+    comm,
+    workload: str,
+    batch: int,
+    steps: int,
+    rounds: int,
+    bucket_mb: float,
+    analysis: bool,
+    phase_steps: int = 0,
+    only: list[str] | None = None,
+) -> dict:
     torch.manual_seed(0)
     batches = peers.rank_batches(workload, batch, comm.world_size)
     x, y = batches[comm.rank]
-    variants = [peers.gpudist_variant(comm, workload, x, y, "ddp", bucket_mb),
-                peers.torch_ddp_variant(workload, x, y, best=True, bucket_mb=bucket_mb),
-                peers.torch_ddp_variant(workload, x, y, best=False, bucket_mb=bucket_mb)]  # fmt: skip
+    variants = [
+        peers.gpudist_variant(comm, workload, x, y, "ddp", bucket_mb),
+        peers.torch_ddp_variant(workload, x, y, best=True, bucket_mb=bucket_mb),
+        peers.torch_ddp_variant(workload, x, y, best=False, bucket_mb=bucket_mb),
+    ]
     if analysis:
         local = W.make(workload)
         local_opt = peers.adamw(local.parameters(), fused=True)
@@ -49,11 +60,18 @@ def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_
                 for chunk in flat.split(int(bucket_mb * (1 << 20)) // 4):
                     comm.all_reduce(chunk, "average")
 
-        variants += [peers.Variant("local_step", "analysis", "the same step, no communication",
-                                   peers.train_step(workload, local, local_opt, x, y),
-                                   phases=peers.phased_step(workload, local, local_opt, x, y)),
-                     peers.Variant("allreduce_alone", "analysis", "P bytes all-reduced in the same buckets, alone",
-                                   allreduce_alone)]  # fmt: skip
+        variants += [
+            peers.Variant(
+                "local_step",
+                "analysis",
+                "the same step, no communication",
+                peers.train_step(workload, local, local_opt, x, y),
+                phases=peers.phased_step(workload, local, local_opt, x, y),
+            ),
+            peers.Variant(
+                "allreduce_alone", "analysis", "P bytes all-reduced in the same buckets, alone", allreduce_alone
+            ),
+        ]
     variants = [v for v in variants if only is None or v.name in only]
     res = peers.measure(comm, workload, batches, variants, steps, rounds, phase_steps)
     res["step_bytes"] = None
@@ -65,17 +83,29 @@ def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_
 
 
 def comparisons(rounds: dict, summary: dict) -> list[dict]:
-    return [peers.compare(rounds, summary, "gpudist", peer, target)
-            for peer, target in (("torch_best", True), ("torch_default", False))
-            if "gpudist" in summary and peer in summary]  # fmt: skip
+    return [
+        peers.compare(rounds, summary, "gpudist", peer, target)
+        for peer, target in (("torch_best", True), ("torch_default", False))
+        if "gpudist" in summary and peer in summary
+    ]
 
 
 def run(workload: str, args) -> dict:
     n = args.world_size
     batch = args.batch or peers.BATCH[workload]
-    res_all = spawn(bench_rank, n, workload=workload, batch=batch, steps=args.steps, rounds=args.rounds,
-                    bucket_mb=args.bucket_mb, analysis=not args.no_analysis, phase_steps=args.phases, only=args.only,
-                    timeout=1800.0)  # fmt: skip
+    res_all = spawn(
+        bench_rank,
+        n,
+        workload=workload,
+        batch=batch,
+        steps=args.steps,
+        rounds=args.rounds,
+        bucket_mb=args.bucket_mb,
+        analysis=not args.no_analysis,
+        phase_steps=args.phases,
+        only=args.only,
+        timeout=1800.0,
+    )
     doc = peers.document("ddp", workload, args, batch, res_all, comparisons)
     doc["best_peer"] = "torch_best"
     info, step_bytes, notes = doc["model"], res_all[0]["step_bytes"], []
@@ -89,10 +119,14 @@ def run(workload: str, args) -> dict:
     doc["bytes_per_step_ring_estimate"] = step_bytes * 2 * (n - 1) / n if step_bytes else None
     doc["bytes_per_step_formula"] = 2 * (n - 1) / n * info["parameters"] * 4
     if step_bytes:
-        notes.append(f"# bytes per step per rank (ring): {doc['bytes_per_step_ring_estimate'] / 2**20:.2f} MiB; "
-                     f"formula 2(N-1)/N x P = {doc['bytes_per_step_formula'] / 2**20:.2f} MiB")  # fmt: skip
-    title = (f"# DDP, workload {workload} ({info['parameters'] / 1e6:.1f}M parameters in {info['tensors']} tensors), "
-             f"gloo world {n}, batch {batch}/rank, AdamW; {args.rounds} rounds x {args.steps} steps, order rotated")
+        notes.append(
+            f"# bytes per step per rank (ring): {doc['bytes_per_step_ring_estimate'] / 2**20:.2f} MiB; "
+            f"formula 2(N-1)/N x P = {doc['bytes_per_step_formula'] / 2**20:.2f} MiB"
+        )
+    title = (
+        f"# DDP, workload {workload} ({info['parameters'] / 1e6:.1f}M parameters in {info['tensors']} tensors), "
+        f"gloo world {n}, batch {batch}/rank, AdamW; {args.rounds} rounds x {args.steps} steps, order rotated"
+    )
     return peers.report(doc, title, notes, args)
 
 

@@ -54,11 +54,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LR = 1e-4
 GPUDIST = ("gpudist_ddp", "gpudist_zero1", "gpudist_zero2", "gpudist_zero3", "gpudist_fsdp")
 TORCH = ("torch_ddp", "torch_zero1", "torch_fsdp2")
-STRATEGY = {"gpudist_ddp": "ddp", "gpudist_zero1": "zero1", "gpudist_zero2": "zero2", "gpudist_zero3": "zero3",
-            "gpudist_fsdp": "fsdp", "torch_ddp": "ddp", "torch_zero1": "zero1", "torch_fsdp2": "fsdp"}  # fmt: skip
+STRATEGY = {
+    "gpudist_ddp": "ddp",
+    "gpudist_zero1": "zero1",
+    "gpudist_zero2": "zero2",
+    "gpudist_zero3": "zero3",
+    "gpudist_fsdp": "fsdp",
+    "torch_ddp": "ddp",
+    "torch_zero1": "zero1",
+    "torch_fsdp2": "fsdp",
+}
 """The formula each variant is held to."""
-PEERS = {"gpudist_ddp": "torch_ddp", "gpudist_zero1": "torch_zero1", "gpudist_fsdp": "torch_fsdp2",
-         "gpudist_zero3": "torch_fsdp2"}  # fmt: skip
+PEERS = {
+    "gpudist_ddp": "torch_ddp",
+    "gpudist_zero1": "torch_zero1",
+    "gpudist_fsdp": "torch_fsdp2",
+    "gpudist_zero3": "torch_fsdp2",
+}
 
 
 def adamw(params) -> torch.optim.AdamW:
@@ -80,11 +92,20 @@ def build(comm, workload: str, variant: str, model: nn.Module):
         if strategy == "fsdp":
             wrapped = gpudist.FSDPModel(model, config, auto_wrap_policy=units(workload, model))
         else:
-            cls = {"ddp": gpudist.DDPModel, "zero1": gpudist.ZeRO1Model, "zero2": gpudist.ZeRO2Model,
-                   "zero3": gpudist.ZeRO3Model}[strategy]  # fmt: skip
+            cls = {
+                "ddp": gpudist.DDPModel,
+                "zero1": gpudist.ZeRO1Model,
+                "zero2": gpudist.ZeRO2Model,
+                "zero3": gpudist.ZeRO3Model,
+            }[strategy]
             wrapped = cls(model, config)
-        opt_cls = {"ddp": gpudist.DDPOptimizer, "zero1": gpudist.ZeRO1Optimizer, "zero2": gpudist.ZeRO2Optimizer,
-                   "zero3": gpudist.ZeRO3Optimizer, "fsdp": gpudist.ZeRO3Optimizer}[strategy]  # fmt: skip
+        opt_cls = {
+            "ddp": gpudist.DDPOptimizer,
+            "zero1": gpudist.ZeRO1Optimizer,
+            "zero2": gpudist.ZeRO2Optimizer,
+            "zero3": gpudist.ZeRO3Optimizer,
+            "fsdp": gpudist.ZeRO3Optimizer,
+        }[strategy]
         return wrapped, opt_cls(adamw(wrapped.parameters()), config)
     if variant == "torch_fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -120,10 +141,16 @@ def formula(variant: str, phase: str, p_bytes: float, n: int) -> dict[str, float
 def warm_up(comm, workload: str, variant: str) -> None:
     """One step of ``variant`` on a tiny model of the same kind: imports and one-time setup happen here, before the
     baseline. (Not the full-size model: its freed memory would stay in malloc's heap and hide part of the peak.)"""
-    tiny = W.make("mlp", width=16, depth=1) if workload == "mlp" else W.make(workload, layers=1, width=24, heads=2,
-                                                                                 vocab=64, positions=16)  # fmt: skip
-    x, y = W.batch("mlp", 2, width=16) if workload == "mlp" else W.batch(workload, 2, layers=1, width=24, heads=2,
-                                                                          vocab=64, positions=16, seq=8)  # fmt: skip
+    tiny = (
+        W.make("mlp", width=16, depth=1)
+        if workload == "mlp"
+        else W.make(workload, layers=1, width=24, heads=2, vocab=64, positions=16)
+    )
+    x, y = (
+        W.batch("mlp", 2, width=16)
+        if workload == "mlp"
+        else W.batch(workload, 2, layers=1, width=24, heads=2, vocab=64, positions=16, seq=8)
+    )
     model, opt = build(comm, workload, variant, tiny)
     W.loss(workload, model, x, y).backward()
     opt.step()
@@ -163,8 +190,11 @@ def _phases(comm, workload: str, variant: str, steps: int, x, y) -> dict:
         for _ in range(2):  # Gloo's worker threads drop a finished op a moment after wait(): measure what is held
             torch.distributed.barrier()  # torch's own: it cannot push anything out of what gpudist's backend keeps
         census, alloc = storage_census(), allocated_bytes()
-        row = {"census": census.total - base.total, "allocated": None if alloc is None else alloc - base_alloc,
-               "formula": sum(formula(variant, phase, p_bytes, comm.world_size).values())}  # fmt: skip
+        row = {
+            "census": census.total - base.total,
+            "allocated": None if alloc is None else alloc - base_alloc,
+            "formula": sum(formula(variant, phase, p_bytes, comm.world_size).values()),
+        }
         if variant.startswith("gpudist_"):
             row["reported"] = sum(model.memory_per_rank().values())
             row["state_bytes"] = opt.state_bytes()
@@ -179,8 +209,14 @@ def _phases(comm, workload: str, variant: str, steps: int, x, y) -> dict:
         record(f"step {step}")
         opt.zero_grad()
         record(f"zero_grad {step}")
-    return {"phases": phases, "parameter_bytes": p_bytes, "peak_rss": peak_rss_bytes(), "rss_at_reset": rss0,
-            "peak_reset": reset, "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "phases": phases,
+        "parameter_bytes": p_bytes,
+        "peak_rss": peak_rss_bytes(),
+        "rss_at_reset": rss0,
+        "peak_reset": reset,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def run_variant(workload: str, variant: str, n: int, steps: int, batch: int) -> dict:
@@ -190,26 +226,38 @@ def run_variant(workload: str, variant: str, n: int, steps: int, batch: int) -> 
     for phase in ranks[0]["phases"]:
         rows = [r["phases"][phase] for r in ranks]
         worst = max(rows, key=lambda row: row["census"] / row["formula"])
-        out = {"formula": worst["formula"], "census": worst["census"],
-               "census_ratio": worst["census"] / worst["formula"], "allocated": worst["allocated"],
-               "allocated_minus_census_max": max((row["allocated"] - row["census"] for row in rows
-                                                  if row["allocated"] is not None), default=None)}  # fmt: skip
+        out = {
+            "formula": worst["formula"],
+            "census": worst["census"],
+            "census_ratio": worst["census"] / worst["formula"],
+            "allocated": worst["allocated"],
+            "allocated_minus_census_max": max(
+                (row["allocated"] - row["census"] for row in rows if row["allocated"] is not None), default=None
+            ),
+        }
         if "reported" in worst:
             out["reported"] = worst["reported"]
             out["reported_minus_census_max"] = max(abs(row["reported"] - row["census"]) for row in rows)
             out["state_bytes"] = worst["state_bytes"]
         phases[phase] = out
-    return {"variant": variant, "world_size": n, "parameter_bytes": ranks[0]["parameter_bytes"], "phases": phases,
-            "peak_rss_max": max(r["peak_rss"] for r in ranks),
-            "peak_rss_growth_max": max(r["peak_rss"] - r["rss_at_reset"] for r in ranks),
-            "peak_reset_worked": all(r["peak_reset"] for r in ranks),
-            "seconds_max": max(r["seconds"] for r in ranks)}  # fmt: skip
+    return {
+        "variant": variant,
+        "world_size": n,
+        "parameter_bytes": ranks[0]["parameter_bytes"],
+        "phases": phases,
+        "peak_rss_max": max(r["peak_rss"] for r in ranks),
+        "peak_rss_growth_max": max(r["peak_rss"] - r["rss_at_reset"] for r in ranks),
+        "peak_reset_worked": all(r["peak_reset"] for r in ranks),
+        "seconds_max": max(r["seconds"] for r in ranks),
+    }
 
 
 def format_rows(rows: list[dict], steps: int) -> list[str]:
     last = [f"backward {steps}", f"step {steps}", f"zero_grad {steps}"]
-    head = (f"{'variant':>14} {'N':>2} {'wrap':>6} {'bwd':>6} {'step':>6} {'zero':>6} {'max':>6} {'alloc-cen':>9} "
-            f"{'rep-cen':>8} {'peak RSS':>9} {'growth':>8} {'vs peer':>7}")  # fmt: skip
+    head = (
+        f"{'variant':>14} {'N':>2} {'wrap':>6} {'bwd':>6} {'step':>6} {'zero':>6} {'max':>6} {'alloc-cen':>9} "
+        f"{'rep-cen':>8} {'peak RSS':>9} {'growth':>8} {'vs peer':>7}"
+    )
     lines = [
         "# live storages / formula (worst rank; wrap, and the last step's phases), allocator minus census and "
         "self-report minus census (MiB, worst rank), peak RSS and its growth from just before the model "
@@ -220,17 +268,23 @@ def format_rows(rows: list[dict], steps: int) -> list[str]:
     mib = 1 << 20
     for r in rows:
         ph = r["phases"]
-        cells = [ph["wrap"]["census_ratio"], *(ph[p]["census_ratio"] for p in last),
-                 max(v["census_ratio"] for v in ph.values())]  # fmt: skip
+        cells = [
+            ph["wrap"]["census_ratio"],
+            *(ph[p]["census_ratio"] for p in last),
+            max(v["census_ratio"] for v in ph.values()),
+        ]
         gap = max((v["allocated_minus_census_max"] or 0) for v in ph.values()) / mib
         rep = max(v.get("reported_minus_census_max", 0) for v in ph.values()) / mib
         peer = PEERS.get(r["variant"])
         vs = growth.get((peer, r["world_size"])) if peer else None
         ratio = f"{r['peak_rss_growth_max'] / vs:7.2f}" if vs else f"{'':>7}"
         rep_cell = f"{rep:8.1f}" if r["variant"].startswith("gpudist_") else f"{'-':>8}"
-        lines.append(f"{r['variant']:>14} {r['world_size']:>2} " + " ".join(f"{c:6.3f}" for c in cells)
-                     + f" {gap:9.1f} {rep_cell} {r['peak_rss_max'] / mib:9.0f} {r['peak_rss_growth_max'] / mib:8.0f} "
-                     + ratio)  # fmt: skip
+        lines.append(
+            f"{r['variant']:>14} {r['world_size']:>2} "
+            + " ".join(f"{c:6.3f}" for c in cells)
+            + f" {gap:9.1f} {rep_cell} {r['peak_rss_max'] / mib:9.0f} {r['peak_rss_growth_max'] / mib:8.0f} "
+            + ratio
+        )
     return lines
 
 
@@ -249,9 +303,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; use some of {', '.join(GPUDIST + TORCH)}")
     info = W.describe(W.make(args.workload))
-    print(f"# memory per rank, {args.workload} ({info['parameters'] / 1e6:.1f}M parameters, {info['tensors']} "
-          f"tensors), gloo, AdamW, {args.steps} steps of batch {args.batch} per rank; each variant in fresh "
-          "processes")  # fmt: skip
+    print(
+        f"# memory per rank, {args.workload} ({info['parameters'] / 1e6:.1f}M parameters, {info['tensors']} "
+        f"tensors), gloo, AdamW, {args.steps} steps of batch {args.batch} per rank; each variant in fresh "
+        "processes"
+    )
     rows = []
     started = time.perf_counter()
     for n in worlds:
@@ -261,11 +317,24 @@ def main() -> None:
             print(f"#   {variant} N={n}: {time.perf_counter() - t:.0f} s", flush=True)
     lines = format_rows(rows, args.steps)
     print("\n".join(lines))
-    doc = {"benchmark": "memory", "workload": args.workload, "backend": "gloo", "settings": vars(args),
-           "environment": environment(), "parameters": info["parameters"], "tensors": info["tensors"],
-           "formulas": {"ddp": "P + P + 2P", "zero1": "P + P + 2P/N", "zero2": "P + P/N + 2P/N",
-                        "zero3/fsdp": "P/N + P/N (backward..step) + 2P/N"},
-           "rows": rows, "table": lines, "seconds": time.perf_counter() - started}  # fmt: skip
+    doc = {
+        "benchmark": "memory",
+        "workload": args.workload,
+        "backend": "gloo",
+        "settings": vars(args),
+        "environment": environment(),
+        "parameters": info["parameters"],
+        "tensors": info["tensors"],
+        "formulas": {
+            "ddp": "P + P + 2P",
+            "zero1": "P + P + 2P/N",
+            "zero2": "P + P/N + 2P/N",
+            "zero3/fsdp": "P/N + P/N (backward..step) + 2P/N",
+        },
+        "rows": rows,
+        "table": lines,
+        "seconds": time.perf_counter() - started,
+    }
     out = Path(args.out) if args.out else RESULTS / f"memory_{args.workload}_gloo.json"
     print(f"# wrote {atomic_write_json(out, doc)}")
 

@@ -122,11 +122,15 @@ def phase_times(comm, variants: list[Variant], steps: int) -> dict[str, dict[str
 
 
 def format_phases(phases: dict[str, dict[str, float]]) -> str:
-    lines = [f"# phases (median over steps, mean over ranks, ms): {'forward':>9} {'backward':>9} {'step':>9} "
-             f"{'zero_grad':>9} {'sum':>9}"]  # fmt: skip
+    lines = [
+        f"# phases (median over steps, mean over ranks, ms): {'forward':>9} {'backward':>9} {'step':>9} "
+        f"{'zero_grad':>9} {'sum':>9}"
+    ]
     for name, p in phases.items():
-        lines.append(f"{name:>48} {p['forward'] * 1e3:>9.1f} {p['backward'] * 1e3:>9.1f} {p['step'] * 1e3:>9.1f} "
-                     f"{p['zero_grad'] * 1e3:>9.1f} {sum(p.values()) * 1e3:>9.1f}")  # fmt: skip
+        lines.append(
+            f"{name:>48} {p['forward'] * 1e3:>9.1f} {p['backward'] * 1e3:>9.1f} {p['step'] * 1e3:>9.1f} "
+            f"{p['zero_grad'] * 1e3:>9.1f} {sum(p.values()) * 1e3:>9.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -142,9 +146,13 @@ def gpudist_variant(comm, workload: str, x, y, strategy: str, bucket_mb: float, 
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb)
     net = W.make(workload)
     g = gpudist
-    classes = {"ddp": (g.DDPModel, g.DDPOptimizer), "zero1": (g.ZeRO1Model, g.ZeRO1Optimizer),
-               "zero2": (g.ZeRO2Model, g.ZeRO2Optimizer), "zero3": (g.ZeRO3Model, g.ZeRO3Optimizer),
-               "fsdp": (g.FSDPModel, g.ZeRO3Optimizer)}  # fmt: skip
+    classes = {
+        "ddp": (g.DDPModel, g.DDPOptimizer),
+        "zero1": (g.ZeRO1Model, g.ZeRO1Optimizer),
+        "zero2": (g.ZeRO2Model, g.ZeRO2Optimizer),
+        "zero3": (g.ZeRO3Model, g.ZeRO3Optimizer),
+        "fsdp": (g.FSDPModel, g.ZeRO3Optimizer),
+    }
     model_cls, opt_cls = classes[strategy]
     if strategy == "fsdp":
         model = model_cls(net, config, auto_wrap_policy=units)
@@ -156,16 +164,26 @@ def gpudist_variant(comm, workload: str, x, y, strategy: str, bucket_mb: float, 
     # owned range with gpudist's fused kernel whatever flags the AdamW carries.
     opt = opt_cls(adamw(model.parameters(), fused=True), config)
     sharded = strategy in ("fsdp", "zero3")
-    label = {"ddp": "DDPModel + DDPOptimizer", "zero1": "ZeRO1Model + ZeRO1Optimizer",
-             "zero2": "ZeRO2Model + ZeRO2Optimizer", "fsdp": "FSDPModel + ZeRO3Optimizer",
-             "zero3": "ZeRO3Model + ZeRO3Optimizer"}[strategy]  # fmt: skip
+    label = {
+        "ddp": "DDPModel + DDPOptimizer",
+        "zero1": "ZeRO1Model + ZeRO1Optimizer",
+        "zero2": "ZeRO2Model + ZeRO2Optimizer",
+        "fsdp": "FSDPModel + ZeRO3Optimizer",
+        "zero3": "ZeRO3Model + ZeRO3Optimizer",
+    }[strategy]
     settings = {"bucket_cap_mb": bucket_mb, "config": "ShardingConfiguration defaults", "optimizer": "AdamW"}
     if sharded:
         settings["units"] = len(model.units()) if hasattr(model, "units") else None
     params = model.full_state_dict if sharded else plain_params(model.module)
-    return Variant(f"gpudist_{strategy}" if strategy != "ddp" else "gpudist", "gpudist", f"gpudist {label}",
-                   train_step(workload, model, opt, x, y), params, settings,
-                   phased_step(workload, model, opt, x, y))  # fmt: skip
+    return Variant(
+        f"gpudist_{strategy}" if strategy != "ddp" else "gpudist",
+        "gpudist",
+        f"gpudist {label}",
+        train_step(workload, model, opt, x, y),
+        params,
+        settings,
+        phased_step(workload, model, opt, x, y),
+    )
 
 
 # -- torch -----------------------------------------------------------------------------------------------------------
@@ -175,22 +193,40 @@ def torch_ddp(workload: str, best: bool, bucket_mb: float) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if best:
-        return DistributedDataParallel(W.make(workload), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                                       static_graph=True)  # fmt: skip
+        return DistributedDataParallel(
+            W.make(workload), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, static_graph=True
+        )
     return DistributedDataParallel(W.make(workload))
 
 
 def torch_ddp_variant(workload: str, x, y, best: bool, bucket_mb: float) -> Variant:
     ddp = torch_ddp(workload, best, bucket_mb)
     opt = adamw(ddp.parameters(), fused=best)
-    settings = ({"bucket_cap_mb": bucket_mb, "gradient_as_bucket_view": True, "static_graph": True,
-                 "optimizer": "AdamW(fused=True)"} if best else
-                {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "static_graph": False,
-                 "optimizer": "AdamW() (for-loop on CPU)"})  # fmt: skip
+    settings = (
+        {
+            "bucket_cap_mb": bucket_mb,
+            "gradient_as_bucket_view": True,
+            "static_graph": True,
+            "optimizer": "AdamW(fused=True)",
+        }
+        if best
+        else {
+            "bucket_cap_mb": 25,
+            "gradient_as_bucket_view": False,
+            "static_graph": False,
+            "optimizer": "AdamW() (for-loop on CPU)",
+        }
+    )
     label = "torch DDP, best settings" if best else "torch DDP, defaults"
-    return Variant("torch_best" if best else "torch_default", "best" if best else "default", label,
-                   train_step(workload, ddp, opt, x, y), plain_params(ddp.module), settings,
-                   phased_step(workload, ddp, opt, x, y))  # fmt: skip
+    return Variant(
+        "torch_best" if best else "torch_default",
+        "best" if best else "default",
+        label,
+        train_step(workload, ddp, opt, x, y),
+        plain_params(ddp.module),
+        settings,
+        phased_step(workload, ddp, opt, x, y),
+    )
 
 
 def torch_zero_variant(workload: str, x, y, best: bool, bucket_mb: float) -> Variant:
@@ -198,17 +234,26 @@ def torch_zero_variant(workload: str, x, y, best: bool, bucket_mb: float) -> Var
 
     ddp = torch_ddp(workload, best, bucket_mb)
     if best:
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True,
-                                      parameters_as_bucket_view=True)  # fmt: skip
-        settings = {"ddp": {"bucket_cap_mb": bucket_mb, "gradient_as_bucket_view": True, "static_graph": True},
-                    "optimizer": "ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True)"}
+        opt = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True, parameters_as_bucket_view=True
+        )
+        settings = {
+            "ddp": {"bucket_cap_mb": bucket_mb, "gradient_as_bucket_view": True, "static_graph": True},
+            "optimizer": "ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True)",
+        }
     else:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
         settings = {"ddp": "defaults", "optimizer": "ZeroRedundancyOptimizer(AdamW) defaults"}
     label = "torch DDP + ZeroRedundancyOptimizer, " + ("best settings" if best else "defaults")
-    return Variant("torch_zero_best" if best else "torch_zero_default", "best" if best else "default", label,
-                   train_step(workload, ddp, opt, x, y), plain_params(ddp.module), settings,
-                   phased_step(workload, ddp, opt, x, y))  # fmt: skip
+    return Variant(
+        "torch_zero_best" if best else "torch_zero_default",
+        "best" if best else "default",
+        label,
+        train_step(workload, ddp, opt, x, y),
+        plain_params(ddp.module),
+        settings,
+        phased_step(workload, ddp, opt, x, y),
+    )
 
 
 def fsdp_units(workload: str, model: nn.Module) -> list[nn.Module]:
@@ -231,16 +276,25 @@ def fsdp2_variant(workload: str, x, y, best: bool) -> Variant:
         fully_shard(unit)
     fully_shard(model)
     opt = adamw(model.parameters(), fused=best)
-    settings = {"units": len(units) + 1, "reshard_after_forward": True,
-                "optimizer": "AdamW(fused=True)" if best else "AdamW() (for-loop on CPU)"}
+    settings = {
+        "units": len(units) + 1,
+        "reshard_after_forward": True,
+        "optimizer": "AdamW(fused=True)" if best else "AdamW() (for-loop on CPU)",
+    }
 
     def params() -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
     label = "torch FSDP2 (fully_shard per unit and root), " + ("best settings" if best else "defaults")
-    return Variant("fsdp2_best" if best else "fsdp2_default", "best" if best else "default", label,
-                   train_step(workload, model, opt, x, y), params, settings,
-                   phased_step(workload, model, opt, x, y))  # fmt: skip
+    return Variant(
+        "fsdp2_best" if best else "fsdp2_default",
+        "best" if best else "default",
+        label,
+        train_step(workload, model, opt, x, y),
+        params,
+        settings,
+        phased_step(workload, model, opt, x, y),
+    )
 
 
 # -- DeepSpeed (optional) -------------------------------------------------------------------------------------------
@@ -281,12 +335,19 @@ def deepspeed_variant(comm, workload: str, x, y, stage: int, bucket_mb: float, t
         zero = {"stage": stage}
     # DeepSpeed clips gradients at norm 1.0 unless told otherwise (gradient_clipping defaults to 1.0 in 0.19), which
     # the other variants do not: off, so that it trains the same function (the check caught the difference).
-    config = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-              "wall_clock_breakdown": False}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": x.shape[0],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
     linear = torch.nn.functional.linear
-    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), fused=True), config=config,
-                                      dist_init_required=False)  # fmt: skip
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=adamw(model.parameters(), fused=True), config=config, dist_init_required=False
+    )
     # ZeRO-3 replaces torch.nn.functional.linear process-wide with its own autograd function (memory_efficient_linear,
     # "this will persist unless manually reset"), which would then run inside every other variant too: put torch's
     # back, and give DeepSpeed its own only while its steps run.
@@ -314,13 +375,24 @@ def deepspeed_variant(comm, workload: str, x, y, stage: int, bucket_mb: float, t
         with deepspeed.zero.GatheredParameters([p for _, p in named]):
             return {n: p.detach().clone() for n, p in named}
 
-    settings = {"version": deepspeed.__version__, "zero_optimization": zero, "optimizer": "AdamW(fused=True) (client)",
-                "comm_backend": type(deepspeed.comm.comm.cdb).__name__}  # fmt: skip
+    settings = {
+        "version": deepspeed.__version__,
+        "zero_optimization": zero,
+        "optimizer": "AdamW(fused=True) (client)",
+        "comm_backend": type(deepspeed.comm.comm.cdb).__name__,
+    }
     name, label = f"deepspeed_zero{stage}", f"DeepSpeed {deepspeed.__version__} ZeRO-{stage}, "
     name, label = (name, label + "tuned buckets, overlap_comm") if tuned else (name + "_default", label + "defaults")
     settings["memory_efficient_linear"] = own_linear is not linear
-    return Variant(name, "best" if tuned else "default", label, step, params, settings,
-                   own(phased_step(workload, engine, None, x, y, deepspeed=True)))  # fmt: skip
+    return Variant(
+        name,
+        "best" if tuned else "default",
+        label,
+        step,
+        params,
+        settings,
+        own(phased_step(workload, engine, None, x, y, deepspeed=True)),
+    )
 
 
 # -- checks and timing ----------------------------------------------------------------------------------------------
@@ -359,9 +431,13 @@ def check_same_function(comm, workload: str, batches: list[tuple], variants: lis
             diff_max, diff_sum = max(diff_max, float(d.max())), diff_sum + float(d.sum())
             per_tensor[n] = float(d.sum()) / max(float((w.detach() - init[n]).abs().sum()), 1e-30)
         worst = max(per_tensor, key=per_tensor.get)
-        out[v.name] = {"max_abs_diff": diff_max, "relative_diff": diff_sum / max(update, 1e-30),
-                       "worst_tensor": worst, "worst_tensor_relative_diff": per_tensor[worst],
-                       "ok": diff_sum / max(update, 1e-30) < 1e-2}  # fmt: skip
+        out[v.name] = {
+            "max_abs_diff": diff_max,
+            "relative_diff": diff_sum / max(update, 1e-30),
+            "worst_tensor": worst,
+            "worst_tensor_relative_diff": per_tensor[worst],
+            "ok": diff_sum / max(update, 1e-30) < 1e-2,
+        }
     return out
 
 
@@ -383,12 +459,24 @@ def interleaved_rounds(comm, variants: dict[str, Callable[[], object]], steps: i
                 fn()
             wall[i, r] = (time.perf_counter() - t0) / steps
             u1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu[:, i, r] = torch.tensor([time.process_time() - c0, u1.ru_stime - u0.ru_stime,
-                                         u1.ru_minflt - u0.ru_minflt], dtype=torch.float64) / steps  # fmt: skip
+            cpu[:, i, r] = (
+                torch.tensor(
+                    [time.process_time() - c0, u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt],
+                    dtype=torch.float64,
+                )
+                / steps
+            )
     comm.all_reduce(wall, ReductionOperation.MAX)
     comm.all_reduce(cpu, ReductionOperation.AVERAGE)
-    return {n: {"wall": wall[i].tolist(), "cpu": cpu[0, i].tolist(), "sys": cpu[1, i].tolist(),
-                "faults": cpu[2, i].tolist()} for i, n in enumerate(names)}  # fmt: skip
+    return {
+        n: {
+            "wall": wall[i].tolist(),
+            "cpu": cpu[0, i].tolist(),
+            "sys": cpu[1, i].tolist(),
+            "faults": cpu[2, i].tolist(),
+        }
+        for i, n in enumerate(names)
+    }
 
 
 def max_rss_mib() -> float:
@@ -407,10 +495,17 @@ def summarize(rounds: dict) -> dict:
     for name, r in rounds.items():
         wall, cpu = r["wall"], r["cpu"]
         q1, q3 = quartiles(wall)
-        out[name] = {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "q1_s": q1,
-                     "q3_s": q3, "cpu_median_s": statistics.median(cpu),
-                     "sys_median_s": statistics.median(r["sys"]), "faults_median": statistics.median(r["faults"]),
-                     "cpu_per_wall": statistics.median(c / w for c, w in zip(cpu, wall, strict=True))}  # fmt: skip
+        out[name] = {
+            "median_s": statistics.median(wall),
+            "min_s": min(wall),
+            "max_s": max(wall),
+            "q1_s": q1,
+            "q3_s": q3,
+            "cpu_median_s": statistics.median(cpu),
+            "sys_median_s": statistics.median(r["sys"]),
+            "faults_median": statistics.median(r["faults"]),
+            "cpu_per_wall": statistics.median(c / w for c, w in zip(cpu, wall, strict=True)),
+        }
     return out
 
 
@@ -419,33 +514,52 @@ def compare(rounds: dict, summary: dict, ours: str, peer: str, target: bool) -> 
     per_round = [p / o for o, p in zip(rounds[ours]["wall"], rounds[peer]["wall"], strict=True)]
     ratio = summary[peer]["median_s"] / summary[ours]["median_s"]
     cpu = summary[peer]["cpu_median_s"] / summary[ours]["cpu_median_s"]
-    return {"gpudist": ours, "peer": peer, "ratio": ratio, "per_round_min": min(per_round),
-            "per_round_median": statistics.median(per_round), "per_round_max": max(per_round),
-            "rounds_below_1": sum(r < 1 for r in per_round), "rounds": len(per_round), "cpu_ratio": cpu,
-            "target": TARGET if target else None, "met": (ratio >= TARGET) if target else None}  # fmt: skip
+    return {
+        "gpudist": ours,
+        "peer": peer,
+        "ratio": ratio,
+        "per_round_min": min(per_round),
+        "per_round_median": statistics.median(per_round),
+        "per_round_max": max(per_round),
+        "rounds_below_1": sum(r < 1 for r in per_round),
+        "rounds": len(per_round),
+        "cpu_ratio": cpu,
+        "target": TARGET if target else None,
+        "met": (ratio >= TARGET) if target else None,
+    }
 
 
 def format_tables(title: str, variants: dict[str, dict], summary: dict, checks: dict, comparisons: list[dict]) -> str:
-    head = (f"{'variant':<20} {'role':<8} {'median ms':>9} {'min':>7} {'max':>7} {'IQR':>13} {'cpu ms':>7} "
-            f"{'cpu/wall':>8} {'sys ms':>6} {'faults':>6}  {'check max|d|':>12} {'rel':>8}  setting")
+    head = (
+        f"{'variant':<20} {'role':<8} {'median ms':>9} {'min':>7} {'max':>7} {'IQR':>13} {'cpu ms':>7} "
+        f"{'cpu/wall':>8} {'sys ms':>6} {'faults':>6}  {'check max|d|':>12} {'rel':>8}  setting"
+    )
     lines = [title, head]
     for name, s in summary.items():
         v = variants[name]
         c = checks.get(name)
         check = f"{c['max_abs_diff']:>12.2e} {c['relative_diff']:>8.1e}" if c else f"{'-':>12} {'-':>8}"
         iqr = f"{s['q1_s'] * 1e3:.1f}-{s['q3_s'] * 1e3:.1f}"
-        lines.append(f"{name:<20} {v['role']:<8} {s['median_s'] * 1e3:>9.1f} {s['min_s'] * 1e3:>7.1f} "
-                     f"{s['max_s'] * 1e3:>7.1f} {iqr:>13} {s['cpu_median_s'] * 1e3:>7.1f} {s['cpu_per_wall']:>8.2f} "
-                     f"{s['sys_median_s'] * 1e3:>6.1f} {s['faults_median']:>6.0f}  {check}  {v['label']}")  # fmt: skip
-    lines.append("# cpu: process CPU time per step (all threads), sys: its kernel part, faults: minor page faults per "
-                 "step (fresh memory the kernel zeroes); averaged over ranks")
-    lines.append("# ratio = peer time / gpudist time (> 1: gpudist faster); rounds: min-max of the per-round ratio; "
-                 "cpu = peer CPU time / gpudist CPU time")  # fmt: skip
+        lines.append(
+            f"{name:<20} {v['role']:<8} {s['median_s'] * 1e3:>9.1f} {s['min_s'] * 1e3:>7.1f} "
+            f"{s['max_s'] * 1e3:>7.1f} {iqr:>13} {s['cpu_median_s'] * 1e3:>7.1f} {s['cpu_per_wall']:>8.2f} "
+            f"{s['sys_median_s'] * 1e3:>6.1f} {s['faults_median']:>6.0f}  {check}  {v['label']}"
+        )
+    lines.append(
+        "# cpu: process CPU time per step (all threads), sys: its kernel part, faults: minor page faults per "
+        "step (fresh memory the kernel zeroes); averaged over ranks"
+    )
+    lines.append(
+        "# ratio = peer time / gpudist time (> 1: gpudist faster); rounds: min-max of the per-round ratio; "
+        "cpu = peer CPU time / gpudist CPU time"
+    )
     for c in comparisons:
         verdict = "" if c["target"] is None else ("  target >= 1.05: met" if c["met"] else "  target >= 1.05: MISSED")
-        lines.append(f"{c['gpudist']:>14} vs {c['peer']:<20} {c['ratio']:.3f}  rounds {c['per_round_min']:.3f}-"
-                     f"{c['per_round_max']:.3f} ({c['rounds_below_1']}/{c['rounds']} below 1)  cpu {c['cpu_ratio']:.3f}"
-                     f"{verdict}")  # fmt: skip
+        lines.append(
+            f"{c['gpudist']:>14} vs {c['peer']:<20} {c['ratio']:.3f}  rounds {c['per_round_min']:.3f}-"
+            f"{c['per_round_max']:.3f} ({c['rounds_below_1']}/{c['rounds']} below 1)  cpu {c['cpu_ratio']:.3f}"
+            f"{verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -456,8 +570,9 @@ def describe_variants(variants: list[Variant]) -> dict[str, dict]:
 # -- what every strategy benchmark does around its variants -------------------------------------------------------
 
 
-def measure(comm, workload: str, batches: list[tuple], variants: list[Variant], steps: int, rounds: int,
-            phase_steps: int = 0) -> dict:  # fmt: skip
+def measure(
+    comm, workload: str, batches: list[tuple], variants: list[Variant], steps: int, rounds: int, phase_steps: int = 0
+) -> dict:
     """On every rank: the same-function check, a warm-up step, the interleaved rounds, the phases if asked, and this
     rank's peak RSS after building and at the end."""
     rss_built = max_rss_mib()
@@ -466,8 +581,13 @@ def measure(comm, workload: str, batches: list[tuple], variants: list[Variant], 
         v.step()
     rounds_data = interleaved_rounds(comm, {v.name: v.step for v in variants}, steps, rounds)
     phases = phase_times(comm, variants, phase_steps) if phase_steps else None
-    return {"rounds": rounds_data, "checks": checks, "variants": describe_variants(variants), "phases": phases,
-            "max_rss_mib": {"after_build": rss_built, "end": max_rss_mib()}}  # fmt: skip
+    return {
+        "rounds": rounds_data,
+        "checks": checks,
+        "variants": describe_variants(variants),
+        "phases": phases,
+        "max_rss_mib": {"after_build": rss_built, "end": max_rss_mib()},
+    }
 
 
 def arguments(doc: str, bucket_help: str) -> argparse.ArgumentParser:
@@ -479,10 +599,19 @@ def arguments(doc: str, bucket_help: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bucket-mb", type=float, default=25.0, help=bucket_help)
-    parser.add_argument("--only", type=lambda t: t.split(","), default=None,
-                        help="comma-separated variant names to run (development and profiling)")
-    parser.add_argument("--phases", type=int, default=0, metavar="STEPS",
-                        help="also time forward, backward, step and zero_grad of each variant over STEPS steps")
+    parser.add_argument(
+        "--only",
+        type=lambda t: t.split(","),
+        default=None,
+        help="comma-separated variant names to run (development and profiling)",
+    )
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also time forward, backward, step and zero_grad of each variant over STEPS steps",
+    )
     parser.add_argument("--out", default=None, help="JSON path; {workload} is replaced by the workload's name")
     return parser
 
@@ -492,15 +621,25 @@ def document(benchmark: str, workload: str, args, batch: int, res_all: list[dict
     the pairs)."""
     res = res_all[0]
     summary = summarize(res["rounds"])
-    return {"benchmark": benchmark, "backend": "gloo", "world_size": args.world_size, "workload": workload,
-            "model": W.describe(W.make(workload)),
-            "settings": {**vars(args), "batch": batch, "workload": workload, "optimizer": f"AdamW lr {LR}"},
-            "environment": environment(), "variants": res["variants"], "summary": summary,
-            "comparisons": comparisons(res["rounds"], summary), "target_ratio": TARGET, "checks": res["checks"],
-            "rounds": res["rounds"], "phases": res["phases"],
-            "max_rss_mib_per_rank": [r["max_rss_mib"] for r in res_all],
-            "memory_note": "all variants live in the same processes, so the RSS is their sum (fine for speed, not a "
-                           "memory measurement)"}  # fmt: skip
+    return {
+        "benchmark": benchmark,
+        "backend": "gloo",
+        "world_size": args.world_size,
+        "workload": workload,
+        "model": W.describe(W.make(workload)),
+        "settings": {**vars(args), "batch": batch, "workload": workload, "optimizer": f"AdamW lr {LR}"},
+        "environment": environment(),
+        "variants": res["variants"],
+        "summary": summary,
+        "comparisons": comparisons(res["rounds"], summary),
+        "target_ratio": TARGET,
+        "checks": res["checks"],
+        "rounds": res["rounds"],
+        "phases": res["phases"],
+        "max_rss_mib_per_rank": [r["max_rss_mib"] for r in res_all],
+        "memory_note": "all variants live in the same processes, so the RSS is their sum (fine for speed, not a "
+        "memory measurement)",
+    }
 
 
 def report(doc: dict, title: str, notes: list[str], args) -> dict:
@@ -510,8 +649,9 @@ def report(doc: dict, title: str, notes: list[str], args) -> dict:
         print(line)
     if doc["phases"]:
         print(format_phases(doc["phases"]))
-    print(f"# max RSS per rank {max(r['end'] for r in doc['max_rss_mib_per_rank']):.0f} MiB (all variants in one "
-          "process)")
+    print(
+        f"# max RSS per rank {max(r['end'] for r in doc['max_rss_mib_per_rank']):.0f} MiB (all variants in one process)"
+    )
     name = f"{doc['benchmark']}_{doc['workload']}_gloo_w{doc['world_size']}.json"
     out = Path(args.out.format(workload=doc["workload"])) if args.out else RESULTS / name
     print(f"# wrote {atomic_write_json(out, doc)}")

@@ -80,8 +80,9 @@ def reference_losses(width: int, depth: int, batch: int, lr: float, steps: int =
     return losses
 
 
-def throughput_rank(comm, width: int, depth: int, batch: int, micro_batches: list[int], steps: int, rounds: int,
-                    lr: float) -> dict:  # fmt: skip
+def throughput_rank(
+    comm, width: int, depth: int, batch: int, micro_batches: list[int], steps: int, rounds: int, lr: float
+) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     x, y = batch_of(width, batch)
@@ -91,8 +92,9 @@ def throughput_rank(comm, width: int, depth: int, batch: int, micro_batches: lis
     stage = comm.rank
     variants, losses = {}, {}
     for m in micro_batches:
-        ours = PipelineParallelModel(copy.deepcopy(full), gpudist.ShardingConfiguration(comm), micro_batches=m,
-                                     schedule="1f1b", balance=counts)  # fmt: skip
+        ours = PipelineParallelModel(
+            copy.deepcopy(full), gpudist.ShardingConfiguration(comm), micro_batches=m, schedule="1f1b", balance=counts
+        )
         ours_opt = torch.optim.SGD(ours.parameters(), lr=lr)
         half = copy.deepcopy(full)[:cut] if stage == 0 else copy.deepcopy(full)[cut:]
         theirs = Schedule1F1B(PipelineStage(half, stage, 2, torch.device("cpu")), m, loss_fn=F.cross_entropy)
@@ -117,14 +119,22 @@ def throughput_rank(comm, width: int, depth: int, batch: int, micro_batches: lis
     # One round per call so each round's times come back: ratios are taken within a round, where gpudist and torch
     # ran seconds apart, which keeps load from other processes on this shared machine out of them.
     rounds_s = [interleaved_times(comm, variants, steps, 1, warmup=i == 0) for i in range(rounds)]
-    return {"rounds_s": rounds_s, "losses": losses,
-            "stage_parameters": sum(p.numel() for p in mine.parameters())}  # fmt: skip
+    return {"rounds_s": rounds_s, "losses": losses, "stage_parameters": sum(p.numel() for p in mine.parameters())}
 
 
 def throughput(args) -> dict:
-    res = spawn(throughput_rank, 2, width=args.width, depth=args.depth, batch=args.batch,
-                micro_batches=args.micro_batches, steps=args.steps, rounds=args.rounds, lr=args.lr,
-                timeout=600.0)  # fmt: skip
+    res = spawn(
+        throughput_rank,
+        2,
+        width=args.width,
+        depth=args.depth,
+        batch=args.batch,
+        micro_batches=args.micro_batches,
+        steps=args.steps,
+        rounds=args.rounds,
+        lr=args.lr,
+        timeout=600.0,
+    )
     rounds_s = res[0]["rounds_s"]
     reference = reference_losses(args.width, args.depth, args.batch, args.lr)
     rows = []
@@ -134,27 +144,51 @@ def throughput(args) -> dict:
         ratios = sorted(r[f"torch m={m}"] / r[f"gpudist m={m}"] for r in rounds_s)
         losses = res[-1]["losses"][m]  # the last stage has both pipelines' losses
         error = max(abs(a - b) for name in ("gpudist", "torch") for a, b in zip(losses[name], reference, strict=True))
-        rows.append({"micro_batches": m, "gpudist_step_s": ours, "torch_step_s": theirs,
-                     "gpudist_samples_per_s": args.batch / ours, "torch_samples_per_s": args.batch / theirs,
-                     "ratio_torch_vs_gpudist": statistics.median(ratios), "ratio_per_round": ratios,
-                     "losses": losses, "reference_losses": reference,
-                     "max_loss_error": error})  # fmt: skip
-    print(f"# 1. gpudist 1F1B vs torch Schedule1F1B: gloo, 2 stages, MLP {args.width}x{args.depth}+head "
-          f"({res[0]['stage_parameters'] / 1e6:.1f}M + {res[1]['stage_parameters'] / 1e6:.1f}M params), "
-          f"batch {args.batch}, SGD; median of {args.rounds} rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'micro':>6} {'gpudist (ms)':>13} {'torch (ms)':>11} {'samples/s':>10} {'ratio':>7} {'min-max':>11} "
-          f"{'loss step 1 gpudist/torch/ref':>32} {'max |loss err|':>15}")  # fmt: skip
+        rows.append(
+            {
+                "micro_batches": m,
+                "gpudist_step_s": ours,
+                "torch_step_s": theirs,
+                "gpudist_samples_per_s": args.batch / ours,
+                "torch_samples_per_s": args.batch / theirs,
+                "ratio_torch_vs_gpudist": statistics.median(ratios),
+                "ratio_per_round": ratios,
+                "losses": losses,
+                "reference_losses": reference,
+                "max_loss_error": error,
+            }
+        )
+    print(
+        f"# 1. gpudist 1F1B vs torch Schedule1F1B: gloo, 2 stages, MLP {args.width}x{args.depth}+head "
+        f"({res[0]['stage_parameters'] / 1e6:.1f}M + {res[1]['stage_parameters'] / 1e6:.1f}M params), "
+        f"batch {args.batch}, SGD; median of {args.rounds} rounds x {args.steps} steps"
+    )
+    print(
+        f"{'micro':>6} {'gpudist (ms)':>13} {'torch (ms)':>11} {'samples/s':>10} {'ratio':>7} {'min-max':>11} "
+        f"{'loss step 1 gpudist/torch/ref':>32} {'max |loss err|':>15}"
+    )
     for r in rows:
         first = f"{r['losses']['gpudist'][0]:.5f}/{r['losses']['torch'][0]:.5f}/{reference[0]:.5f}"
-        print(f"{r['micro_batches']:>6} {r['gpudist_step_s'] * 1e3:>13.1f} {r['torch_step_s'] * 1e3:>11.1f} "
-              f"{r['gpudist_samples_per_s']:>10.0f} {r['ratio_torch_vs_gpudist']:>7.3f} "
-              f"{r['ratio_per_round'][0]:>5.2f}-{r['ratio_per_round'][-1]:<5.2f} {first:>32} "
-              f"{r['max_loss_error']:>15.2e}")  # fmt: skip
-    print(f"# ratio = torch step / gpudist step within a round, median over rounds (> 1: gpudist faster; target >= "
-          f"{TARGET_RATIO}); 1-min load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
-    return {"model": {"width": args.width, "depth": args.depth, "split_blocks": [args.depth, args.depth + 1],
-                      "stage_parameters": [r["stage_parameters"] for r in res]},
-            "target_ratio": TARGET_RATIO, "rows": rows}  # fmt: skip
+        print(
+            f"{r['micro_batches']:>6} {r['gpudist_step_s'] * 1e3:>13.1f} {r['torch_step_s'] * 1e3:>11.1f} "
+            f"{r['gpudist_samples_per_s']:>10.0f} {r['ratio_torch_vs_gpudist']:>7.3f} "
+            f"{r['ratio_per_round'][0]:>5.2f}-{r['ratio_per_round'][-1]:<5.2f} {first:>32} "
+            f"{r['max_loss_error']:>15.2e}"
+        )
+    print(
+        f"# ratio = torch step / gpudist step within a round, median over rounds (> 1: gpudist faster; target >= "
+        f"{TARGET_RATIO}); 1-min load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    return {
+        "model": {
+            "width": args.width,
+            "depth": args.depth,
+            "split_blocks": [args.depth, args.depth + 1],
+            "stage_parameters": [r["stage_parameters"] for r in res],
+        },
+        "target_ratio": TARGET_RATIO,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -191,9 +225,12 @@ class SleepBlock(nn.Module):
 
 
 def bubble_rank(comm, schedule: str, micro_batches: int, t_forward: float, steps: int) -> dict:
-    model = PipelineParallelModel(nn.Sequential(*[SleepBlock(t_forward) for _ in range(comm.world_size)]),
-                                  gpudist.ShardingConfiguration(comm), micro_batches=micro_batches,
-                                  schedule=schedule)  # fmt: skip
+    model = PipelineParallelModel(
+        nn.Sequential(*[SleepBlock(t_forward) for _ in range(comm.world_size)]),
+        gpudist.ShardingConfiguration(comm),
+        micro_batches=micro_batches,
+        schedule=schedule,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.ones(2 * micro_batches, 4)
     model.train_step(x, x, F.mse_loss, opt)  # warm-up: the shape message, first-call overheads
@@ -214,29 +251,57 @@ def bubble(args) -> dict:
     for p in args.bubble_stages:
         for m in args.bubble_micro:
             for schedule in ("1f1b", "gpipe"):
-                res = run_ranks(bubble_rank, p, args.bubble_backend, timeout=120.0, schedule=schedule,
-                                micro_batches=m, t_forward=t_f, steps=args.bubble_steps)  # fmt: skip
+                res = run_ranks(
+                    bubble_rank,
+                    p,
+                    args.bubble_backend,
+                    timeout=120.0,
+                    schedule=schedule,
+                    micro_batches=m,
+                    t_forward=t_f,
+                    steps=args.bubble_steps,
+                )
                 # per step: the span is the longest stage clock; the wall time the slowest rank's train_step
-                per_step = [(1 - statistics.mean(r["busy_s"][i] for r in res) / max(r["step_s"][i] for r in res),
-                             max(r["wall_s"][i] for r in res)) for i in range(args.bubble_steps)]  # fmt: skip
+                per_step = [
+                    (
+                        1 - statistics.mean(r["busy_s"][i] for r in res) / max(r["step_s"][i] for r in res),
+                        max(r["wall_s"][i] for r in res),
+                    )
+                    for i in range(args.bubble_steps)
+                ]
                 measured = statistics.median(b for b, _ in per_step)
                 wall = statistics.median(w for _, w in per_step)
                 theory = (p - 1) / (m + p - 1)
                 bound = [m if schedule == "gpipe" else min(p - s, m) for s in range(p)]
-                rows.append({"stages": p, "micro_batches": m, "schedule": schedule, "theory": theory,
-                             "measured": measured, "difference": measured - theory,
-                             "wall_step_s": wall, "measured_from_wall": 1 - m * 3 * t_f / wall,
-                             "busy_per_micro_batch_s": [statistics.median(r["busy_s"]) / m for r in res],
-                             "max_in_flight": [r["max_in_flight"] for r in res],
-                             "max_in_flight_bound": bound})  # fmt: skip
-    print(f"\n# 2. bubble: sleep blocks t_f = {args.t_forward_ms:g} ms, t_b = 2 t_f, one block per stage, "
-          f"{args.bubble_backend} backend; median of {args.bubble_steps} steps")  # fmt: skip
-    print(f"{'p':>2} {'m':>2} {'schedule':>8} {'theory':>7} {'measured':>9} {'diff':>7} {'from wall':>10} "
-          f"{'step (ms)':>10}  max_in_flight per stage (bound)")  # fmt: skip
+                rows.append(
+                    {
+                        "stages": p,
+                        "micro_batches": m,
+                        "schedule": schedule,
+                        "theory": theory,
+                        "measured": measured,
+                        "difference": measured - theory,
+                        "wall_step_s": wall,
+                        "measured_from_wall": 1 - m * 3 * t_f / wall,
+                        "busy_per_micro_batch_s": [statistics.median(r["busy_s"]) / m for r in res],
+                        "max_in_flight": [r["max_in_flight"] for r in res],
+                        "max_in_flight_bound": bound,
+                    }
+                )
+    print(
+        f"\n# 2. bubble: sleep blocks t_f = {args.t_forward_ms:g} ms, t_b = 2 t_f, one block per stage, "
+        f"{args.bubble_backend} backend; median of {args.bubble_steps} steps"
+    )
+    print(
+        f"{'p':>2} {'m':>2} {'schedule':>8} {'theory':>7} {'measured':>9} {'diff':>7} {'from wall':>10} "
+        f"{'step (ms)':>10}  max_in_flight per stage (bound)"
+    )
     for r in rows:
-        print(f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>8} {r['theory']:>7.3f} {r['measured']:>9.3f} "
-              f"{r['difference']:>+7.3f} {r['measured_from_wall']:>10.3f} {r['wall_step_s'] * 1e3:>10.1f}  "
-              f"{r['max_in_flight']} ({r['max_in_flight_bound']})")  # fmt: skip
+        print(
+            f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>8} {r['theory']:>7.3f} {r['measured']:>9.3f} "
+            f"{r['difference']:>+7.3f} {r['measured_from_wall']:>10.3f} {r['wall_step_s'] * 1e3:>10.1f}  "
+            f"{r['max_in_flight']} ({r['max_in_flight_bound']})"
+        )
     print("# measured = 1 - mean busy / span (stage clocks); from wall = 1 - m (t_f + t_b) / train_step wall time")
     return {"t_forward_s": t_f, "t_backward_s": 2 * t_f, "backend": args.bubble_backend, "rows": rows}
 
@@ -268,11 +333,17 @@ def main() -> None:
     if args.depth % 2:
         parser.error(f"--depth={args.depth} must be even so both stages get depth/2 hidden layers")
     if bad := [m for m in args.micro_batches if m < 2 or args.batch % m]:
-        parser.error(f"--micro-batches {bad}: Schedule1F1B needs >= 2 (the stage count) and each must divide "
-                     f"--batch={args.batch}")  # fmt: skip
+        parser.error(
+            f"--micro-batches {bad}: Schedule1F1B needs >= 2 (the stage count) and each must divide "
+            f"--batch={args.batch}"
+        )
     skip = set(args.skip.split(","))
-    doc = {"benchmark": "pipeline", "settings": vars(args), "environment": environment(),
-           "load_average_1min_at_start": os.getloadavg()[0]}  # fmt: skip
+    doc = {
+        "benchmark": "pipeline",
+        "settings": vars(args),
+        "environment": environment(),
+        "load_average_1min_at_start": os.getloadavg()[0],
+    }
     torch.set_num_threads(1)  # as the workers: the reference losses and in-memory ranks on one thread each
     if "throughput" not in skip:
         doc["throughput"] = throughput(args)

@@ -30,8 +30,17 @@ from gpudist.launch import spawn
 from . import peers
 
 
-def bench_rank(comm, workload: str, batch: int, steps: int, rounds: int, bucket_mb: float, deepspeed: bool,
-               phase_steps: int = 0, only: list[str] | None = None) -> dict:
+def bench_rank(
+    comm,
+    workload: str,
+    batch: int,
+    steps: int,
+    rounds: int,
+    bucket_mb: float,
+    deepspeed: bool,
+    phase_steps: int = 0,
+    only: list[str] | None = None,
+) -> dict:
     torch.manual_seed(0)
     batches = peers.rank_batches(workload, batch, comm.world_size)
     x, y = batches[comm.rank]
@@ -62,31 +71,56 @@ def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
     """Targets: ZeRO-1 and ZeRO-2 against the ZeRO-1 peer (torch has no ZeRO-2) and DeepSpeed ZeRO-2; gpudist's FSDP
     (its ZeRO-3 at the recommended units) against FSDP2 and DeepSpeed ZeRO-3. Beside: ``ZeRO3Model``'s per-module
     units (DeepSpeed's granularity) and the peers at their defaults."""
-    pairs = [("gpudist_zero1", "torch_zero_best", True), ("gpudist_zero2", "torch_zero_best", True),
-             ("gpudist_zero2", "deepspeed_zero2", True), ("gpudist_fsdp", "fsdp2_best", True),
-             ("gpudist_fsdp", "deepspeed_zero3", True), ("gpudist_zero3", "fsdp2_best", False),
-             ("gpudist_zero3", "deepspeed_zero3", False), ("gpudist_zero1", "torch_zero_default", False),
-             ("gpudist_zero2", "deepspeed_zero2_default", False), ("gpudist_fsdp", "fsdp2_default", False),
-             ("gpudist_fsdp", "deepspeed_zero3_default", False)]  # fmt: skip
-    return [peers.compare(rounds, summary, ours, peer, target) for ours, peer, target in pairs
-            if ours in summary and peer in summary]  # fmt: skip
+    pairs = [
+        ("gpudist_zero1", "torch_zero_best", True),
+        ("gpudist_zero2", "torch_zero_best", True),
+        ("gpudist_zero2", "deepspeed_zero2", True),
+        ("gpudist_fsdp", "fsdp2_best", True),
+        ("gpudist_fsdp", "deepspeed_zero3", True),
+        ("gpudist_zero3", "fsdp2_best", False),
+        ("gpudist_zero3", "deepspeed_zero3", False),
+        ("gpudist_zero1", "torch_zero_default", False),
+        ("gpudist_zero2", "deepspeed_zero2_default", False),
+        ("gpudist_fsdp", "fsdp2_default", False),
+        ("gpudist_fsdp", "deepspeed_zero3_default", False),
+    ]
+    return [
+        peers.compare(rounds, summary, ours, peer, target)
+        for ours, peer, target in pairs
+        if ours in summary and peer in summary
+    ]
 
 
 def run(workload: str, args) -> dict:
     n = args.world_size
     batch = args.batch or peers.BATCH[workload]
     skipped = "skipped: --no-deepspeed" if args.no_deepspeed else peers.deepspeed_status()
-    res_all = spawn(bench_rank, n, workload=workload, batch=batch, steps=args.steps, rounds=args.rounds,
-                    bucket_mb=args.bucket_mb, deepspeed=skipped is None, phase_steps=args.phases,
-                    only=args.only, timeout=1800.0)  # fmt: skip
+    res_all = spawn(
+        bench_rank,
+        n,
+        workload=workload,
+        batch=batch,
+        steps=args.steps,
+        rounds=args.rounds,
+        bucket_mb=args.bucket_mb,
+        deepspeed=skipped is None,
+        phase_steps=args.phases,
+        only=args.only,
+        timeout=1800.0,
+    )
     doc = peers.document("zero", workload, args, batch, res_all, comparisons_for)
-    doc["best_peers"] = {"zero1": "torch_zero_best", "zero2": ["torch_zero_best", "deepspeed_zero2"],
-                         "fsdp": ["fsdp2_best", "deepspeed_zero3"]}  # fmt: skip
+    doc["best_peers"] = {
+        "zero1": "torch_zero_best",
+        "zero2": ["torch_zero_best", "deepspeed_zero2"],
+        "fsdp": ["fsdp2_best", "deepspeed_zero3"],
+    }
     doc["deepspeed"] = skipped or "ran"
     info = doc["model"]
-    title = (f"# ZeRO and FSDP, workload {workload} ({info['parameters'] / 1e6:.1f}M parameters in {info['tensors']} "
-             f"tensors), gloo world {n}, batch {batch}/rank, AdamW; {args.rounds} rounds x {args.steps} steps, "
-             f"order rotated; DeepSpeed: {skipped or 'ran'}")  # fmt: skip
+    title = (
+        f"# ZeRO and FSDP, workload {workload} ({info['parameters'] / 1e6:.1f}M parameters in {info['tensors']} "
+        f"tensors), gloo world {n}, batch {batch}/rank, AdamW; {args.rounds} rounds x {args.steps} steps, "
+        f"order rotated; DeepSpeed: {skipped or 'ran'}"
+    )
     return peers.report(doc, title, [], args)
 
 

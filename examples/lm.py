@@ -28,8 +28,20 @@ __all__ = ["VOCAB", "VOCAB_SIZE", "SyntheticCorpus", "TinyLM", "lm_loss"]
 # Vocabulary: word classes in fixed id ranges (the grammar refers to classes, the seed picks the probabilities).
 
 _NOUNS = ["cat", "dog", "bird", "fox", "horse", "child", "robot", "farmer", "teacher", "wolf", "mouse", "king"]
-_NOUNS_PL = ["cats", "dogs", "birds", "foxes", "horses", "children", "robots", "farmers", "teachers", "wolves", "mice",
-             "kings"]
+_NOUNS_PL = [
+    "cats",
+    "dogs",
+    "birds",
+    "foxes",
+    "horses",
+    "children",
+    "robots",
+    "farmers",
+    "teachers",
+    "wolves",
+    "mice",
+    "kings",
+]
 _VERBS = ["sees", "chases", "likes", "finds", "helps", "follows", "fears", "feeds"]
 _VERBS_PL = ["see", "chase", "like", "find", "help", "follow", "fear", "feed"]
 _DETS = ["the", "a", "every", "some", "many", "two"]
@@ -179,16 +191,19 @@ class SyntheticCorpus:
         """Sequence ``index`` of the stream: ``seq_len + 1`` token ids (int64)."""
         return torch.tensor(self._sample(index, split).tokens[: self.seq_len + 1], dtype=torch.int64)
 
-    def batches(self, step: int, global_batch: int, rank: int = 0, world_size: int = 1,
-                split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    def batches(
+        self, step: int, global_batch: int, rank: int = 0, world_size: int = 1, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of step ``step``'s global batch: inputs and targets, each ``(global_batch // world_size,
         seq_len)``. Rank r gets rows ``r * local : (r + 1) * local``, so the ranks' slices, concatenated in rank
         order, are exactly the batch a single process (``world_size=1``) gets for the same step."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of world size {world_size}: need world_size >= 1 and 0 <= rank < world_size")
         if global_batch < world_size or global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} ranks; "
-                             f"use a multiple of {world_size}")
+            raise ValueError(
+                f"global batch {global_batch} does not split evenly over {world_size} ranks; "
+                f"use a multiple of {world_size}"
+            )
         local = global_batch // world_size
         first = step * global_batch + rank * local
         rows = torch.stack([self.sequence(i, split) for i in range(first, first + local)])
@@ -237,8 +252,15 @@ class TinyLM(nn.Module):
     token embedding. ``forward(tokens (b, t)) -> logits (b, t, vocab)``. Initialised from ``seed`` alone (GPT-2's
     scheme), independent of torch's global RNG, so every process builds the same model."""
 
-    def __init__(self, vocab: int = VOCAB_SIZE, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
-                 seq_len: int = 64, seed: int = 0):
+    def __init__(
+        self,
+        vocab: int = VOCAB_SIZE,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        seq_len: int = 64,
+        seed: int = 0,
+    ):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")

@@ -150,30 +150,38 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         model = model_cls(net, config, tinylm_plan, tensor_parallel_size=cfg.tp)
         loss_fn = None  # the vocabulary-parallel cross-entropy: full logits are never gathered
     elif cfg.strategy == "hybrid":
-        model = model_cls(net, config, cfg.pp, cfg.tp, plan=tinylm_plan, blocks=as_sequential,
-                          micro_batches=cfg.micro_batches)  # fmt: skip
+        model = model_cls(
+            net, config, cfg.pp, cfg.tp, plan=tinylm_plan, blocks=as_sequential, micro_batches=cfg.micro_batches
+        )
         loss_fn = None
     elif model_cls is None:
         model = net  # async: no wrapper (a DDPModel would all-reduce in every backward and wait for every rank)
     else:
         model = model_cls(net, config)
     # Each data-parallel replica reads its own slice of the batch (the ranks of one replica the same slice).
-    data_rank, data_size = (model.data_parallel_rank, model.data_parallel_size) if cfg.strategy in SCHEDULED \
-        else (rank, world)  # fmt: skip
+    data_rank, data_size = (
+        (model.data_parallel_rank, model.data_parallel_size) if cfg.strategy in SCHEDULED else (rank, world)
+    )
     torch_opt = make_optimizer(model.parameters(), cfg.lr, cfg.optimizer)
     if cfg.strategy == "hybrid":
         opt = optim_cls(torch_opt, config, cfg.pp, cfg.tp)
     elif cfg.strategy == "async":
         opt = optim_cls(torch_opt, config, max_staleness=cfg.max_staleness)
     elif cfg.strategy == "elastic":  # resumes from OUT/checkpoints when a restart (or an earlier run) left one
-        opt = optim_cls(torch_opt, config, Path(cfg.out) / "checkpoints", cfg.checkpoint_every,
-                        batch_size=cfg.global_batch // world)  # fmt: skip
+        opt = optim_cls(
+            torch_opt, config, Path(cfg.out) / "checkpoints", cfg.checkpoint_every, batch_size=cfg.global_batch // world
+        )
     else:
         opt = optim_cls(torch_opt, config)
     if cfg.compression is not None:
-        opt = gpudist.GradientCompressionOptimizer(opt, config, cfg.compression, warmup_steps=cfg.compression_warmup,
-                                                   error_feedback=cfg.error_feedback,
-                                                   compress="momentum" if cfg.compress_momentum else "gradients")
+        opt = gpudist.GradientCompressionOptimizer(
+            opt,
+            config,
+            cfg.compression,
+            warmup_steps=cfg.compression_warmup,
+            error_feedback=cfg.error_feedback,
+            compress="momentum" if cfg.compress_momentum else "gradients",
+        )
     # The wrapper is a torch.optim.Optimizer sharing the inner one's param_groups, so schedulers work unchanged.
     start = getattr(opt, "step_count", 0)  # elastic: the step its checkpoint was taken at
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s + start, steps=cfg.steps))
@@ -207,8 +215,9 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
             window = losses[window_start : step + 1].mean().reshape(1).to(device)
             comm.all_reduce(window, "average")
             if progress is not None:
-                progress.update(step + 1, float(window), step_times[window_start - start :],
-                                comm_bytes[window_start - start :])
+                progress.update(
+                    step + 1, float(window), step_times[window_start - start :], comm_bytes[window_start - start :]
+                )
             window_start = step + 1
     if hasattr(opt, "finish"):
         opt.finish()  # async: wait for the last rounds (same parameters everywhere); elastic: commit the checkpoint
@@ -251,8 +260,9 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
         "loss_decreased": verdict["loss_decreased"],
         "replicas_identical": identical,
         "replica_max_abs_diff": max_diff,
-        "metadata": model.get_model_metadata() if isinstance(model, gpudist.ShardedModel) else
-        {"strategy": cfg.strategy, "max_staleness": cfg.max_staleness, "async": opt.stats},
+        "metadata": model.get_model_metadata()
+        if isinstance(model, gpudist.ShardedModel)
+        else {"strategy": cfg.strategy, "max_staleness": cfg.max_staleness, "async": opt.stats},
         "compression": opt.communication_report() if cfg.compression is not None else None,
         "comm_stats": comm.stats.as_dict(),
         "sample": SyntheticCorpus.decode(generate(trained, [VOCAB.index("the")], 40, cfg.seed)),
@@ -274,16 +284,21 @@ def bytes_moved(comm: gpudist.CommunicationBackend, opt: torch.optim.Optimizer) 
     return comm.stats.total_bytes + getattr(opt, "bytes_moved", 0)
 
 
-def replicas_identical(comm: gpudist.CommunicationBackend,
-                       model: gpudist.ShardedModel) -> tuple[torch.Tensor, bool, float]:
+def replicas_identical(
+    comm: gpudist.CommunicationBackend, model: gpudist.ShardedModel
+) -> tuple[torch.Tensor, bool, float]:
     """Gathers the full parameters (collective) and checks bitwise that every rank's equal rank 0's. Returns them,
     the verdict and the largest difference seen."""
-    flat = model.gather_full_parameters() if isinstance(model, gpudist.ShardedModel) else \
-        torch.nn.utils.parameters_to_vector(model.parameters()).detach()  # fmt: skip
+    flat = (
+        model.gather_full_parameters()
+        if isinstance(model, gpudist.ShardedModel)
+        else torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    )
     reference = flat.clone()
     comm.broadcast(reference, src=0)
-    flags = torch.tensor([float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()],
-                         device=flat.device)  # fmt: skip
+    flags = torch.tensor(
+        [float(torch.equal(flat, reference)), -(flat - reference).abs().max().item()], device=flat.device
+    )
     comm.all_reduce(flags, "min")  # min of equal-flags: all equal; min of -diff: -(largest difference)
     return flat, bool(flags[0] == 1.0), -float(flags[1])
 
@@ -324,9 +339,11 @@ class Progress:
         done = int(self.width * step / self.steps)
         elapsed = time.perf_counter() - self.started
         eta = elapsed / step * (self.steps - step)
-        line = (f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (self.width - done)}] "
-                f"loss {loss:.3f} | {self.tokens_per_step * len(step_times) / sum(step_times) / 1e3:5.1f}k tok/s | "
-                f"comm {sum(comm_bytes) / len(comm_bytes) / 2**20:.2f} MiB/step | eta {eta:3.0f}s")
+        line = (
+            f"step {step:>{len(str(self.steps))}}/{self.steps} [{'#' * done}{'.' * (self.width - done)}] "
+            f"loss {loss:.3f} | {self.tokens_per_step * len(step_times) / sum(step_times) / 1e3:5.1f}k tok/s | "
+            f"comm {sum(comm_bytes) / len(comm_bytes) / 2**20:.2f} MiB/step | eta {eta:3.0f}s"
+        )
         if self.tty:
             print(f"\r{line.ljust(self.last_width)}", end="", flush=True)
             self.last_width = len(line)
@@ -340,21 +357,29 @@ class Progress:
 
 def report(metrics: dict[str, Any], out: Path) -> None:
     cfg = metrics["config"]
-    print(f"{cfg['strategy']} on {cfg['world_size']} rank(s), {cfg['steps']} steps of {metrics['tokens_per_step']} "
-          f"tokens, {metrics['train_seconds']:.1f} s")
-    print(f"  loss {metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} (held-out {metrics['val_loss']:.3f}); "
-          f"uniform guess log(vocab) = {metrics['log_vocab']:.3f}, generator's entropy floor = "
-          f"{metrics['entropy_floor']:.3f}")
-    print(f"  {metrics['tokens_per_s'] / 1e3:.1f}k tokens/s, communication "
-          f"{metrics['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
-          f"replicas identical: {metrics['replicas_identical']}")
+    print(
+        f"{cfg['strategy']} on {cfg['world_size']} rank(s), {cfg['steps']} steps of {metrics['tokens_per_step']} "
+        f"tokens, {metrics['train_seconds']:.1f} s"
+    )
+    print(
+        f"  loss {metrics['initial_loss']:.3f} -> {metrics['final_loss']:.3f} (held-out {metrics['val_loss']:.3f}); "
+        f"uniform guess log(vocab) = {metrics['log_vocab']:.3f}, generator's entropy floor = "
+        f"{metrics['entropy_floor']:.3f}"
+    )
+    print(
+        f"  {metrics['tokens_per_s'] / 1e3:.1f}k tokens/s, communication "
+        f"{metrics['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
+        f"replicas identical: {metrics['replicas_identical']}"
+    )
     if metrics.get("compression"):
         c = metrics["compression"]
-        print(f"  compression {c['compressor']['name']} of {c['compress']} (error feedback: {c['error_feedback']}): "
-              "sent "
-              f"{c['total']['sent_bytes'] / 2**20:.1f} MiB vs {c['total']['dense_bytes'] / 2**20:.1f} MiB dense "
-              f"({100 * c['total']['ratio']:.1f}% over the run, {100 * c['last_step']['ratio']:.1f}% per step after "
-              f"{c['warmup_steps']} warm-up steps)")
+        print(
+            f"  compression {c['compressor']['name']} of {c['compress']} (error feedback: {c['error_feedback']}): "
+            "sent "
+            f"{c['total']['sent_bytes'] / 2**20:.1f} MiB vs {c['total']['dense_bytes'] / 2**20:.1f} MiB dense "
+            f"({100 * c['total']['ratio']:.1f}% over the run, {100 * c['last_step']['ratio']:.1f}% per step after "
+            f"{c['warmup_steps']} warm-up steps)"
+        )
     print(f"  sample: {metrics['sample']}")
     print(f"  wrote {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'model.safetensors'}")
 
@@ -376,8 +401,12 @@ def plot_loss(metrics: dict[str, Any]) -> bytes:
     ax.plot(range(first, first + len(losses)), losses, lw=1.2, label="training loss (global batch)")
     ax.axhline(log_vocab, color="tab:red", ls="--", lw=1, label=f"log(vocab) = {log_vocab:.2f}")
     ax.axhline(floor, color="tab:green", ls="--", lw=1, label=f"entropy floor = {floor:.2f}")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats)", ylim=(0, max(max(losses), log_vocab) * 1.05),
-           title=f"TinyLM, {cfg['strategy']} on {cfg['world_size']} rank(s), comm {cfg['comm_dtype']}")
+    ax.set(
+        xlabel="step",
+        ylabel="cross-entropy (nats)",
+        ylim=(0, max(max(losses), log_vocab) * 1.05),
+        title=f"TinyLM, {cfg['strategy']} on {cfg['world_size']} rank(s), comm {cfg['comm_dtype']}",
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     buf = io.BytesIO()
@@ -386,8 +415,13 @@ def plot_loss(metrics: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def raster_plot(values: list[float], hlines: list[tuple[float, tuple[int, int, int]]], width: int = 640,
-                height: int = 360, margin: int = 30) -> bytes:
+def raster_plot(
+    values: list[float],
+    hlines: list[tuple[float, tuple[int, int, int]]],
+    width: int = 640,
+    height: int = 360,
+    margin: int = 30,
+) -> bytes:
     """A line plot as PNG bytes without matplotlib: y from 0 (bottom) up, a light grid line at every whole
     number, dashed ``hlines`` in their colours and ``values`` in blue."""
     pixels = bytearray(b"\xff" * (width * height * 3))
@@ -442,64 +476,127 @@ def encode_png(width: int, height: int, rgb: bytes) -> bytes:
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default=defaults.strategy,
-                        help=f"one of {', '.join(STRATEGIES)} (those gpudist implements now: "
-                             f"{', '.join(available_strategies()) or 'none'})")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="local Gloo ranks to spawn (ignored under torchrun/mpirun, which set the world size)")
+    parser.add_argument(
+        "--strategy",
+        default=defaults.strategy,
+        help=f"one of {', '.join(STRATEGIES)} (those gpudist implements now: "
+        f"{', '.join(available_strategies()) or 'none'})",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="local Gloo ranks to spawn (ignored under torchrun/mpirun, which set the world size)",
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--global-batch", type=int, default=defaults.global_batch,
-                        help="sequences per step over all ranks; a multiple of the world size")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=defaults.global_batch,
+        help="sequences per step over all ranks; a multiple of the world size",
+    )
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="model initialisation and corpus")
-    parser.add_argument("--comm-dtype", choices=list(COMM_DTYPES), default=defaults.comm_dtype,
-                        help="dtype gradients travel in (bf16 halves the bytes)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer,
-                        help="inner optimizer: adamw (default) or momentum sgd (try --lr 0.03)")
-    parser.add_argument("--compression", default=None,
-                        help="compress gradients: topk:RATIO (e.g. topk:0.01), int8, 1bit (ddp, zero1, zero2)")
-    parser.add_argument("--compression-warmup", type=int, default=defaults.compression_warmup,
-                        help="uncompressed steps before compression starts")
-    parser.add_argument("--no-error-feedback", action="store_true",
-                        help="drop what compression loses instead of sending it later (for comparison)")
-    parser.add_argument("--pp", type=int, default=defaults.pp,
-                        help="pipeline stages for --strategy pipeline (the rest of the world is data parallel)")
-    parser.add_argument("--tp", type=int, default=defaults.tp,
-                        help="tensor-parallel ranks for --strategy tensor and hybrid (must divide the heads and vocab)")
-    parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches,
-                        help="micro-batches per step for --strategy pipeline")
-    parser.add_argument("--compress-momentum", action="store_true",
-                        help="communicate the momentum instead of the gradient (with --optimizer sgd and --strategy "
-                             "ddp; 1-bit converges with it)")
-    parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness,
-                        help="--strategy async: versions a gradient may lag behind (0 = synchronous SGD)")
-    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
-                        help="--strategy elastic: steps between checkpoints (saved under OUT/checkpoints)")
-    parser.add_argument("--out", help="output folder (default: runs/<strategy>-w<world size>; runs/elastic for "
-                                      "--strategy elastic, which resumes from its checkpoints there)")
+    parser.add_argument(
+        "--comm-dtype",
+        choices=list(COMM_DTYPES),
+        default=defaults.comm_dtype,
+        help="dtype gradients travel in (bf16 halves the bytes)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default=defaults.optimizer,
+        help="inner optimizer: adamw (default) or momentum sgd (try --lr 0.03)",
+    )
+    parser.add_argument(
+        "--compression",
+        default=None,
+        help="compress gradients: topk:RATIO (e.g. topk:0.01), int8, 1bit (ddp, zero1, zero2)",
+    )
+    parser.add_argument(
+        "--compression-warmup",
+        type=int,
+        default=defaults.compression_warmup,
+        help="uncompressed steps before compression starts",
+    )
+    parser.add_argument(
+        "--no-error-feedback",
+        action="store_true",
+        help="drop what compression loses instead of sending it later (for comparison)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=defaults.pp,
+        help="pipeline stages for --strategy pipeline (the rest of the world is data parallel)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=defaults.tp,
+        help="tensor-parallel ranks for --strategy tensor and hybrid (must divide the heads and vocab)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=defaults.micro_batches,
+        help="micro-batches per step for --strategy pipeline",
+    )
+    parser.add_argument(
+        "--compress-momentum",
+        action="store_true",
+        help="communicate the momentum instead of the gradient (with --optimizer sgd and --strategy "
+        "ddp; 1-bit converges with it)",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=defaults.max_staleness,
+        help="--strategy async: versions a gradient may lag behind (0 = synchronous SGD)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=defaults.checkpoint_every,
+        help="--strategy elastic: steps between checkpoints (saved under OUT/checkpoints)",
+    )
+    parser.add_argument(
+        "--out",
+        help="output folder (default: runs/<strategy>-w<world size>; runs/elastic for "
+        "--strategy elastic, which resumes from its checkpoints there)",
+    )
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
 
     if args.strategy not in STRATEGIES:
         planned = [s for s in STRATEGIES if s not in available_strategies()]
-        parser.error(f"unknown strategy {args.strategy!r}; strategies that work: {', '.join(available_strategies())}"
-                     + (f" (planned: {', '.join(planned)})" if planned else ""))
+        parser.error(
+            f"unknown strategy {args.strategy!r}; strategies that work: {', '.join(available_strategies())}"
+            + (f" (planned: {', '.join(planned)})" if planned else "")
+        )
     if args.strategy not in available_strategies():
         model_cls, optim_cls = STRATEGIES[args.strategy]
-        parser.error(f"strategy {args.strategy!r} needs gpudist.{model_cls} and gpudist.{optim_cls}, which gpudist "
-                     f"{gpudist.__version__} does not have yet; strategies that work: "
-                     f"{', '.join(available_strategies())}")
+        parser.error(
+            f"strategy {args.strategy!r} needs gpudist.{model_cls} and gpudist.{optim_cls}, which gpudist "
+            f"{gpudist.__version__} does not have yet; strategies that work: "
+            f"{', '.join(available_strategies())}"
+        )
     launched = any(var in os.environ for var in LAUNCHER_RANK_VARS)
     world = detect_environment().world_size if launched else args.world_size
     for name, value in [("--world-size", world), ("--steps", args.steps), ("--log-every", args.log_every)]:
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     if args.global_batch < world or args.global_batch % world:
-        parser.error(f"--global-batch {args.global_batch} must be a positive multiple of the world size {world}, "
-                     f"so every rank gets an equal slice")
+        parser.error(
+            f"--global-batch {args.global_batch} must be a positive multiple of the world size {world}, "
+            f"so every rank gets an equal slice"
+        )
     if args.max_staleness < 0 or args.checkpoint_every < 1:
-        parser.error(f"--max-staleness must be >= 0 and --checkpoint-every >= 1, got {args.max_staleness} and "
-                     f"{args.checkpoint_every}")
+        parser.error(
+            f"--max-staleness must be >= 0 and --checkpoint-every >= 1, got {args.max_staleness} and "
+            f"{args.checkpoint_every}"
+        )
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
     if args.compression is not None:
@@ -508,8 +605,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
         except ValueError as e:
             parser.error(f"--compression: {e}")
         if args.strategy not in ("ddp", "zero1", "zero2"):
-            parser.error(f"--compression works with --strategy ddp, zero1 or zero2, not {args.strategy!r} (ZeRO-3 "
-                         "gathers parameters, which have no error feedback to absorb compression)")
+            parser.error(
+                f"--compression works with --strategy ddp, zero1 or zero2, not {args.strategy!r} (ZeRO-3 "
+                "gathers parameters, which have no error feedback to absorb compression)"
+            )
         if args.compression_warmup < 0:
             parser.error(f"--compression-warmup must be >= 0, got {args.compression_warmup}")
     pp = args.pp if args.strategy in ("pipeline", "hybrid") else 1
@@ -519,31 +618,53 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
             if args.tp < 1 or size % args.tp:
                 parser.error(f"--tp {args.tp} must divide TinyLM's {what} ({size})")
     if args.strategy in ("pipeline", "tensor", "hybrid") and world % (pp * tp):
-        parser.error(f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world} (the ranks left over "
-                     "are data-parallel replicas)")
+        parser.error(
+            f"--pp {pp} x --tp {tp} = {pp * tp} must divide the world size {world} (the ranks left over "
+            "are data-parallel replicas)"
+        )
     if args.strategy in ("pipeline", "hybrid"):
         if args.pp > defaults.n_layers + 2:
-            parser.error(f"--pp {args.pp} is more than TinyLM's {defaults.n_layers + 2} pipeline blocks (embeddings, "
-                         f"{defaults.n_layers} transformer blocks, head)")
+            parser.error(
+                f"--pp {args.pp} is more than TinyLM's {defaults.n_layers + 2} pipeline blocks (embeddings, "
+                f"{defaults.n_layers} transformer blocks, head)"
+            )
         replicas = world // (pp * tp)
         replica_batch = args.global_batch // replicas
         if args.micro_batches < 1 or args.global_batch % replicas or replica_batch % args.micro_batches:
-            parser.error(f"--micro-batches {args.micro_batches} must divide each replica's batch of {replica_batch} "
-                         f"sequences (--global-batch {args.global_batch} over {replicas} replicas)")
+            parser.error(
+                f"--micro-batches {args.micro_batches} must divide each replica's batch of {replica_batch} "
+                f"sequences (--global-batch {args.global_batch} over {replicas} replicas)"
+            )
     if args.compress_momentum and (args.compression is None or args.optimizer != "sgd" or args.strategy != "ddp"):
-        parser.error("--compress-momentum needs --compression, --optimizer sgd and --strategy ddp (momentum "
-                     "compression keeps the full momentum on every rank)")
+        parser.error(
+            "--compress-momentum needs --compression, --optimizer sgd and --strategy ddp (momentum "
+            "compression keeps the full momentum on every rank)"
+        )
     suffix = f"-{args.compression.replace(':', '')}" if args.compression else ""
-    cfg = TrainConfig(strategy=args.strategy, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
-                      seed=args.seed, comm_dtype=args.comm_dtype, log_every=args.log_every,
-                      optimizer=args.optimizer, compression=args.compression,
-                      compression_warmup=args.compression_warmup,
-                      error_feedback=not args.no_error_feedback, compress_momentum=args.compress_momentum,
-                      pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
-                      max_staleness=args.max_staleness, checkpoint_every=args.checkpoint_every,
-                      # elastic resumes from its folder's checkpoints, so its folder must not depend on the world size
-                      out=args.out or (f"runs/{args.strategy}{suffix}" if args.strategy == "elastic"
-                                       else f"runs/{args.strategy}{suffix}-w{world}"))
+    cfg = TrainConfig(
+        strategy=args.strategy,
+        steps=args.steps,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        seed=args.seed,
+        comm_dtype=args.comm_dtype,
+        log_every=args.log_every,
+        optimizer=args.optimizer,
+        compression=args.compression,
+        compression_warmup=args.compression_warmup,
+        error_feedback=not args.no_error_feedback,
+        compress_momentum=args.compress_momentum,
+        pp=args.pp,
+        tp=args.tp,
+        micro_batches=args.micro_batches,
+        max_staleness=args.max_staleness,
+        checkpoint_every=args.checkpoint_every,
+        # elastic resumes from its folder's checkpoints, so its folder must not depend on the world size
+        out=args.out
+        or (
+            f"runs/{args.strategy}{suffix}" if args.strategy == "elastic" else f"runs/{args.strategy}{suffix}-w{world}"
+        ),
+    )
     return cfg, None if launched else world
 
 
@@ -552,15 +673,21 @@ def main(argv: list[str] | None = None) -> int:
     if spawn_world is None:  # one rank of a torchrun/mpirun job
         verdict = train(gpudist.init(timeout=OP_TIMEOUT), cfg)
     else:
-        print(f"gpudist {gpudist.__version__}: training TinyLM with {cfg.strategy} on {spawn_world} local Gloo "
-              f"rank(s) for {cfg.steps} steps", flush=True)
+        print(
+            f"gpudist {gpudist.__version__}: training TinyLM with {cfg.strategy} on {spawn_world} local Gloo "
+            f"rank(s) for {cfg.steps} steps",
+            flush=True,
+        )
         with WorkerPool(spawn_world, timeout=OP_TIMEOUT) as pool:
             # A week for the whole run (a long --steps is fine; poll() takes at most ~24 days), while each
             # collective stays bounded by OP_TIMEOUT, so a hung rank still fails fast.
             verdict = min(pool.run(train, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
     if not verdict["ok"]:
-        print(f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
-              f"loss decreased: {verdict['loss_decreased']}", file=sys.stderr)
+        print(
+            f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
+            f"loss decreased: {verdict['loss_decreased']}",
+            file=sys.stderr,
+        )
     return 0 if verdict["ok"] else 1
 
 

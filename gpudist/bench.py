@@ -24,8 +24,7 @@ import torch
 from .comm import CommunicationBackend, split_sizes
 from .fileio import atomic_write_json
 
-__all__ = ["BUS_FACTORS", "environment", "format_table", "interleaved_times", "parse_size", "run_collectives",
-           "sweep"]
+__all__ = ["BUS_FACTORS", "environment", "format_table", "interleaved_times", "parse_size", "run_collectives", "sweep"]
 
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -116,30 +115,42 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
         # torch 2.13 renamed the tensor forms (*_single) and warns on the old names; 2.11 has only the old ones.
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return {"all_reduce": lambda: dist.all_reduce(inp), "reduce_scatter": lambda: reduce_scatter(out, inp),
-                "all_gather": lambda: all_gather(out, inp)}[op]  # fmt: skip
+        return {
+            "all_reduce": lambda: dist.all_reduce(inp),
+            "reduce_scatter": lambda: reduce_scatter(out, inp),
+            "all_gather": lambda: all_gather(out, inp),
+        }[op]
     if comm.name == "mpi":
         from mpi4py import MPI
 
         mpi, a, b = comm._comm, inp.numpy(), out.numpy()
         counts = split_sizes(inp.numel() if op == "reduce_scatter" else out.numel(), comm.world_size)
-        return {"all_reduce": lambda: mpi.Allreduce(MPI.IN_PLACE, a), "reduce_scatter": lambda: mpi.Reduce_scatter(
-                a, b, counts), "all_gather": lambda: mpi.Allgather(a, b)}[op]  # fmt: skip
+        return {
+            "all_reduce": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
+            "reduce_scatter": lambda: mpi.Reduce_scatter(a, b, counts),
+            "all_gather": lambda: mpi.Allgather(a, b),
+        }[op]
     if comm.name == "nccl":
         nccl, lib = comm._comm, comm._lib
         stream = comm._stream  # torch's current stream, as the backend's own ops use
-        calls = {"all_reduce": lambda: nccl.allReduce(inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32,
-                                                      lib.NCCL_SUM, stream()),
-                 "reduce_scatter": lambda: nccl.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
-                                                              lib.NCCL_FLOAT32, lib.NCCL_SUM, stream()),
-                 "all_gather": lambda: nccl.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), lib.NCCL_FLOAT32,
-                                                      stream())}  # fmt: skip
+        calls = {
+            "all_reduce": lambda: nccl.allReduce(
+                inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, lib.NCCL_SUM, stream()
+            ),
+            "reduce_scatter": lambda: nccl.reduceScatter(
+                inp.data_ptr(), out.data_ptr(), out.numel(), lib.NCCL_FLOAT32, lib.NCCL_SUM, stream()
+            ),
+            "all_gather": lambda: nccl.allGather(
+                inp.data_ptr(), out.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, stream()
+            ),
+        }
         return calls[op]
     return None
 
 
-def interleaved_times(comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int,
-                      rounds: int, warmup: bool = True) -> dict[str, float]:  # fmt: skip
+def interleaved_times(
+    comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int, rounds: int, warmup: bool = True
+) -> dict[str, float]:
     """Seconds per call of each variant on every rank of ``comm``: one warm-up call each, then ``rounds`` rounds
     in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits all alike.
     Each round counts at its slowest rank's pace; the median round is returned."""
@@ -206,8 +217,7 @@ def sweep(
             once = _slowest(comm, [time.perf_counter() - start])[0]
             iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
             seconds = interleaved_times(comm, variants, iters, rounds, warmup=False)
-            row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters,
-                   "rounds": rounds}
+            row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters, "rounds": rounds}
             row.update({f"{name}_s": t for name, t in seconds.items()})
             rows.append(row)
         size *= factor
@@ -233,16 +243,22 @@ def format_table(rows: list[dict], world_size: int, backend: str) -> str:
         cols += f" {'raw(us)':>10} {'busbw':>8} {'ratio':>6} {'nocheck':>8} {'ratio':>6}"
     lines = [head + cols]
     for r in rows:
-        line = (f"{r['op']:>15} {r['bytes']:>11} {r['count']:>10} {r['gpudist_s'] * 1e6:>10.1f} "
-                f"{r['gpudist_algbw_GBps']:>8.3f} {r['gpudist_busbw_GBps']:>8.3f}")
+        line = (
+            f"{r['op']:>15} {r['bytes']:>11} {r['count']:>10} {r['gpudist_s'] * 1e6:>10.1f} "
+            f"{r['gpudist_algbw_GBps']:>8.3f} {r['gpudist_busbw_GBps']:>8.3f}"
+        )
         if has_base:
-            line += (f" {r['baseline_s'] * 1e6:>10.1f} {r['baseline_busbw_GBps']:>8.3f}"
-                     f" {r['ratio_busbw_vs_baseline']:>6.2f} {r['gpudist_nocheck_s'] * 1e6:>8.1f}"
-                     f" {r['ratio_busbw_nocheck_vs_baseline']:>6.2f}")
+            line += (
+                f" {r['baseline_s'] * 1e6:>10.1f} {r['baseline_busbw_GBps']:>8.3f}"
+                f" {r['ratio_busbw_vs_baseline']:>6.2f} {r['gpudist_nocheck_s'] * 1e6:>8.1f}"
+                f" {r['ratio_busbw_nocheck_vs_baseline']:>6.2f}"
+            )
         lines.append(line)
     if has_base:
-        lines.append(f"# raw = {base} called directly on the same group; ratio = gpudist busbw / raw busbw (1.00 = no "
-                     "overhead); nocheck = validate=False")
+        lines.append(
+            f"# raw = {base} called directly on the same group; ratio = gpudist busbw / raw busbw (1.00 = no "
+            "overhead); nocheck = validate=False"
+        )
     return "\n".join(lines)
 
 
@@ -270,15 +286,21 @@ def _check_gpus(world_size: int) -> None:
     if world_size <= gpus or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
         return
     version = nccl_version() or (0, 0, 0)
-    hint = ("set NCCL_MULTI_RANK_GPU_ENABLE=1 to let NCCL put several ranks on one GPU (experimental)"
-            if version >= (2, 30) else "NCCL >= 2.30 can share a GPU between ranks (NCCL_MULTI_RANK_GPU_ENABLE=1)")
-    raise SystemExit(f"gpudist bench collectives: --world-size {world_size} needs {world_size} GPUs for NCCL "
-                     f"{'.'.join(map(str, version))}, this machine has {gpus}: use --world-size {max(gpus, 1)}, or "
-                     f"{hint}")
+    hint = (
+        "set NCCL_MULTI_RANK_GPU_ENABLE=1 to let NCCL put several ranks on one GPU (experimental)"
+        if version >= (2, 30)
+        else "NCCL >= 2.30 can share a GPU between ranks (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+    )
+    raise SystemExit(
+        f"gpudist bench collectives: --world-size {world_size} needs {world_size} GPUs for NCCL "
+        f"{'.'.join(map(str, version))}, this machine has {gpus}: use --world-size {max(gpus, 1)}, or "
+        f"{hint}"
+    )
 
 
-def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None,
-                    **kwargs) -> dict:
+def run_collectives(
+    backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None, **kwargs
+) -> dict:
     """Spawn ``world_size`` ranks, sweep, print the table, optionally write JSON; returns the result document."""
     from .launch import available_backends, spawn
     from .testing import run_ranks
@@ -295,9 +317,15 @@ def run_collectives(backend: str = "gloo", world_size: int = 2, json_path: str |
     else:
         reason = available_backends().get(backend, "unknown backend")
         raise SystemExit(f"gpudist bench collectives: backend '{backend}' is unavailable here: {reason}")
-    doc = {"benchmark": "collectives", "backend": backend, "world_size": world_size, "environment": environment(),
-           "baseline": BASELINES.get(backend),
-           "settings": {k: v for k, v in kwargs.items()}, "rows": rows}
+    doc = {
+        "benchmark": "collectives",
+        "backend": backend,
+        "world_size": world_size,
+        "environment": environment(),
+        "baseline": BASELINES.get(backend),
+        "settings": {k: v for k, v in kwargs.items()},
+        "rows": rows,
+    }
     print(format_table(rows, world_size, backend))
     if json_path is not None:
         print(f"# wrote {atomic_write_json(json_path, doc)}")

@@ -55,8 +55,16 @@ from .optim.compression import GradientCompressionOptimizer, check_compress_mode
 from .optim.hybrid import HybridShardedOptimizer
 from .optim.zero import _FlatShardOptimizer
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWrite", "latest_checkpoint", "load_checkpoint",
-           "read_manifest", "remove_stale_staging", "save_checkpoint"]  # fmt: skip
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointWrite",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_manifest",
+    "remove_stale_staging",
+    "save_checkpoint",
+]
 
 FORMAT = "gpudist.checkpoint.v2"
 READABLE = ("gpudist.checkpoint.v1", FORMAT)
@@ -102,16 +110,26 @@ class _Parts:
 
 def _model_parts(model: nn.Module, comm: CommunicationBackend | None) -> _Parts:
     if isinstance(model, ShardedModel):
-        return _Parts(model.checkpoint_segments(), model.checkpoint_share, model.checkpoint_buffers(),
-                      model.buffer_table(), model.strategy)  # fmt: skip
+        return _Parts(
+            model.checkpoint_segments(),
+            model.checkpoint_share,
+            model.checkpoint_buffers(),
+            model.buffer_table(),
+            model.strategy,
+        )
     if isinstance(model, nn.Module):
         # A plain module is whole on every rank of the optimizer's group (if any): rank r writes its shard_range of
         # every parameter, rank 0 the buffers, as for a replicated ShardedModel.
         rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
         buffers = list(model.named_buffers())
         table = [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in buffers]
-        return _Parts(module_segments(model), lambda name, across=True: (world, rank) if across else (1, 0),
-                      [(n, b, rank == 0) for n, b in buffers], table, "module")  # fmt: skip
+        return _Parts(
+            module_segments(model),
+            lambda name, across=True: (world, rank) if across else (1, 0),
+            [(n, b, rank == 0) for n, b in buffers],
+            table,
+            "module",
+        )
     raise TypeError(f"checkpoints hold an nn.Module or a gpudist ShardedModel, got {type(model).__name__}")
 
 
@@ -206,8 +224,9 @@ def _residual_spans(opt: GradientCompressionOptimizer, segmap: dict[int, Segment
         yield channel, spans
 
 
-def _residual_pieces(opt: GradientCompressionOptimizer, segmap: dict[int, Segments], rank: int,
-                     world: int) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+def _residual_pieces(
+    opt: GradientCompressionOptimizer, segmap: dict[int, Segments], rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Error-feedback residuals as checkpoint pieces. A worker residual is per rank (``residual.worker.<rank>``, the
     whole buffer); server residuals are one canonical tensor split over the ranks (``residual.server``)."""
     pieces: dict[str, torch.Tensor] = {}
@@ -222,13 +241,19 @@ def _residual_pieces(opt: GradientCompressionOptimizer, segmap: dict[int, Segmen
                 if a < b:
                     piece = values[a - start : b - start]
                     pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
-    meta = {"compressor": repr(opt.compressor), "steps": opt.hook.steps, "world_size": world,
-            "error_feedback": opt.hook.error_feedback, "compress": opt.compress}  # fmt: skip
+    meta = {
+        "compressor": repr(opt.compressor),
+        "steps": opt.hook.steps,
+        "world_size": world,
+        "error_feedback": opt.hook.error_feedback,
+        "compress": opt.compress,
+    }
     return pieces, meta
 
 
-def _optimizer_pieces(opt, segmap: dict[int, Segments], share: Share, rank: int,
-                      world: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:  # fmt: skip
+def _optimizer_pieces(
+    opt, segmap: dict[int, Segments], share: Share, rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:
     """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description. State held by
     several ranks (replicated, or a tied parameter's on two stages) is written once, as the parameters are."""
     opt = _state_holder(opt)
@@ -298,8 +323,14 @@ def _comm_of(model, optimizer) -> CommunicationBackend | None:
     return None
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    step: int = 0, extra: dict[str, Any] | None = None) -> Path:  # fmt: skip
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write ``model`` (and ``optimizer``'s state) as a checkpoint folder at ``path`` (collective: every rank calls
     it; ``path`` must be on a file system every rank sees). Replaces an existing checkpoint at ``path`` only once
     the new one is complete. ``extra`` (JSON) travels in the manifest, e.g. the data position."""
@@ -316,8 +347,16 @@ class CheckpointWrite:
     most a hidden ``.NAME.tmp-*`` folder that is never read (:func:`remove_stale_staging` clears them).
     """
 
-    def __init__(self, path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 step: int = 0, extra: dict[str, Any] | None = None, background: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        step: int = 0,
+        extra: dict[str, Any] | None = None,
+        background: bool = True,
+    ):
         self.path = Path(path)
         self.comm = _comm_of(model, optimizer)
         rank, world = (self.comm.rank, self.comm.world_size) if self.comm is not None else (0, 1)
@@ -340,9 +379,15 @@ class CheckpointWrite:
             opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, parts.share, rank, world)
             pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
         self.body = {
-            "format": FORMAT, "strategy": parts.strategy, "world_size": world, "step": int(step),
-            "extra": extra or {}, "parameters": table, "buffers": parts.buffer_table, "optimizer": opt_desc,
-        }  # fmt: skip
+            "format": FORMAT,
+            "strategy": parts.strategy,
+            "world_size": world,
+            "step": int(step),
+            "extra": extra or {},
+            "parameters": table,
+            "buffers": parts.buffer_table,
+            "optimizer": opt_desc,
+        }
         self.scalars = scalars
         token = uuid.uuid4().hex[:12]
         if self.comm is not None:  # one temporary folder name for all ranks: rank 0's
@@ -353,8 +398,9 @@ class CheckpointWrite:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._write, args=(pieces,), daemon=True,
-                                            name=f"gpudist-checkpoint-{rank}")  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._write, args=(pieces,), daemon=True, name=f"gpudist-checkpoint-{rank}"
+            )
             self._thread.start()
         else:
             self._write(pieces)
@@ -366,8 +412,13 @@ class CheckpointWrite:
             data = st_save(stored, metadata={"format": FORMAT, "rank": str(self.rank)})
             filename = f"rank-{self.rank:05d}.safetensors"
             atomic_write_bytes(self.staging / filename, data)
-            self.info = {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                         "pieces": listed, "scalars": self.scalars}  # fmt: skip
+            self.info = {
+                "file": filename,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data),
+                "pieces": listed,
+                "scalars": self.scalars,
+            }
         except BaseException as e:  # reported to every rank by wait()
             self.error = e
 
@@ -382,15 +433,20 @@ class CheckpointWrite:
         if self._thread is not None:
             self._thread.join()
         mine = {"error": f"{type(self.error).__name__}: {self.error}"} if self.error is not None else self.info
-        infos = [json.loads(b) for b in exchange_bytes(self.comm, json.dumps(mine).encode())] \
-            if self.comm is not None else [mine]  # fmt: skip
+        infos = (
+            [json.loads(b) for b in exchange_bytes(self.comm, json.dumps(mine).encode())]
+            if self.comm is not None
+            else [mine]
+        )
         self._done = True
         failed = [(r, i["error"]) for r, i in enumerate(infos) if "error" in i]
         if failed:
             if self.rank == 0:
                 shutil.rmtree(self.staging, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {self.path} was not written: rank {failed[0][0]} failed: "
-                                  f"{failed[0][1]}; the previous checkpoints are untouched")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {self.path} was not written: rank {failed[0][0]} failed: "
+                f"{failed[0][1]}; the previous checkpoints are untouched"
+            )
         if self.rank == 0:
             merged: dict[str, dict[str, float]] = {}
             for i in infos:
@@ -465,8 +521,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     file = path / MANIFEST
     if not file.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: {MANIFEST} is missing (an interrupted save leaves only a "
-                              "hidden .tmp folder, which is never read)")  # fmt: skip
+        raise CheckpointError(
+            f"no checkpoint at {path}: {MANIFEST} is missing (an interrupted save leaves only a "
+            "hidden .tmp folder, which is never read)"
+        )
     try:
         doc = json.loads(file.read_text())
         body = doc["body"]
@@ -518,8 +576,9 @@ class _Reader:
                 raise CheckpointError(f"{self.path}: {entry['file']} is missing")
             data = file.read_bytes()
             if len(data) != entry["bytes"]:
-                raise CheckpointError(f"{file} is truncated or damaged: {len(data)} bytes, the manifest says "
-                                      f"{entry['bytes']}")  # fmt: skip
+                raise CheckpointError(
+                    f"{file} is truncated or damaged: {len(data)} bytes, the manifest says {entry['bytes']}"
+                )
             if hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise CheckpointError(f"{file} is damaged: its SHA-256 does not match the manifest (bit flip?)")
             try:
@@ -529,8 +588,10 @@ class _Reader:
             for kind, name, start, n, *strided in entry["pieces"]:
                 got = tensors.get(f"{kind}|{name}|{start}")
                 if got is None or got.numel() != n * (strided[0] if strided else 1):
-                    raise CheckpointError(f"{file} does not hold the {kind} piece of {name!r} at {start} that the "
-                                          "manifest lists (the file and manifest come from different saves?)")
+                    raise CheckpointError(
+                        f"{file} does not hold the {kind} piece of {name!r} at {start} that the "
+                        "manifest lists (the file and manifest come from different saves?)"
+                    )
             self.files[f] = tensors
         return self.files[f]
 
@@ -550,8 +611,10 @@ class _Reader:
                 out[a - start : b - start].copy_(piece[k * m + a - s : k * m + b - s])
                 covered += b - a
         if covered != n:
-            raise CheckpointError(f"{self.path} lacks {kind} elements of {name!r} in [{start}, {start + n}): "
-                                  f"{covered} of {n} present (incomplete checkpoint)")  # fmt: skip
+            raise CheckpointError(
+                f"{self.path} lacks {kind} elements of {name!r} in [{start}, {start + n}): "
+                f"{covered} of {n} present (incomplete checkpoint)"
+            )
         return out
 
 
@@ -560,21 +623,25 @@ def _check_model(body: dict, table: list[dict], buffers: list[tuple[str, torch.T
     mine = {row["name"]: row for row in table}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]} (was it saved from another architecture?)")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (was it saved from another architecture?)"
+        )
     for name, row in mine.items():
         if saved[name]["shape"] != row["shape"]:
-            raise CheckpointError(f"checkpoint does not match the model: {name} has shape {saved[name]['shape']} "
-                                  f"in the checkpoint, {row['shape']} in the model")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint does not match the model: {name} has shape {saved[name]['shape']} "
+                f"in the checkpoint, {row['shape']} in the model"
+            )
     saved_buffers = {b["name"]: b for b in body["buffers"]}
     for name, b, _ in buffers:
         if name not in saved_buffers or saved_buffers[name]["shape"] != list(b.shape):
-            raise CheckpointError(f"checkpoint does not match the model: buffer {name} is missing or has another "
-                                  "shape")  # fmt: skip
+            raise CheckpointError(f"checkpoint does not match the model: buffer {name} is missing or has another shape")
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) \
-        -> CheckpointInfo:  # fmt: skip
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointInfo:
     """Load a folder from :func:`save_checkpoint` into ``model`` (and ``optimizer``), whatever strategy and world
     size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs."""
     path = Path(path)
@@ -605,8 +672,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         verdict = torch.tensor([0 if error is None else 1, comm.rank if error is not None else -1], device=comm.device)
         comm.all_reduce(verdict, ReductionOperation.MAX)
         if error is None and verdict[0].item():
-            raise CheckpointError(f"rank {verdict[1].item()} could not load {path} (see its error); nothing was "
-                                  "changed on any rank")  # fmt: skip
+            raise CheckpointError(
+                f"rank {verdict[1].item()} could not load {path} (see its error); nothing was changed on any rank"
+            )
     if error is not None:
         raise error
     with torch.no_grad():
@@ -617,8 +685,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     return CheckpointInfo(path, body["step"], body["world_size"], body["strategy"], body.get("extra", {}))
 
 
-def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segments],
-                     apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+def _stage_optimizer(
+    opt, body: dict, reader: _Reader, segmap: dict[int, Segments], apply: list[tuple[torch.Tensor, torch.Tensor]]
+):
     """Read the optimizer state this rank needs; return a function that installs it (after the parameters)."""
     opt = _state_holder(opt)
     if isinstance(opt, GradientCompressionOptimizer):
@@ -629,12 +698,16 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
     scalars: dict[str, dict] = saved["scalars"]
     groups = opt.param_groups
     if len(saved["groups"]) != len(groups):
-        raise CheckpointError(f"{reader.path}: the checkpoint's optimizer has {len(saved['groups'])} parameter "
-                              f"group(s), this one {len(groups)}")  # fmt: skip
+        raise CheckpointError(
+            f"{reader.path}: the checkpoint's optimizer has {len(saved['groups'])} parameter "
+            f"group(s), this one {len(groups)}"
+        )
     kind = type(opt.optimizer if isinstance(opt, ShardedOptimizer) else opt).__name__
     if saved["class"] != kind:
-        raise CheckpointError(f"{reader.path}: the checkpoint holds {saved['class']} state, the optimizer is a "
-                              f"{kind}; build the same optimizer class, or load with optimizer=None")  # fmt: skip
+        raise CheckpointError(
+            f"{reader.path}: the checkpoint holds {saved['class']} state, the optimizer is a "
+            f"{kind}; build the same optimizer class, or load with optimizer=None"
+        )
     keys = sorted({k.removeprefix("state.") for k, _ in reader.index if k.startswith("state.")} - {"master"})
 
     def first_name(group) -> str | None:
@@ -648,8 +721,10 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
         owned = list(_flat_owned(opt, segmap))
         targets = dict(opt._state)
         if set(keys) != set(targets) and opt._inner is None:
-            raise CheckpointError(f"{reader.path}: the checkpoint's optimizer state has {keys or 'no tensors'}, "
-                                  f"this {type(opt.optimizer).__name__} needs {sorted(targets)}")  # fmt: skip
+            raise CheckpointError(
+                f"{reader.path}: the checkpoint's optimizer state has {keys or 'no tensors'}, "
+                f"this {type(opt.optimizer).__name__} needs {sorted(targets)}"
+            )
         for pos, n, name, c in owned:
             for key, t in targets.items():
                 apply.append((t[pos : pos + n], reader.read(f"state.{key}", name, c, n, t.dtype)))
@@ -667,10 +742,17 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
                         a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
                         if a < b:
                             values[a - piece.owned_offset : b - piece.owned_offset] = reader.read(
-                                f"state.{key}", name, c + a - pos, b - a, torch.float32)
+                                f"state.{key}", name, c + a - pos, b - a, torch.float32
+                            )
                     entry[key] = values.view_as(view)
-                name = next((nm for pos, n, nm, c in owned if pos < piece.owned_offset + piece.length
-                             and pos + n > piece.owned_offset), None)  # fmt: skip
+                name = next(
+                    (
+                        nm
+                        for pos, n, nm, c in owned
+                        if pos < piece.owned_offset + piece.length and pos + n > piece.owned_offset
+                    ),
+                    None,
+                )
                 for key, value in scalars.get(name, {}).items():
                     entry[key] = torch.tensor(float(value), device="cpu")
                 inner_state[i] = entry
@@ -714,8 +796,13 @@ def _stage_optimizer(opt, body: dict, reader: _Reader, segmap: dict[int, Segment
     return finish_torch
 
 
-def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _Reader, segmap: dict[int, Segments],
-                       apply: list[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+def _stage_compression(
+    opt: GradientCompressionOptimizer,
+    body: dict,
+    reader: _Reader,
+    segmap: dict[int, Segments],
+    apply: list[tuple[torch.Tensor, torch.Tensor]],
+):
     """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
     worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
     pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
@@ -729,8 +816,11 @@ def _stage_compression(opt: GradientCompressionOptimizer, body: dict, reader: _R
         worker = server = None
         if meta is not None and channel.worker is not None:
             saved_world = int(meta["world_size"])
-            kinds = [f"residual.worker.{rank}"] if saved_world == world else \
-                [f"residual.worker.{r}" for r in range(saved_world)]  # fmt: skip
+            kinds = (
+                [f"residual.worker.{rank}"]
+                if saved_world == world
+                else [f"residual.worker.{r}" for r in range(saved_world)]
+            )
             worker = torch.zeros(channel.numel, dtype=torch.float32, device="cpu")
             for pos, n, name, c in spans:
                 if all(reader.has(kind, name) for kind in kinds):

@@ -29,8 +29,10 @@ def _info(_: argparse.Namespace) -> int:
     for name, state in available_backends().items():
         print(f"  {name:<10} {state}")
     launch = detect_environment()
-    print(f"launcher:    {launch.launcher} (rank {launch.rank} of {launch.world_size}, "
-          f"store {launch.master_addr}:{launch.master_port})")
+    print(
+        f"launcher:    {launch.launcher} (rank {launch.rank} of {launch.world_size}, "
+        f"store {launch.master_addr}:{launch.master_port})"
+    )
     return 0
 
 
@@ -58,9 +60,15 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"gpudist bench: unknown op(s) {unknown}; use all_reduce, reduce_scatter, all_gather", file=sys.stderr)
         return 2
     run_collectives(
-        backend=args.backend, world_size=args.world_size, json_path=args.json, ops=ops,
-        min_bytes=parse_size(args.min_bytes), max_bytes=parse_size(args.max_bytes), factor=args.factor,
-        rounds=args.rounds, baseline=not args.no_baseline,
+        backend=args.backend,
+        world_size=args.world_size,
+        json_path=args.json,
+        ops=ops,
+        min_bytes=parse_size(args.min_bytes),
+        max_bytes=parse_size(args.max_bytes),
+        factor=args.factor,
+        rounds=args.rounds,
+        baseline=not args.no_baseline,
     )
     return 0
 
@@ -74,8 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name: collectives or kernels")
     bench.add_argument("--backend", default="gloo", help="gloo (default), inmemory, nccl, mpi")
     bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument("--ops", default=None, help="collectives: all_reduce,reduce_scatter,all_gather (default all); "
-                       "kernels: a subset of the kernel ops (default all)")
+    bench.add_argument(
+        "--ops",
+        default=None,
+        help="collectives: all_reduce,reduce_scatter,all_gather (default all); "
+        "kernels: a subset of the kernel ops (default all)",
+    )
     bench.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")
     bench.add_argument("--elements", default=None, help="kernels: elements per op (default 64M on CUDA, 4M on CPU)")
     bench.add_argument("--min-bytes", default="1K")

@@ -59,8 +59,9 @@ class ShardingConfiguration:
 
     _models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
     """Model wrappers built with this configuration (how an optimizer finds who reduces its gradients)."""
-    _optimizers: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, init=False, repr=False,
-                                                     compare=False)  # fmt: skip
+    _optimizers: weakref.WeakSet = dataclasses.field(
+        default_factory=weakref.WeakSet, init=False, repr=False, compare=False
+    )
     """Optimizer wrappers built with this configuration (for memory reports)."""
 
     def __post_init__(self) -> None:

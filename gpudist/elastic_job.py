@@ -73,18 +73,47 @@ def reference(steps: int) -> torch.Tensor:
 # Driving it under torchrun (tests and benchmarks): agents of one worker each, status, node loss
 
 
-def launch_agent(port: int, root: Path, log: Path, *, steps: int, every: int, sleep: float,
-                 nnodes: str = "2:3", max_restarts: int = 5, cwd: Path | None = None) -> subprocess.Popen:  # fmt: skip
+def launch_agent(
+    port: int,
+    root: Path,
+    log: Path,
+    *,
+    steps: int,
+    every: int,
+    sleep: float,
+    nnodes: str = "2:3",
+    max_restarts: int = 5,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
     """One torchrun agent (one worker) joining the c10d rendezvous on 127.0.0.1:``port``, in a session of its own
     (so :func:`kill_node` can take it down with its worker)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--rdzv-id=gpudist-elastic-job", "--rdzv-conf=join_timeout=90,last_call_timeout=3",
-           "--monitor-interval=0.2", "-m", "gpudist.elastic_job", "--dir", str(root), "--steps", str(steps),
-           "--every", str(every), "--sleep", str(sleep)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=gpudist-elastic-job",
+        "--rdzv-conf=join_timeout=90,last_call_timeout=3",
+        "--monitor-interval=0.2",
+        "-m",
+        "gpudist.elastic_job",
+        "--dir",
+        str(root),
+        "--steps",
+        str(steps),
+        "--every",
+        str(every),
+        "--sleep",
+        str(sleep),
+    ]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+    )
 
 
 def read_status(root: Path) -> list[dict]:
@@ -138,14 +167,30 @@ def main() -> None:
     config = gpudist.ShardingConfiguration(comm)
     model = wrap(build_model(), config, args.zero_stage)
     world, rank = comm.world_size, comm.rank
-    opt = gpudist.ElasticOptimizer(make_optimizer(model.parameters()), config, root / "checkpoints", args.every,
-                                   zero_stage=args.zero_stage, batch_size=GLOBAL_BATCH // world)  # fmt: skip
+    opt = gpudist.ElasticOptimizer(
+        make_optimizer(model.parameters()),
+        config,
+        root / "checkpoints",
+        args.every,
+        zero_stage=args.zero_stage,
+        batch_size=GLOBAL_BATCH // world,
+    )
     status = root / "status.jsonl"
     if rank == 0:
         with status.open("a") as f:
-            f.write(json.dumps({"event": "start", "step": opt.step_count, "world": world, "pid": os.getpid(),
-                                "time": time.time(),
-                                "restored": None if opt.restored is None else opt.restored.step}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "event": "start",
+                        "step": opt.step_count,
+                        "world": world,
+                        "pid": os.getpid(),
+                        "time": time.time(),
+                        "restored": None if opt.restored is None else opt.restored.step,
+                    }
+                )
+                + "\n"
+            )
     while opt.step_count < args.steps:
         x, y = batch(opt.step_count)
         loss = nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
@@ -155,8 +200,18 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0:
             with status.open("a") as f:
-                f.write(json.dumps({"event": "step", "step": opt.step_count, "world": world, "pid": os.getpid(),
-                                    "time": time.time()}) + "\n")  # fmt: skip
+                f.write(
+                    json.dumps(
+                        {
+                            "event": "step",
+                            "step": opt.step_count,
+                            "world": world,
+                            "pid": os.getpid(),
+                            "time": time.time(),
+                        }
+                    )
+                    + "\n"
+                )
     opt.finish()
     if rank == 0:
         flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])

@@ -178,8 +178,9 @@ class BucketPartition:
         return self.flat_offset + self.owned_start, self.owned_numel
 
 
-def partition_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int,
-                      rank: int) -> list[BucketPartition]:  # fmt: skip
+def partition_buckets(
+    params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int, rank: int
+) -> list[BucketPartition]:
     """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly over the ranks.
 
     A ZeRO-2 model and a ZeRO-2 optimizer both derive their partition from this one function, so they agree

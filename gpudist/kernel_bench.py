@@ -242,11 +242,17 @@ def _targets(row: dict, device: torch.device, n: int) -> dict:
     return out
 
 
-def run_kernels(device: str = "auto", elements: int | None = None, ops: list[str] | None = None,
-                rounds: int = 7, json_path: str | os.PathLike | None = None) -> dict:  # fmt: skip
+def run_kernels(
+    device: str = "auto",
+    elements: int | None = None,
+    ops: list[str] | None = None,
+    rounds: int = 7,
+    json_path: str | os.PathLike | None = None,
+) -> dict:
     """Benchmark ``ops`` (default: all) on ``elements`` elements (default 2^26 on CUDA, 2^22 on CPU)."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto"
-                       else device))  # fmt: skip
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     n = elements or (1 << 26 if dev.type == "cuda" else 1 << 22)
     ops = ops or list(OPS)
     unknown = [o for o in ops if o not in OPS]
@@ -259,17 +265,34 @@ def run_kernels(device: str = "auto", elements: int | None = None, ops: list[str
         moved, variants, extra = OPS[op](n, dev)
         times, iters = time_variants(variants, dev, rounds)
         ours, base = times["gpudist"], times["torch"]
-        row = {"op": op, "elements": n, "bytes_moved": moved, "iters": iters, "gpudist_s": ours, "torch_s": base,
-               "gpudist_GBps": moved / ours / 1e9, "torch_GBps": moved / base / 1e9, "speedup": base / ours, **extra}
+        row = {
+            "op": op,
+            "elements": n,
+            "bytes_moved": moved,
+            "iters": iters,
+            "gpudist_s": ours,
+            "torch_s": base,
+            "gpudist_GBps": moved / ours / 1e9,
+            "torch_GBps": moved / base / 1e9,
+            "speedup": base / ours,
+            **extra,
+        }
         row["fraction_of_copy"] = row["gpudist_GBps"] / copy_gbps
         row["targets"] = _targets(row, dev, n)
         rows.append(row)
         del variants
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    doc = {"benchmark": "kernels", "device": str(dev), "implementation": "triton" if K.use_triton(
-        torch.empty(0, device=dev)) else "torch", "elements": n, "copy_GBps": copy_gbps, "rounds": rounds,
-        "environment": environment(), "rows": rows}  # fmt: skip
+    doc = {
+        "benchmark": "kernels",
+        "device": str(dev),
+        "implementation": "triton" if K.use_triton(torch.empty(0, device=dev)) else "torch",
+        "elements": n,
+        "copy_GBps": copy_gbps,
+        "rounds": rounds,
+        "environment": environment(),
+        "rows": rows,
+    }
     print(format_kernel_table(doc))
     if json_path is not None:
         print(f"# wrote {atomic_write_json(json_path, doc)}")
@@ -279,15 +302,19 @@ def run_kernels(device: str = "auto", elements: int | None = None, ops: list[str
 def format_kernel_table(doc: dict) -> str:
     env = doc["environment"]
     where = env["gpu"] if doc["device"].startswith("cuda") else env["cpu"]
-    lines = [f"# gpudist kernels ({doc['implementation']}) on {doc['device']} ({where}), {doc['elements']} elements; "
-             f"copy bandwidth {doc['copy_GBps']:.1f} GB/s (read+write); times: median of {doc['rounds']} rounds",
-             f"{'op':>28} {'gpudist(us)':>12} {'GB/s':>8} {'of copy':>8} {'torch(us)':>10} {'GB/s':>8} "
-             f"{'speedup':>8}  notes"]  # fmt: skip
+    lines = [
+        f"# gpudist kernels ({doc['implementation']}) on {doc['device']} ({where}), {doc['elements']} elements; "
+        f"copy bandwidth {doc['copy_GBps']:.1f} GB/s (read+write); times: median of {doc['rounds']} rounds",
+        f"{'op':>28} {'gpudist(us)':>12} {'GB/s':>8} {'of copy':>8} {'torch(us)':>10} {'GB/s':>8} "
+        f"{'speedup':>8}  notes",
+    ]
     for r in doc["rows"]:
         notes = [f"recall={r['recall']:.4f}"] if "recall" in r else []
         notes += [f"{k}:{'met' if v else 'NOT met'}" for k, v in r["targets"].items()]
-        lines.append(f"{r['op']:>28} {r['gpudist_s'] * 1e6:>12.1f} {r['gpudist_GBps']:>8.1f} "
-                     f"{r['fraction_of_copy']:>8.2f} {r['torch_s'] * 1e6:>10.1f} {r['torch_GBps']:>8.1f} "
-                     f"{r['speedup']:>8.2f}  {' '.join(notes)}")  # fmt: skip
+        lines.append(
+            f"{r['op']:>28} {r['gpudist_s'] * 1e6:>12.1f} {r['gpudist_GBps']:>8.1f} "
+            f"{r['fraction_of_copy']:>8.2f} {r['torch_s'] * 1e6:>10.1f} {r['torch_GBps']:>8.1f} "
+            f"{r['speedup']:>8.2f}  {' '.join(notes)}"
+        )
     lines.append("# speedup = torch time / gpudist time on the same tensors (> 1: gpudist faster)")
     return "\n".join(lines)

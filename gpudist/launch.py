@@ -89,8 +89,9 @@ def detect_environment(environ: dict[str, str] | None = None) -> LaunchEnvironme
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"{launcher} environment gives rank {rank} of world size {world}; rank must be in 0..world-1")
     port = _int_env(env, "MASTER_PORT")
-    return LaunchEnvironment(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"),
-                             29500 if port is None else port, launcher)
+    return LaunchEnvironment(
+        rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), 29500 if port is None else port, launcher
+    )
 
 
 def available_backends() -> dict[str, str]:
@@ -114,8 +115,13 @@ def available_backends() -> dict[str, str]:
     return out
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: bool = True,
-         connect_timeout: float | None = None) -> CommunicationBackend:  # fmt: skip
+def init(
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    validate: bool = True,
+    connect_timeout: float | None = None,
+) -> CommunicationBackend:
     """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
 
     ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo (under mpirun
@@ -133,8 +139,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
     if backend == "auto":
         backend = "nccl" if available["nccl"] == "available" else "gloo"
     if available[backend] != "available":
-        raise CommunicationError(f"backend '{backend}' is unavailable: {available[backend]}", op="init", group="world",
-                                 rank=env.rank)
+        raise CommunicationError(
+            f"backend '{backend}' is unavailable: {available[backend]}", op="init", group="world", rank=env.rank
+        )
     if backend == "inmemory":
         if env.world_size != 1:
             raise ValueError(
@@ -151,13 +158,21 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, validate: b
 
         device = env.local_rank % max(1, torch.cuda.device_count())
         torch.cuda.set_device(device)
-        return NCCLCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port,
-                                               device=device, timeout=timeout, validate=validate,
-                                               connect_timeout=connect_timeout)  # fmt: skip
+        return NCCLCommunicationBackend.create(
+            env.rank,
+            env.world_size,
+            env.master_addr,
+            env.master_port,
+            device=device,
+            timeout=timeout,
+            validate=validate,
+            connect_timeout=connect_timeout,
+        )
     if torch.distributed.is_initialized():
         return GlooCommunicationBackend(timeout=timeout, validate=validate)
-    backend = GlooCommunicationBackend.create(env.rank, env.world_size, env.master_addr, env.master_port, timeout,
-                                              validate, connect_timeout=connect_timeout)  # fmt: skip
+    backend = GlooCommunicationBackend.create(
+        env.rank, env.world_size, env.master_addr, env.master_port, timeout, validate, connect_timeout=connect_timeout
+    )
     # Tear the process group down while the interpreter is still whole: one left to static destruction aborted a
     # torchrun worker at exit once ("terminate called without an active exception"), under heavy load.
     atexit.register(backend.shutdown)
@@ -176,20 +191,27 @@ class RanksFailedError(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         self.results = results
         # Root causes first: a rank that raised something other than a communication error, or died.
-        order = sorted(self.failures, key=lambda r: ("CommunicationError" in self.failures[r]
-                                                    or "CommunicationTimeoutError" in self.failures[r], r))
+        order = sorted(
+            self.failures,
+            key=lambda r: (
+                "CommunicationError" in self.failures[r] or "CommunicationTimeoutError" in self.failures[r],
+                r,
+            ),
+        )
         body = "\n".join(f"--- rank {r} ---\n{self.failures[r].rstrip()}" for r in order)
         super().__init__(f"{len(self.failures)} of {len(results)} ranks failed (ranks {order}):\n{body}")
 
 
-def _worker_main(rank: int, world_size: int, port: int, timeout: float, validate: bool, start_timeout: float,
-                 conn) -> None:  # fmt: skip
+def _worker_main(
+    rank: int, world_size: int, port: int, timeout: float, validate: bool, start_timeout: float, conn
+) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores; one intra-op thread each avoids oversubscription
     start = datetime.timedelta(seconds=start_timeout)
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, world_size, False, start)
-        comm = GlooCommunicationBackend.create(rank, world_size, "127.0.0.1", port, timeout, validate, store=store,
-                                               connect_timeout=start_timeout)  # fmt: skip
+        comm = GlooCommunicationBackend.create(
+            rank, world_size, "127.0.0.1", port, timeout, validate, store=store, connect_timeout=start_timeout
+        )
         conn.send_bytes(pickle.dumps(("ready", None, True)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
@@ -242,8 +264,9 @@ class WorkerPool:
     pool then closes itself (its group may be inconsistent), and ``broken`` tells callers to make a new one.
     """
 
-    def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-                 start_timeout: float = 180.0):
+    def __init__(
+        self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, start_timeout: float = 180.0
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout, self.validate = world_size, timeout, validate
@@ -252,9 +275,16 @@ class WorkerPool:
         self._calls = 0
         port, fd = _listen_loopback()
         # The parent hosts the rendezvous store (bound to loopback) so no rank races for a port.
-        self._store = torch.distributed.TCPStore("127.0.0.1", port, world_size, True,
-                                                 datetime.timedelta(seconds=start_timeout), wait_for_workers=False,
-                                                 master_listen_fd=fd, use_libuv=False)
+        self._store = torch.distributed.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            True,
+            datetime.timedelta(seconds=start_timeout),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=False,
+        )
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for rank in range(world_size):
@@ -362,8 +392,14 @@ class WorkerPool:
         self.close()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-          validate: bool = True, **kwargs: Any) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    validate: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` fresh Gloo processes; results in rank order."""
     with WorkerPool(world_size, timeout=timeout, validate=validate) as pool:
         return pool.run(fn, *args, **kwargs)
@@ -372,8 +408,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
 _POOLS: dict[tuple, WorkerPool] = {}
 
 
-def shared_pool(world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-                max_pools: int = 6) -> WorkerPool:
+def shared_pool(
+    world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, max_pools: int = 6
+) -> WorkerPool:
     """A process-wide pool for these settings, reused across calls (respawned after a failure)."""
     key = (world_size, float(timeout), validate)
     pool = _POOLS.get(key)

@@ -109,8 +109,21 @@ def _live_tensors() -> list[torch.Tensor]:
 class _MallInfo2(ctypes.Structure):
     """glibc's ``struct mallinfo2`` (2.33+): size_t fields, unlike ``mallinfo``'s ints that wrap at 2 GiB."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo2():

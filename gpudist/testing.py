@@ -82,8 +82,9 @@ def _run_threads(fn: Callable[..., Any], world_size: int, timeout: float, device
             if comm is not None:  # release the other ranks now instead of after the timeout
                 comm.abort(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"{group}-rank{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"{group}-rank{r}", daemon=True) for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     limit = timeout + 60.0
@@ -94,8 +95,6 @@ def _run_threads(fn: Callable[..., Any], world_size: int, timeout: float, device
     if failures:
         raise RanksFailedError(failures, results)
     return results
-
-
 
 
 def mpi_launcher(world_size: int) -> list[str]:
@@ -149,15 +148,18 @@ def _run_mpi(fn: Callable[..., Any], world_size: int, timeout: float, validate: 
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired as e:
-            raise RanksFailedError({r: f"mpirun did not finish within {limit:g}s" for r in range(world_size)},
-                                   [None] * world_size) from e  # fmt: skip
+            raise RanksFailedError(
+                {r: f"mpirun did not finish within {limit:g}s" for r in range(world_size)}, [None] * world_size
+            ) from e
         results: list[Any] = [None] * world_size
         failures: dict[int, str] = {}
         for rank in range(world_size):
             path = Path(tmp) / f"rank-{rank}.pkl"
             if not path.exists():
-                failures[rank] = (f"rank {rank} wrote no result (mpirun exit code {proc.returncode})\n"
-                                  f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")  # fmt: skip
+                failures[rank] = (
+                    f"rank {rank} wrote no result (mpirun exit code {proc.returncode})\n"
+                    f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+                )
                 continue
             status, value = pickle.loads(path.read_bytes())
             if status == "ok":
@@ -179,8 +181,9 @@ def _mpi_rank_main(job: str) -> None:
     comm, rank, finish = None, -1, None
     try:
         # The harness's own communicator: the start barrier below and the leaving barrier, under the start-up deadline.
-        finish = MPICommunicationBackend(MPICommunicationBackend()._comm.Dup(), timeout=START_TIMEOUT,
-                                         group="run_ranks")  # fmt: skip
+        finish = MPICommunicationBackend(
+            MPICommunicationBackend()._comm.Dup(), timeout=START_TIMEOUT, group="run_ranks"
+        )
         with open(job, "rb") as f:
             main_path = pickle.load(f)
             if main_path is not None:  # fn lives in the launching script: load it as multiprocessing's spawn does

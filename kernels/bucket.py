@@ -87,9 +87,18 @@ def _launch(tensors, flat, scale, layout, pack_direction):
         chunk_tensor, chunk_start, offsets, numels = layout.chunk_table(BLOCK, flat.device, select)
         pointers = _pointer_table([tensors[i] for i in members], flat.device)
         _bucket_copy_kernel[(chunk_tensor.numel(),)](
-            pointers, flat, chunk_tensor, chunk_start, offsets, numels, float(scale),
-            TENSOR_DTYPE=getattr(tl, _TL_DTYPES[dtype]), PACK=pack_direction, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            pointers,
+            flat,
+            chunk_tensor,
+            chunk_start,
+            offsets,
+            numels,
+            float(scale),
+            TENSOR_DTYPE=getattr(tl, _TL_DTYPES[dtype]),
+            PACK=pack_direction,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
 
 
 def pack_triton(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0, *, layout=None) -> torch.Tensor:

@@ -68,11 +68,31 @@ def _step_mask(pid, n, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _adam_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, skip_ptr, n,
-    grad_scale, weight_decay, decay, beta1_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps,
-    DECOUPLED: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_SCALE_TENSOR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    out_ptr,
+    scale_ptr,
+    skip_ptr,
+    n,
+    grad_scale,
+    weight_decay,
+    decay,
+    beta1_weight,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    bias_correction2_sqrt,
+    eps,
+    DECOUPLED: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_SCALE_TENSOR: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
     g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
@@ -97,12 +117,28 @@ def _adam_kernel(
 
 @triton.jit
 def _sgd_kernel(
-    p_ptr, g_ptr, buf_ptr, out_ptr, scale_ptr, skip_ptr, n,
-    grad_scale, weight_decay, momentum, one_minus_dampening, neg_lr,
-    HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
-    MAXIMIZE: tl.constexpr, HAS_SCALE_TENSOR: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_OUT: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    buf_ptr,
+    out_ptr,
+    scale_ptr,
+    skip_ptr,
+    n,
+    grad_scale,
+    weight_decay,
+    momentum,
+    one_minus_dampening,
+    neg_lr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    FIRST: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_SCALE_TENSOR: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    HAS_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
     g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
@@ -152,25 +188,57 @@ def _adam_scalars(step, lr, beta1, beta2, weight_decay):
 
 
 def adam_step_triton(
-    param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
-    maximize, grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
-):  # fmt: skip
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled_weight_decay,
+    maximize,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    check_finite,
+    param_out,
+):
     """Triton launcher of :func:`adam_step` (inputs already validated)."""
     skip = _skip_flag(grad, found_inf, check_finite)
     n = param.numel()
     if n:
         s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
         _adam_kernel[(triton.cdiv(n, BLOCK),)](
-            param, grad, exp_avg, exp_avg_sq,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
             param_out if param_out is not None else param,
             grad_scale_tensor if grad_scale_tensor is not None else param,
-            skip if skip is not None else param, n,
-            float(grad_scale), weight_decay, s["decay"], s["beta1_weight"], beta2, s["one_minus_beta2"],
-            s["neg_step_size"], s["bias_correction2_sqrt"], eps,
-            DECOUPLED=decoupled_weight_decay, HAS_WEIGHT_DECAY=weight_decay != 0, MAXIMIZE=maximize,
-            HAS_SCALE_TENSOR=grad_scale_tensor is not None, HAS_SKIP=skip is not None, HAS_OUT=param_out is not None,
-            BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            skip if skip is not None else param,
+            n,
+            float(grad_scale),
+            weight_decay,
+            s["decay"],
+            s["beta1_weight"],
+            beta2,
+            s["one_minus_beta2"],
+            s["neg_step_size"],
+            s["bias_correction2_sqrt"],
+            eps,
+            DECOUPLED=decoupled_weight_decay,
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            MAXIMIZE=maximize,
+            HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+            HAS_SKIP=skip is not None,
+            HAS_OUT=param_out is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return _result(skip, param.device)
 
 
@@ -191,9 +259,22 @@ def _torch_step(body):
 
 @_torch_step
 def adam_step_reference(
-    param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay,
-    maximize, grad_scale, grad_scale_tensor,
-):  # fmt: skip
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled_weight_decay,
+    maximize,
+    grad_scale,
+    grad_scale_tensor,
+):
     """torch reference of :func:`adam_step`: torch.optim.Adam's single-tensor arithmetic, in place (the oracle)."""
     s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
     g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype)
@@ -220,38 +301,89 @@ def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, **hyper):
     fused = torch._fused_adamw_ if hyper["decoupled_weight_decay"] else torch._fused_adam_
     g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
     step_tensor = torch.tensor(float(hyper["step"]), device=param.device)
-    fused([param], [g], [exp_avg], [exp_avg_sq], [], [step_tensor], lr=hyper["lr"], beta1=hyper["beta1"],
-          beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False,
-          maximize=hyper["maximize"])  # fmt: skip
+    fused(
+        [param],
+        [g],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step_tensor],
+        lr=hyper["lr"],
+        beta1=hyper["beta1"],
+        beta2=hyper["beta2"],
+        weight_decay=hyper["weight_decay"],
+        eps=hyper["eps"],
+        amsgrad=False,
+        maximize=hyper["maximize"],
+    )
     return None
 
 
 def sgd_step_triton(
-    param, grad, momentum_buffer, *, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step,
-    grad_scale, grad_scale_tensor, found_inf, check_finite, param_out,
-):  # fmt: skip
+    param,
+    grad,
+    momentum_buffer,
+    *,
+    lr,
+    momentum,
+    dampening,
+    nesterov,
+    weight_decay,
+    maximize,
+    first_step,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    check_finite,
+    param_out,
+):
     """Triton launcher of :func:`sgd_step` (inputs already validated)."""
     skip = _skip_flag(grad, found_inf, check_finite)
     n = param.numel()
     if n:
         _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-            param, grad, momentum_buffer if momentum_buffer is not None else param,
+            param,
+            grad,
+            momentum_buffer if momentum_buffer is not None else param,
             param_out if param_out is not None else param,
             grad_scale_tensor if grad_scale_tensor is not None else param,
-            skip if skip is not None else param, n,
-            float(grad_scale), weight_decay, momentum, 1 - dampening, -lr,
-            HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, FIRST=first_step, NESTEROV=nesterov,
-            MAXIMIZE=maximize, HAS_SCALE_TENSOR=grad_scale_tensor is not None, HAS_SKIP=skip is not None,
-            HAS_OUT=param_out is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            skip if skip is not None else param,
+            n,
+            float(grad_scale),
+            weight_decay,
+            momentum,
+            1 - dampening,
+            -lr,
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            HAS_MOMENTUM=momentum != 0,
+            FIRST=first_step,
+            NESTEROV=nesterov,
+            MAXIMIZE=maximize,
+            HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+            HAS_SKIP=skip is not None,
+            HAS_OUT=param_out is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return _result(skip, param.device)
 
 
 @_torch_step
 def sgd_step_reference(
-    param, grad, momentum_buffer, *, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step,
-    grad_scale, grad_scale_tensor,
-):  # fmt: skip
+    param,
+    grad,
+    momentum_buffer,
+    *,
+    lr,
+    momentum,
+    dampening,
+    nesterov,
+    weight_decay,
+    maximize,
+    first_step,
+    grad_scale,
+    grad_scale_tensor,
+):
     """torch reference of :func:`sgd_step`: torch.optim.SGD's single-tensor arithmetic, in place (the oracle)."""
     g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype)
     if weight_decay != 0:
@@ -273,9 +405,18 @@ def _sgd_step_torch(param, grad, momentum_buffer, **hyper):
         return sgd_step_reference.__wrapped__(param, grad, momentum_buffer, **hyper)
     g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
     momentum = hyper["momentum"]
-    torch._fused_sgd_([param], [g], [momentum_buffer] if momentum != 0 else [], weight_decay=hyper["weight_decay"],
-                      momentum=momentum, lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"],
-                      maximize=hyper["maximize"], is_first_step=hyper["first_step"])  # fmt: skip
+    torch._fused_sgd_(
+        [param],
+        [g],
+        [momentum_buffer] if momentum != 0 else [],
+        weight_decay=hyper["weight_decay"],
+        momentum=momentum,
+        lr=hyper["lr"],
+        dampening=hyper["dampening"],
+        nesterov=hyper["nesterov"],
+        maximize=hyper["maximize"],
+        is_first_step=hyper["first_step"],
+    )
     return None
 
 
@@ -351,8 +492,17 @@ def adam_step(
     ``step`` is the 1-based number of this step (bias correction). Returns the skip flag (see the
     module docstring). Matches ``torch.optim.Adam``/``AdamW`` (amsgrad off) stepping the same values.
     """
-    _check_buffers(param, {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out,
-                           "grad_scale_tensor": grad_scale_tensor, "found_inf": found_inf})  # fmt: skip
+    _check_buffers(
+        param,
+        {
+            "grad": grad,
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+            "param_out": param_out,
+            "grad_scale_tensor": grad_scale_tensor,
+            "found_inf": found_inf,
+        },
+    )
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step={step!r} must be the 1-based number of this step (an int >= 1)")
     _check_hyper(lr=lr, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
@@ -361,11 +511,24 @@ def adam_step(
             raise ValueError(f"{name}={beta!r} must be in [0, 1)")
     impl = adam_step_triton if use_triton(param) else _adam_step_torch
     return impl(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
-        grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=check_finite,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        grad_scale=grad_scale,
+        grad_scale_tensor=grad_scale_tensor,
+        found_inf=found_inf,
+        check_finite=check_finite,
         param_out=param_out,
-    )  # fmt: skip
+    )
 
 
 def sgd_step(
@@ -391,8 +554,16 @@ def sgd_step(
     ``first_step`` initializes the momentum buffer from the gradient, as torch.optim.SGD does when
     a parameter has no buffer yet. Returns the skip flag (see the module docstring).
     """
-    _check_buffers(param, {"grad": grad, "momentum_buffer": momentum_buffer, "param_out": param_out,
-                           "grad_scale_tensor": grad_scale_tensor, "found_inf": found_inf})  # fmt: skip
+    _check_buffers(
+        param,
+        {
+            "grad": grad,
+            "momentum_buffer": momentum_buffer,
+            "param_out": param_out,
+            "grad_scale_tensor": grad_scale_tensor,
+            "found_inf": found_inf,
+        },
+    )
     _check_hyper(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, grad_scale=grad_scale)
     if momentum != 0 and momentum_buffer is None:
         raise ValueError(f"momentum={momentum} needs a momentum_buffer of the shard's size (torch.zeros_like(param))")
@@ -402,7 +573,19 @@ def sgd_step(
         )
     impl = sgd_step_triton if use_triton(param) else _sgd_step_torch
     return impl(
-        param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-        weight_decay=weight_decay, maximize=maximize, first_step=first_step, grad_scale=grad_scale,
-        grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=check_finite, param_out=param_out,
-    )  # fmt: skip
+        param,
+        grad,
+        momentum_buffer,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        first_step=first_step,
+        grad_scale=grad_scale,
+        grad_scale_tensor=grad_scale_tensor,
+        found_inf=found_inf,
+        check_finite=check_finite,
+        param_out=param_out,
+    )

@@ -37,9 +37,16 @@ import torch
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
 NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
-_TORCH = {NCCL_INT8: torch.int8, NCCL_UINT8: torch.uint8, NCCL_INT32: torch.int32, NCCL_INT64: torch.int64,
-          NCCL_FLOAT16: torch.float16, NCCL_FLOAT32: torch.float32, NCCL_FLOAT64: torch.float64,
-          NCCL_BFLOAT16: torch.bfloat16}  # fmt: skip
+_TORCH = {
+    NCCL_INT8: torch.int8,
+    NCCL_UINT8: torch.uint8,
+    NCCL_INT32: torch.int32,
+    NCCL_INT64: torch.int64,
+    NCCL_FLOAT16: torch.float16,
+    NCCL_FLOAT32: torch.float32,
+    NCCL_FLOAT64: torch.float64,
+    NCCL_BFLOAT16: torch.bfloat16,
+}
 
 
 class NcclError(RuntimeError):
@@ -66,8 +73,13 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 def _reduce(values: list[torch.Tensor], op: int) -> torch.Tensor:
     stacked = torch.stack(values)
     wide = stacked.double() if stacked.is_floating_point() else stacked
-    result = {NCCL_SUM: lambda: wide.sum(0), NCCL_PROD: lambda: wide.prod(0), NCCL_MAX: lambda: wide.amax(0),
-              NCCL_MIN: lambda: wide.amin(0), NCCL_AVG: lambda: wide.sum(0) / len(values)}[op]()  # fmt: skip
+    result = {
+        NCCL_SUM: lambda: wide.sum(0),
+        NCCL_PROD: lambda: wide.prod(0),
+        NCCL_MAX: lambda: wide.amax(0),
+        NCCL_MIN: lambda: wide.amin(0),
+        NCCL_AVG: lambda: wide.sum(0) / len(values),
+    }[op]()
     return result.to(stacked.dtype)
 
 
@@ -153,8 +165,9 @@ class FakeNccl:
         with self._lock:
             clique = self._cliques.setdefault(ident, _Clique(world))
         if clique.world != world:
-            raise NcclError(f"NCCL_ERROR_INVALID_ARGUMENT: ranks disagree on the size of communicator "
-                            f"({clique.world} vs {world})")  # fmt: skip
+            raise NcclError(
+                f"NCCL_ERROR_INVALID_ARGUMENT: ranks disagree on the size of communicator ({clique.world} vs {world})"
+            )
         return clique
 
     def _submit(self, comm: _Communicator, call: _Call) -> None:
@@ -173,12 +186,16 @@ class FakeNccl:
         clique, deadline = comm._clique, time.monotonic() + self.timeout
         while not ready():
             if clique.aborted is not None:
-                raise NcclError(f"NCCL_ERROR_SYSTEM_ERROR: communicator aborted while rank {comm._rank} waited in "
-                                f"{what} ({clique.aborted})")  # fmt: skip
+                raise NcclError(
+                    f"NCCL_ERROR_SYSTEM_ERROR: communicator aborted while rank {comm._rank} waited in "
+                    f"{what} ({clique.aborted})"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NcclError(f"fake NCCL: rank {comm._rank} waited {self.timeout:g}s in {what} and its peers "
-                                "never matched it; on a GPU this call would hang")  # fmt: skip
+                raise NcclError(
+                    f"fake NCCL: rank {comm._rank} waited {self.timeout:g}s in {what} and its peers "
+                    "never matched it; on a GPU this call would hang"
+                )
             clique.cond.wait(min(left, 0.5))
 
     def _execute(self, queued: list[tuple[_Communicator, _Call]]) -> None:
@@ -210,8 +227,10 @@ class FakeNccl:
     def _deliver(self, comm: _Communicator, sent: _Call, call: _Call) -> None:
         a, b = sent.args, call.args
         if (a["count"], a["datatype"]) != (b["count"], b["datatype"]):
-            sent.msg = (f"fake NCCL: send of {a['count']} x type {a['datatype']} matched a recv of {b['count']} x "
-                        f"type {b['datatype']} on rank {comm._rank}; on a GPU this corrupts memory or hangs")
+            sent.msg = (
+                f"fake NCCL: send of {a['count']} x type {a['datatype']} matched a recv of {b['count']} x "
+                f"type {b['datatype']} on rank {comm._rank}; on a GPU this corrupts memory or hangs"
+            )
             sent.done = True
             raise NcclError(sent.msg)
         _view(b["recvbuf"], b["count"], b["datatype"]).copy_(_view(a["sendbuf"], a["count"], a["datatype"]))
@@ -238,24 +257,36 @@ class FakeNccl:
         calls = [slot[r] for r in range(world)]
         keys = [(c.kind, c.args["count"], c.args["datatype"], c.args.get("op"), c.args.get("root")) for c in calls]
         if len(set(keys)) != 1:
-            raise NcclError(f"fake NCCL: ranks issued different collectives at the same position: {keys} "
-                            "(kind, count, type, op, root per rank); on a GPU this hangs or corrupts memory")
+            raise NcclError(
+                f"fake NCCL: ranks issued different collectives at the same position: {keys} "
+                "(kind, count, type, op, root per rank); on a GPU this hangs or corrupts memory"
+            )
         kind, count, dtype, op, root = keys[0]
         if root is not None and not 0 <= root < world:
             raise NcclError(f"NCCL_ERROR_INVALID_ARGUMENT: root {root} of {world} ranks")
-        n_in, n_out = {"allReduce": (1, 1), "reduce": (1, 1), "broadcast": (1, 1), "allGather": (1, world),
-                       "reduceScatter": (world, 1)}[kind]  # fmt: skip
+        n_in, n_out = {
+            "allReduce": (1, 1),
+            "reduce": (1, 1),
+            "broadcast": (1, 1),
+            "allGather": (1, world),
+            "reduceScatter": (world, 1),
+        }[kind]
         for r, c in enumerate(calls):
             send, recv = _span(c.args["sendbuf"], count * n_in, dtype), _span(c.args["recvbuf"], count * n_out, dtype)
             if kind in ("reduce", "broadcast") and r != root:
                 continue  # NCCL ignores the receive buffer off the root of a reduce, the send buffer of a broadcast
             size = send[1] - send[0]
             legal = {"allGather": recv[0] + r * size, "reduceScatter": send[0] + r * (recv[1] - recv[0])}
-            in_place = send[0] == recv[0] if kind not in legal else (
-                send[0] == legal[kind] if kind == "allGather" else recv[0] == legal[kind])  # fmt: skip
+            in_place = (
+                send[0] == recv[0]
+                if kind not in legal
+                else (send[0] == legal[kind] if kind == "allGather" else recv[0] == legal[kind])
+            )
             if _overlap(send, recv) and not in_place:
-                raise NcclError(f"fake NCCL: {kind} on rank {r} has overlapping send/recv buffers that are not "
-                                "NCCL's in-place layout")  # fmt: skip
+                raise NcclError(
+                    f"fake NCCL: {kind} on rank {r} has overlapping send/recv buffers that are not "
+                    "NCCL's in-place layout"
+                )
         inputs = [_view(c.args["sendbuf"], count * n_in, dtype).clone() for c in calls]
         if kind == "allReduce":
             result = _reduce(inputs, op)
@@ -269,7 +300,7 @@ class FakeNccl:
         else:
             result = _reduce(inputs, op)
             outs = [result[r * count : (r + 1) * count] for r in range(world)]
-        for r, value in (outs.items() if isinstance(outs, dict) else enumerate(outs)):
+        for r, value in outs.items() if isinstance(outs, dict) else enumerate(outs):
             _view(calls[r].args["recvbuf"], count * n_out, dtype).copy_(value)
 
 
@@ -281,8 +312,9 @@ class _Communicator:
     def __init__(self, ndev: int, commId: bytes | tuple, rank: int):
         want = bytes if self._fake.cupy_version >= 14 else tuple
         if not isinstance(commId, want):  # Cython's check of the typed argument
-            raise TypeError(f"Argument 'commId' has incorrect type (expected {want.__name__}, got "
-                            f"{type(commId).__name__})")  # fmt: skip
+            raise TypeError(
+                f"Argument 'commId' has incorrect type (expected {want.__name__}, got {type(commId).__name__})"
+            )
         if len(commId) != 128:
             raise AssertionError("commId must hold 128 bytes (CuPy asserts this)")
         if want is tuple and any(not isinstance(b, int) or not -128 <= b <= 127 for b in commId):
@@ -326,37 +358,73 @@ class _Communicator:
         return self._clique.world
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
-        self._fake._submit(self, _Call("allReduce", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype,
-                                       op=op, stream=stream))  # fmt: skip
+        self._fake._submit(
+            self,
+            _Call("allReduce", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype, op=op, stream=stream),
+        )
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
-        self._fake._submit(self, _Call("reduce", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype,
-                                       op=op, root=root, stream=stream))  # fmt: skip
+        self._fake._submit(
+            self,
+            _Call(
+                "reduce",
+                sendbuf=sendbuf,
+                recvbuf=recvbuf,
+                count=count,
+                datatype=datatype,
+                op=op,
+                root=root,
+                stream=stream,
+            ),
+        )
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
-        self._fake._submit(self, _Call("broadcast", sendbuf=sendbuff, recvbuf=recvbuff, count=count,
-                                       datatype=datatype, root=root, stream=stream))  # fmt: skip
+        self._fake._submit(
+            self,
+            _Call(
+                "broadcast",
+                sendbuf=sendbuff,
+                recvbuf=recvbuff,
+                count=count,
+                datatype=datatype,
+                root=root,
+                stream=stream,
+            ),
+        )
 
     def bcast(self, buff, count, datatype, root, stream):
         self.broadcast(buff, buff, count, datatype, root, stream)
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
-        self._fake._submit(self, _Call("reduceScatter", sendbuf=sendbuf, recvbuf=recvbuf, count=recvcount,
-                                       datatype=datatype, op=op, stream=stream))  # fmt: skip
+        self._fake._submit(
+            self,
+            _Call(
+                "reduceScatter",
+                sendbuf=sendbuf,
+                recvbuf=recvbuf,
+                count=recvcount,
+                datatype=datatype,
+                op=op,
+                stream=stream,
+            ),
+        )
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
-        self._fake._submit(self, _Call("allGather", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype,
-                                       stream=stream))  # fmt: skip
+        self._fake._submit(
+            self, _Call("allGather", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype, stream=stream)
+        )
 
     def send(self, sendbuf, count, datatype, peer, stream):
         self._peer(peer)
-        self._fake._submit(self, _Call("send", sendbuf=sendbuf, count=count, datatype=datatype, peer=peer,
-                                       stream=stream))  # fmt: skip
+        self._fake._submit(
+            self, _Call("send", sendbuf=sendbuf, count=count, datatype=datatype, peer=peer, stream=stream)
+        )
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         self._peer(peer)
-        self._fake._submit(self, _Call("recv", recvbuf=recvbuf, count=count, datatype=datatype, peer=peer,
-                                       stream=stream))  # fmt: skip
+        self._fake._submit(
+            self, _Call("recv", recvbuf=recvbuf, count=count, datatype=datatype, peer=peer, stream=stream)
+        )
 
     def _peer(self, peer: int) -> None:
         if not 0 <= peer < self._clique.world:
@@ -431,5 +499,4 @@ def run_nccl(fn, world_size: int, fake: FakeNccl, *, validate: bool = True, **kw
     from gpudist.testing import run_ranks
 
     with installed(fake):
-        return run_ranks(_rank_on_nccl, world_size, "inmemory", body=fn, fake=fake, checked=validate,
-                         kwargs=kwargs)
+        return run_ranks(_rank_on_nccl, world_size, "inmemory", body=fn, fake=fake, checked=validate, kwargs=kwargs)

@@ -20,8 +20,18 @@ import json
 import os
 import sys
 
-POINTER_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int64": "i64",
-                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}  # fmt: skip
+POINTER_TYPES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float64": "fp64",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint8": "u8",
+    "bool": "i1",
+}
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 

@@ -15,15 +15,29 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-_FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.randn,
-              torch.rand, torch.randint, torch.linspace, torch.eye, torch.as_tensor}  # fmt: skip
+_FACTORIES = {
+    torch.tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.randn,
+    torch.rand,
+    torch.randint,
+    torch.linspace,
+    torch.eye,
+    torch.as_tensor,
+}
 
 
 class _StraysOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _FACTORIES and kwargs.get("device") is None and not (
-            func is torch.as_tensor and isinstance(args[0] if args else None, torch.Tensor)
+        if (
+            func in _FACTORIES
+            and kwargs.get("device") is None
+            and not (func is torch.as_tensor and isinstance(args[0] if args else None, torch.Tensor))
         ):
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller == "gpudist" or caller.startswith("gpudist."):

@@ -39,8 +39,10 @@ def _flat(module: nn.Module) -> torch.Tensor:
 def _make_optimizer(kind: str, module: nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    groups = [{"params": [p for n, p in module.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
-              {"params": [p for n, p in module.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in module.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [p for n, p in module.named_parameters() if n.endswith("bias")], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=0.01)
 
 
@@ -61,8 +63,9 @@ def _reference(kind: str, template: nn.Module, dtype=torch.float32) -> torch.Ten
 def _train_async(comm, kind: str, template: nn.Module, max_staleness: int):
     x, y = _data()
     model = copy.deepcopy(template)
-    opt = gpudist.AsyncSGDOptimizer(_make_optimizer(kind, model), gpudist.ShardingConfiguration(comm),
-                                    max_staleness=max_staleness)  # fmt: skip
+    opt = gpudist.AsyncSGDOptimizer(
+        _make_optimizer(kind, model), gpudist.ShardingConfiguration(comm), max_staleness=max_staleness
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     n, r = comm.world_size, comm.rank
     for i in range(STEPS):
@@ -94,8 +97,9 @@ def _straggler(comm, max_staleness: int, steps: int, gate: dict):
     """Rank world-1 does not push anything until the others have finished all their steps (or a deadline)."""
     x, y = _data(seed=comm.rank)
     model = copy.deepcopy(gate["template"])
-    opt = gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), gpudist.ShardingConfiguration(comm),
-                                    max_staleness=max_staleness)  # fmt: skip
+    opt = gpudist.AsyncSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), gpudist.ShardingConfiguration(comm), max_staleness=max_staleness
+    )
     slow = comm.rank == comm.world_size - 1
     done_fast = 0
     for i in range(steps):
@@ -121,8 +125,13 @@ def test_straggler_does_not_stall_the_others(max_staleness):
     that wait for every worker, or a per-version limit that blocks the fast ones. The straggler's too-stale
     gradient is dropped, and every rank ends with the same parameters."""
     steps = 8
-    gate = {"template": _template(), "fast_done": threading.Event(), "lock": threading.Lock(), "count": 0,
-            "deadline": 30.0}  # fmt: skip
+    gate = {
+        "template": _template(),
+        "fast_done": threading.Event(),
+        "lock": threading.Lock(),
+        "count": 0,
+        "deadline": 30.0,
+    }
     results = run_ranks(_straggler, 3, "inmemory", max_staleness=max_staleness, steps=steps, gate=gate)
     done_fast = results[2][0]
     assert done_fast == steps * 2, f"the fast workers stalled after {done_fast} of {steps * 2} steps"
@@ -135,8 +144,13 @@ def test_straggler_does_not_stall_the_others(max_staleness):
 def test_staleness_zero_waits_for_the_straggler():
     """The converse: with max_staleness=0 (synchronous) the fast workers cannot get past their first step while
     the straggler holds back. Catches a bound that is not enforced."""
-    gate = {"template": _template(), "fast_done": threading.Event(), "lock": threading.Lock(), "count": 0,
-            "deadline": 1.5}  # fmt: skip
+    gate = {
+        "template": _template(),
+        "fast_done": threading.Event(),
+        "lock": threading.Lock(),
+        "count": 0,
+        "deadline": 1.5,
+    }
     results = run_ranks(_straggler, 3, "inmemory", max_staleness=0, steps=4, gate=gate)
     assert results[2][0] <= 2  # each fast worker pushed its first gradient, then waited for the round
     assert all(stats["rounds"] == 4 and stats["dropped"] == 0 for _, stats, _ in results)
@@ -150,8 +164,9 @@ def _convex(comm, max_staleness: int, sleep: float):
     model = nn.Linear(6, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    opt = gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gpudist.ShardingConfiguration(comm),
-                                    max_staleness=max_staleness)  # fmt: skip
+    opt = gpudist.AsyncSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), gpudist.ShardingConfiguration(comm), max_staleness=max_staleness
+    )
     rows = x[comm.rank :: comm.world_size], y[comm.rank :: comm.world_size]
     for i in range(60):
         lo = (i * 10) % rows[0].shape[0]
@@ -188,8 +203,9 @@ def _bad(comm, case: str):
         gpudist.AsyncSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
 
 
-@pytest.mark.parametrize("case,message", [("staleness", "max_staleness=-1"), ("ddp", "needs a plain module"),
-                                          ("dtype", "torch.float64")])  # fmt: skip
+@pytest.mark.parametrize(
+    "case,message", [("staleness", "max_staleness=-1"), ("ddp", "needs a plain module"), ("dtype", "torch.float64")]
+)
 def test_bad_input_is_refused(case, message):
     """Bad settings raise an error naming the value and the fix, before any shard starts serving."""
     with pytest.raises(gpudist.testing.RanksFailedError, match=message):

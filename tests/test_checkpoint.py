@@ -71,8 +71,9 @@ def test_resharded_checkpoint_continues_like_an_uninterrupted_run(tmp_path, save
     state = initial_state()
     path = tmp_path / "ckpt"
     at_save = run_ranks(save_after, n, "inmemory", state=state, path=path, stage=saved, opt_name=opt_name, steps=5)
-    results = run_ranks(load_and_continue, m, "inmemory", state=state, path=path, stage=loaded, opt_name=opt_name,
-                        steps=10)  # fmt: skip
+    results = run_ranks(
+        load_and_continue, m, "inmemory", state=state, path=path, stage=loaded, opt_name=opt_name, steps=10
+    )
     cls, kw = OPTIMIZERS[opt_name]
     expected = reference_pair(single_process, state, cls, **kw)
     for loaded_params, final in results:
@@ -103,8 +104,9 @@ def test_plain_module_and_torch_optimizer_roundtrip(tmp_path):
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     train_steps(net, opt, 5)
     save_checkpoint(tmp_path / "plain", net, opt, step=5, extra={"data_position": 60})
-    results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=tmp_path / "plain", stage=2,
-                        opt_name="adam", steps=10)  # fmt: skip
+    results = run_ranks(
+        load_and_continue, 2, "inmemory", state=state, path=tmp_path / "plain", stage=2, opt_name="adam", steps=10
+    )
     expected = reference_pair(single_process, state, torch.optim.Adam, lr=1e-2)
     for _, final in results:
         assert_matches_reference(final, *expected)
@@ -120,7 +122,8 @@ def try_load(comm, state, path, stage="ddp", opt_name="adam", model_kw=None):
     except CheckpointError as e:
         error = str(e)
     unchanged = torch.equal(model.gather_full_parameters(), before) and opt_before == json.dumps(
-        {k: str(v) for k, v in opt.state_dict().items()}, sort_keys=True)
+        {k: str(v) for k, v in opt.state_dict().items()}, sort_keys=True
+    )
     return error, unchanged
 
 
@@ -151,10 +154,16 @@ def damage(path, how):
         (path / "manifest.json").unlink()
 
 
-@pytest.mark.parametrize(("how", "message"), [("truncated", "truncated"), ("bit flip", "SHA-256 does not match"),
-                                              ("missing file", "is missing"),
-                                              ("manifest edited", "checksum does not match its content"),
-                                              ("no manifest", "no checkpoint")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("truncated", "truncated"),
+        ("bit flip", "SHA-256 does not match"),
+        ("missing file", "is missing"),
+        ("manifest edited", "checksum does not match its content"),
+        ("no manifest", "no checkpoint"),
+    ],
+)
 @pytest.mark.parametrize("stage", ["ddp", 3])
 def test_damaged_checkpoint_is_refused_and_nothing_changes(saved, how, message, stage):
     """Catches a damaged checkpoint loading silently, or loading half way (some tensors or some ranks changed).
@@ -194,11 +203,17 @@ def test_interrupted_save_leaves_the_previous_checkpoint(saved, tmp_path):
     results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=path, stage=3, opt_name="adam", steps=3)
     assert len(results) == 2
     with pytest.raises(RanksFailedError, match="extra must be JSON"):
-        run_ranks(lambda comm: save_checkpoint(path, DDPModel(fresh_net(state), ShardingConfiguration(comm)),
-                                               extra={"x": object()}), 1, "inmemory")  # fmt: skip
+        run_ranks(
+            lambda comm: save_checkpoint(
+                path, DDPModel(fresh_net(state), ShardingConfiguration(comm)), extra={"x": object()}
+            ),
+            1,
+            "inmemory",
+        )
     assert gpudist.read_manifest(path)["step"] == 2
-    assert flat(fresh_net(state)).numel() == sum(int(torch.Size(p["shape"]).numel())
-                                                 for p in gpudist.read_manifest(path)["parameters"])  # fmt: skip
+    assert flat(fresh_net(state)).numel() == sum(
+        int(torch.Size(p["shape"]).numel()) for p in gpudist.read_manifest(path)["parameters"]
+    )
 
 
 def lm_run(comm, path, stage, start, stop, save_at=None):

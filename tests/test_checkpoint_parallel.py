@@ -45,8 +45,9 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def build(comm, kind: str, seed: int = 0, pp: int = 1, tp: int = 1, zero: int = 0, n_layers: int = 2,
-          seq: bool = False):
+def build(
+    comm, kind: str, seed: int = 0, pp: int = 1, tp: int = 1, zero: int = 0, n_layers: int = 2, seq: bool = False
+):
     """``kind`` ("module", "ddp", "pipeline", "tensor", "hybrid") around TinyLM(seed), with its AdamW. A plain
     pipeline splits ``as_sequential(TinyLM)``, whose parameters are named "0.tok.weight", ...: ``seq`` gives a module
     or DDP model the same names (the hybrid model keeps TinyLM's through its ``blocks`` argument)."""
@@ -64,8 +65,9 @@ def build(comm, kind: str, seed: int = 0, pp: int = 1, tp: int = 1, zero: int = 
     if kind == "tensor":  # the same, over this rank's shards
         model = TensorParallelModel(module, config, tinylm_plan, tensor_parallel_size=tp)
         return model, adamw(model.parameters())
-    model = HybridShardedModel(module, config, pp, tp, plan=tinylm_plan if tp > 1 else None, blocks=as_sequential,
-                               micro_batches=2)  # fmt: skip
+    model = HybridShardedModel(
+        module, config, pp, tp, plan=tinylm_plan if tp > 1 else None, blocks=as_sequential, micro_batches=2
+    )
     return model, HybridShardedOptimizer(adamw(model.parameters()), config, pp, tp, zero_stage=zero)
 
 
@@ -82,8 +84,9 @@ def train(model, opt, kind: str, steps: range) -> None:
         d = model.rank if kind == "ddp" else model.data_parallel_rank
         n = x.shape[0] // dp
         x, y = x[d * n : (d + 1) * n], y[d * n : (d + 1) * n]
-        model.train_step(x, y, None if kind in ("tensor", "hybrid") and model.tensor_parallel_size > 1 else lm_loss,
-                         opt)  # fmt: skip
+        model.train_step(
+            x, y, None if kind in ("tensor", "hybrid") and model.tensor_parallel_size > 1 else lm_loss, opt
+        )
 
 
 def full(model) -> torch.Tensor:
@@ -276,8 +279,9 @@ def test_pipeline_full_state_dict_and_export(tmp_path, world, kind, pp, tp, twin
         assert all(torch.equal(v, plain.state_dict()[k]) for k, v in state.items())
 
 
-_BN = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 4),
-                          torch.nn.BatchNorm1d(4))  # fmt: skip
+_BN = torch.nn.Sequential(
+    torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)
+)
 
 
 def bn_save(comm, path):

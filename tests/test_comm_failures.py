@@ -64,9 +64,22 @@ def test_bad_input_is_rejected_before_sending(backend):
     """Catches validation that runs after the transport started (which Gloo answers with SIGABRT) and errors that
     do not say what is wrong and how to fix it."""
     messages = run_ranks(_local_errors, 2, backend)[0]
-    expected_fragments = ["contiguous", "meta", "complex64", "AVERAGE", "median", "dst=5 is out of range",
-                          "itself", "src=-1", "split_sizes", "split_sizes", "same dtype", "divisible",
-                          "torch.Tensor", "duplicates"]
+    expected_fragments = [
+        "contiguous",
+        "meta",
+        "complex64",
+        "AVERAGE",
+        "median",
+        "dst=5 is out of range",
+        "itself",
+        "src=-1",
+        "split_sizes",
+        "split_sizes",
+        "same dtype",
+        "divisible",
+        "torch.Tensor",
+        "duplicates",
+    ]
     for message, fragment in zip(messages, expected_fragments, strict=True):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
@@ -87,8 +100,11 @@ def test_cuda_tensor_error_names_the_fix():
 MISMATCHES = {
     "shape": lambda c: c.all_reduce(torch.ones(4 + (c.rank == 1))),
     "dtype": lambda c: c.all_reduce(torch.ones(4, dtype=torch.float64 if c.rank == 1 else torch.float32)),
-    "op": lambda c: (c.all_gather(torch.ones(2), torch.ones(2 * c.world_size)) if c.rank == 1
-                     else c.all_reduce(torch.ones(2 * c.world_size))),
+    "op": lambda c: (
+        c.all_gather(torch.ones(2), torch.ones(2 * c.world_size))
+        if c.rank == 1
+        else c.all_reduce(torch.ones(2 * c.world_size))
+    ),
     "reduction": lambda c: c.all_reduce(torch.ones(3), "max" if c.rank == 1 else "sum"),
     "root": lambda c: c.broadcast(torch.ones(3), src=1 if c.rank == 1 else 0),
 }
@@ -202,8 +218,12 @@ def test_inmemory_rank_that_never_joins():
     assert sorted(errors) == [0, 1] and all("ranks [2]" in e and "barrier" in e for e in errors.values())
     # The failed formation does not poison the name: a new world with the same name forms and works.
     res = []
-    threads = [threading.Thread(target=lambda r=r: res.append(
-        InMemoryCommunicationBackend(r, 2, group=group, timeout=SHORT).barrier())) for r in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda r=r: res.append(InMemoryCommunicationBackend(r, 2, group=group, timeout=SHORT).barrier())
+        )
+        for r in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

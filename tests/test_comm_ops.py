@@ -99,8 +99,11 @@ def reference(case: str, world: int, dtype_name: str) -> list[np.ndarray]:
     """Expected output of ``case`` on every rank, computed with numpy in float64."""
     inputs = lambda numel, salt: [as_numpy(make_input(r, dtype_name, numel, salt)) for r in range(world)]
     reduce = {
-        "SUM": lambda x: x.sum(0), "AVERAGE": lambda x: x.mean(0), "MAX": lambda x: x.max(0),
-        "MIN": lambda x: x.min(0), "PRODUCT": lambda x: x.prod(0),
+        "SUM": lambda x: x.sum(0),
+        "AVERAGE": lambda x: x.mean(0),
+        "MAX": lambda x: x.max(0),
+        "MIN": lambda x: x.min(0),
+        "PRODUCT": lambda x: x.prod(0),
     }
     if case.startswith("all_reduce_"):
         red = case.removeprefix("all_reduce_")
@@ -138,8 +141,13 @@ def error_bound(case: str, world: int, dtype_name: str) -> list[np.ndarray | flo
     gamma = sum_rtol(k + 1, DTYPES[dtype_name])  # an n-term sum rounds n - 1 times
     if dtype_name == "bfloat16":
         gamma += sum_rtol(k + 1, torch.float32)
-    numel, salt = (9, 60) if case == "async_sum" else (15, REDUCTIONS.index(red)) if case.startswith("all_reduce_") \
-        else (13, 10 + ["SUM", "MAX", "AVERAGE"].index(red))  # fmt: skip
+    numel, salt = (
+        (9, 60)
+        if case == "async_sum"
+        else (15, REDUCTIONS.index(red))
+        if case.startswith("all_reduce_")
+        else (13, 10 + ["SUM", "MAX", "AVERAGE"].index(red))
+    )
     x = np.stack([as_numpy(make_input(r, dtype_name, numel, salt)) for r in range(world)])
     magnitude = {"SUM": np.abs(x).sum(0), "AVERAGE": np.abs(x).mean(0), "PRODUCT": np.abs(x.prod(0))}[red]
     if case.startswith("reduce_scatter_"):
@@ -170,8 +178,16 @@ def outputs(backend: str, world: int, dtype_name: str) -> list[dict]:
 CASES = (
     [f"all_reduce_{r}" for r in REDUCTIONS]
     + [f"reduce_scatter_{r}" for r in ("SUM", "MAX", "AVERAGE")]
-    + ["all_gather_11", "all_gather_3", "all_gather_even", "broadcast", "all_to_all", "send_recv", "async_sum",
-       "async_max"]
+    + [
+        "all_gather_11",
+        "all_gather_3",
+        "all_gather_even",
+        "broadcast",
+        "all_to_all",
+        "send_recv",
+        "async_sum",
+        "async_max",
+    ]
 )
 
 
@@ -194,8 +210,10 @@ def test_op_matches_numpy(case, backend, world, dtype_name):
         got = results[rank][case]
         assert got.shape == expected[rank].shape, f"{case} rank {rank}: shape {got.shape} != {expected[rank].shape}"
         err = np.abs(got - expected[rank])
-        assert (err <= bounds[rank]).all(), (f"{case} on rank {rank}: |got - numpy| up to {err.max():.3g} exceeds the "
-                                             f"rounding bound\ngot {got}\nwant {expected[rank]}")  # fmt: skip
+        assert (err <= bounds[rank]).all(), (
+            f"{case} on rank {rank}: |got - numpy| up to {err.max():.3g} exceeds the "
+            f"rounding bound\ngot {got}\nwant {expected[rank]}"
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -224,8 +242,14 @@ def _subgroups(comm) -> dict:
     b = torch.tensor([float(comm.rank)])
     mine.broadcast(b, src=0)
     comm.all_reduce(torch.ones(1))  # the parent group still works after sub-groups were made
-    return {"other_is_none": other is None, "sum": t.item(), "sub_rank": mine.rank, "sub_world": mine.world_size,
-            "bcast": b.item(), "nested": None if nested is None else (nested.rank, nested.world_size)}
+    return {
+        "other_is_none": other is None,
+        "sum": t.item(),
+        "sub_rank": mine.rank,
+        "sub_world": mine.world_size,
+        "bcast": b.item(),
+        "nested": None if nested is None else (nested.rank, nested.world_size),
+    }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

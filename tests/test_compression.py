@@ -44,8 +44,12 @@ from .test_ddp import batch, flat, fresh_net, initial_state
 from .tolerances import assert_matches_reference, reference_pair, sum_rtol, unit_roundoff
 
 CPU = torch.device("cpu")
-LOSSY = {"topk": TopKCompressor(0.05), "int8": Int8Compressor(), "1bit": OneBitCompressor(block_size=64),
-         "int8-stochastic": Int8Compressor(block_size=32, stochastic=True)}  # fmt: skip
+LOSSY = {
+    "topk": TopKCompressor(0.05),
+    "int8": Int8Compressor(),
+    "1bit": OneBitCompressor(block_size=64),
+    "int8-stochastic": Int8Compressor(block_size=32, stochastic=True),
+}
 
 
 def average_rtol(world: int) -> float:
@@ -73,10 +77,18 @@ def test_wire_formats_meet_the_byte_targets():
         assert sum(c.numel() * c.element_size() for c in codes) == codec.payload_bytes(4096)
 
 
-@pytest.mark.parametrize(("spec", "expected"), [
-    ("topk:0.01", TopKCompressor), ("topk:0.5:threshold", TopKCompressor), ("int8", Int8Compressor),
-    ("int8:128", Int8Compressor), ("1bit", OneBitCompressor), ("1bit:512", OneBitCompressor),
-    ("none", IdentityCompressor)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("topk:0.01", TopKCompressor),
+        ("topk:0.5:threshold", TopKCompressor),
+        ("int8", Int8Compressor),
+        ("int8:128", Int8Compressor),
+        ("1bit", OneBitCompressor),
+        ("1bit:512", OneBitCompressor),
+        ("none", IdentityCompressor),
+    ],
+)
 def test_parse_compressor(spec, expected):
     """Catches a command-line spec that builds the wrong compressor or drops its argument."""
     c = parse_compressor(spec)
@@ -87,9 +99,17 @@ def test_parse_compressor(spec, expected):
         assert (c.ratio, c.mode) == (0.5, "threshold")
 
 
-@pytest.mark.parametrize(("spec", "match"), [("topk", "not one of"), ("topk:0", "ratio=0"), ("topk:2", "ratio=2"),
-                                             ("int8:100", "power of two"), ("gzip", "not one of"),
-                                             ("topk:0.1:fast", "mode")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("topk", "not one of"),
+        ("topk:0", "ratio=0"),
+        ("topk:2", "ratio=2"),
+        ("int8:100", "power of two"),
+        ("gzip", "not one of"),
+        ("topk:0.1:fast", "mode"),
+    ],
+)
 def test_bad_compressor_specs_name_the_value(spec, match):
     """Catches a bad spec that is accepted silently or fails with an error that does not say what is wrong."""
     with pytest.raises(ValueError, match=match):
@@ -131,8 +151,14 @@ def assert_lossless(results: list, world: int) -> None:
         assert bool((err <= bound).all()), f"|compressed - plain| = {float((err - bound).max() + bound.max()):.3g}"
 
 
-WORLDS = [("inmemory", 2), ("inmemory", 3), ("inmemory", 4), ("gloo", 2), ("gloo", 3),
-          pytest.param(MPI.values[0], 2, marks=MPI.marks, id="mpi-2")]
+WORLDS = [
+    ("inmemory", 2),
+    ("inmemory", 3),
+    ("inmemory", 4),
+    ("gloo", 2),
+    ("gloo", 3),
+    pytest.param(MPI.values[0], 2, marks=MPI.marks, id="mpi-2"),
+]
 
 
 @pytest.mark.parametrize(("backend", "world"), WORLDS)
@@ -210,8 +236,9 @@ def test_error_feedback_conserves_the_gradient_sum(world, name, scatter):
     Catches a residual not updated in place, the server residual missing from phase 2, a residual kept for padding,
     and a residual on the wrong scale (per-rank sums vs averages). The compressed results also really differ from
     the plain ones (the test is not passing because nothing was compressed)."""
-    for applied, pending, true, bound in run_ranks(conservation, world, "inmemory", compressor=LOSSY[name], n=1000,
-                                                   scatter=scatter):  # fmt: skip
+    for applied, pending, true, bound in run_ranks(
+        conservation, world, "inmemory", compressor=LOSSY[name], n=1000, scatter=scatter
+    ):
         torch.testing.assert_close(applied + pending, true, rtol=0, atol=bound)
         assert float((applied - true).abs().max()) > 1e-3
 
@@ -243,9 +270,14 @@ def test_channel_rejects_a_buffer_of_another_size():
 
 # ------------------------------------------------------------------------------------------------------- optimizer
 
-PAIRINGS = {"plain": (None, DDPOptimizer), "ddp": (DDPModel, DDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimizer),
-            "zero2": (ZeRO2Model, ZeRO2Optimizer), "zero1-plain": (None, ZeRO1Optimizer),
-            "zero2-plain": (None, ZeRO2Optimizer)}  # fmt: skip
+PAIRINGS = {
+    "plain": (None, DDPOptimizer),
+    "ddp": (DDPModel, DDPOptimizer),
+    "zero1": (ZeRO1Model, ZeRO1Optimizer),
+    "zero2": (ZeRO2Model, ZeRO2Optimizer),
+    "zero1-plain": (None, ZeRO1Optimizer),
+    "zero2-plain": (None, ZeRO2Optimizer),
+}
 SETUPS = list(PAIRINGS)
 
 
@@ -259,15 +291,21 @@ def build(comm, state, setup, compressor=None, error_feedback=True, warmup_steps
     model = model_cls(net, config) if model_cls is not None else net
     if setup.endswith("-momentum"):
         params = list(model.parameters())
-        torch_opt = torch.optim.SGD([{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "lr": 0.02}],
-                                    lr=0.05, momentum=0.9)  # fmt: skip
+        torch_opt = torch.optim.SGD(
+            [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "lr": 0.02}], lr=0.05, momentum=0.9
+        )
     else:
         torch_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt = opt_cls(torch_opt, config)
     if compressor is not None:
-        opt = GradientCompressionOptimizer(opt, config, compressor, warmup_steps=warmup_steps,
-                                           error_feedback=error_feedback,
-                                           compress="momentum" if setup.endswith("-momentum") else "gradients")
+        opt = GradientCompressionOptimizer(
+            opt,
+            config,
+            compressor,
+            warmup_steps=warmup_steps,
+            error_feedback=error_feedback,
+            compress="momentum" if setup.endswith("-momentum") else "gradients",
+        )
     return net, model, opt
 
 
@@ -277,8 +315,9 @@ def single_process(state, setup, steps=6, dtype=torch.float32) -> torch.Tensor:
     net = fresh_net(state).to(dtype)
     params = list(net.parameters())
     if setup.endswith("-momentum"):
-        opt = torch.optim.SGD([{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "lr": 0.02}],
-                              lr=0.05, momentum=0.9)  # fmt: skip
+        opt = torch.optim.SGD(
+            [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "lr": 0.02}], lr=0.05, momentum=0.9
+        )
     else:
         opt = torch.optim.Adam(params, lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -341,11 +380,13 @@ def test_momentum_compression_uncompressed_is_momentum_sgd(backend, world, setup
     expected = reference_pair(single_process, state, f"{setup}-momentum")
     assert_matches_reference(reference, *expected, what="uncompressed")
     for spec in ("none", "topk:1.0"):
-        for params in run_ranks(train, world, backend, state=state, setup=f"{setup}-momentum", compressor=spec,
-                                warmup_steps=warmup_steps):  # fmt: skip
+        for params in run_ranks(
+            train, world, backend, state=state, setup=f"{setup}-momentum", compressor=spec, warmup_steps=warmup_steps
+        ):
             assert_matches_reference(params, *expected, what=spec)
-    replicas = run_ranks(train, world, backend, state=state, setup=f"{setup}-momentum", compressor="1bit",
-                         warmup_steps=warmup_steps)  # fmt: skip
+    replicas = run_ranks(
+        train, world, backend, state=state, setup=f"{setup}-momentum", compressor="1bit", warmup_steps=warmup_steps
+    )
     assert all(torch.equal(p, replicas[0]) for p in replicas)
     assert not torch.equal(replicas[0], reference)
 
@@ -356,8 +397,9 @@ def accounting(comm, warmup_steps=2):
     torch.manual_seed(1 + comm.rank)
     config = ShardingConfiguration(comm)
     model = DDPModel(net, config)
-    opt = GradientCompressionOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), config, "int8",
-                                       warmup_steps=warmup_steps)  # fmt: skip
+    opt = GradientCompressionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), config, "int8", warmup_steps=warmup_steps
+    )
     reports = []
     for _ in range(4):
         before = comm.stats.bytes_of("all_to_all")
@@ -387,6 +429,7 @@ def test_bad_pairings_and_arguments_are_refused():
         state = initial_state()
         config = ShardingConfiguration(comm)
         errors = []
+
         def sgd(module):
             return torch.optim.SGD(module.parameters(), lr=0.1)
 
@@ -396,12 +439,18 @@ def test_bad_pairings_and_arguments_are_refused():
             lambda: GradientCompressionOptimizer(sgd(fresh_net(state)), config, "int8", warmup_steps=-1),
             lambda: GradientCompressionOptimizer(sgd(fresh_net(state)), config, "zip"),
             lambda: GradientCompressionOptimizer(sgd(fresh_net(state)), config, "1bit", compress="weights"),
-            lambda: GradientCompressionOptimizer(torch.optim.Adam(fresh_net(state).parameters()), config, "1bit",
-                                                 compress="momentum"),
-            lambda: GradientCompressionOptimizer(ZeRO1Optimizer(sgd(fresh_net(state)), config), config, "1bit",
-                                                 compress="momentum"),
-            lambda: GradientCompressionOptimizer(torch.optim.SGD(fresh_net(state).parameters(), lr=0.1, momentum=0.9,
-                                                                 nesterov=True), config, "1bit", compress="momentum"),
+            lambda: GradientCompressionOptimizer(
+                torch.optim.Adam(fresh_net(state).parameters()), config, "1bit", compress="momentum"
+            ),
+            lambda: GradientCompressionOptimizer(
+                ZeRO1Optimizer(sgd(fresh_net(state)), config), config, "1bit", compress="momentum"
+            ),
+            lambda: GradientCompressionOptimizer(
+                torch.optim.SGD(fresh_net(state).parameters(), lr=0.1, momentum=0.9, nesterov=True),
+                config,
+                "1bit",
+                compress="momentum",
+            ),
             lambda: GradientCompressionOptimizer(sgd(fresh_net(state)), config, "1bit", compress="momentum"),
         ]
         for case in cases:
@@ -473,13 +522,13 @@ def load_at(comm, state=None, path=None, setup="ddp", compressor="int8"):
         opt.load_state_dict(other)
     other = "gradients" if opt.compress == "momentum" else "momentum"
     with pytest.raises(ValueError, match=f"saved with compress='{other}'"):  # residuals of another quantity
-        opt.load_state_dict({**opt.state_dict(), "compression": {**opt.state_dict()["compression"],
-                                                                 "compress": other}})  # fmt: skip
+        opt.load_state_dict({**opt.state_dict(), "compression": {**opt.state_dict()["compression"], "compress": other}})
     return worker, server, opt.hook.steps
 
 
-@pytest.mark.parametrize(("setup", "compressor"), [("ddp", "int8"), ("ddp", "topk:0.1"), ("zero2", "1bit"),
-                                                   ("ddp-momentum", "1bit")])
+@pytest.mark.parametrize(
+    ("setup", "compressor"), [("ddp", "int8"), ("ddp", "topk:0.1"), ("zero2", "1bit"), ("ddp-momentum", "1bit")]
+)
 def test_residuals_survive_a_checkpoint_at_another_world_size(tmp_path, setup, compressor):
     """Residuals saved at N=4 and loaded at N=2: every new rank's worker residual is the mean of the 4 saved ones
     (so the pending update, mean over ranks, is unchanged), the server residual is the same full tensor, and the
@@ -490,8 +539,9 @@ def test_residuals_survive_a_checkpoint_at_another_world_size(tmp_path, setup, c
     path = tmp_path / "ckpt"
     saved = run_ranks(save_at, 4, "inmemory", state=state, path=path, setup=setup, compressor=compressor)
     assert any(float(v.abs().max()) > 0 for v in saved[0][0].values())  # something was pending
-    for worker, server, steps in run_ranks(load_at, 2, "inmemory", state=state, path=path, setup=setup,
-                                           compressor=compressor):  # fmt: skip
+    for worker, server, steps in run_ranks(
+        load_at, 2, "inmemory", state=state, path=path, setup=setup, compressor=compressor
+    ):
         assert steps == saved[0][2] == 4
         for name, values in saved[0][0].items():
             # Both are fp32 means of the 4 saved residuals (the loader's sum / 4, the backend's AVERAGE).
@@ -513,8 +563,18 @@ def example_run(tmp_path, name, **kw):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import train as example
 
-    cfg = example.TrainConfig(steps=600, global_batch=16, log_every=1000, d_model=64, seq_len=32, optimizer="sgd",
-                              lr=0.03, compression_warmup=50, out=str(tmp_path / name), **kw)  # fmt: skip
+    cfg = example.TrainConfig(
+        steps=600,
+        global_batch=16,
+        log_every=1000,
+        d_model=64,
+        seq_len=32,
+        optimizer="sgd",
+        lr=0.03,
+        compression_warmup=50,
+        out=str(tmp_path / name),
+        **kw,
+    )
     run_ranks(example.train, 2, "inmemory", cfg=cfg)
     return json.loads((tmp_path / name / "metrics.json").read_text())
 
@@ -529,8 +589,10 @@ def test_error_feedback_keeps_training_close_to_uncompressed(tmp_path):
     0.05-nat margins bound training outcomes, not rounding: seeds, data and the in-memory collectives are fixed, so
     hosts differ only in BLAS rounding, whose effect after 600 steps has not been measured across hosts."""
     dense = example_run(tmp_path, "dense")
-    for name, kw, ratio in [("topk", {"compression": "topk:0.01"}, 0.025),
-                            ("1bit", {"compression": "1bit", "compress_momentum": True}, 0.04)]:  # fmt: skip
+    for name, kw, ratio in [
+        ("topk", {"compression": "topk:0.01"}, 0.025),
+        ("1bit", {"compression": "1bit", "compress_momentum": True}, 0.04),
+    ]:
         with_ef = example_run(tmp_path, f"{name}-ef", **kw)
         without = example_run(tmp_path, f"{name}-no-ef", error_feedback=False, **kw)
         assert with_ef["final_loss"] <= 1.03 * dense["final_loss"], name
@@ -549,9 +611,11 @@ def test_example_command_line_checks_compression_flags(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import train as example
 
-    for argv, message in [(["--compression", "topk:5"], "--compression: "),
-                          (["--strategy", "zero3", "--compression", "int8"], "works with --strategy ddp, zero1"),
-                          (["--compression", "1bit", "--compress-momentum"], "--compress-momentum needs")]:
+    for argv, message in [
+        (["--compression", "topk:5"], "--compression: "),
+        (["--strategy", "zero3", "--compression", "int8"], "works with --strategy ddp, zero1"),
+        (["--compression", "1bit", "--compress-momentum"], "--compress-momentum needs"),
+    ]:
         with pytest.raises(SystemExit):
             example.parse_args(argv)
         assert message in capsys.readouterr().err

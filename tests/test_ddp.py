@@ -63,8 +63,16 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def train_steps(model, opt, stop: int, rank: int = 0, world: int = 1, start: int = 0, dtype=torch.float32,
-                max_norm: float | None = None) -> None:  # fmt: skip
+def train_steps(
+    model,
+    opt,
+    stop: int,
+    rank: int = 0,
+    world: int = 1,
+    start: int = 0,
+    dtype=torch.float32,
+    max_norm: float | None = None,
+) -> None:
     """Plain training steps ``start..stop-1``: MSE on this rank's slice of each step's batch, ``clip_grad_norm_`` to
     ``max_norm`` if given (gpudist's optimizers clip by the same rule), step, zero_grad."""
     for step in range(start, stop):
@@ -76,8 +84,14 @@ def train_steps(model, opt, stop: int, rank: int = 0, world: int = 1, start: int
         opt.zero_grad()
 
 
-def single_process(state: dict, opt_cls=torch.optim.Adam, steps: int = STEPS, dtype=torch.float32,
-                   max_norm: float | None = None, **opt_kw) -> torch.Tensor:  # fmt: skip
+def single_process(
+    state: dict,
+    opt_cls=torch.optim.Adam,
+    steps: int = STEPS,
+    dtype=torch.float32,
+    max_norm: float | None = None,
+    **opt_kw,
+) -> torch.Tensor:
     net = fresh_net(state).to(dtype)
     opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
     train_steps(net, opt, steps, dtype=dtype, max_norm=max_norm)
@@ -91,8 +105,10 @@ def train_ddp(comm, state, steps=STEPS, opt_name="adam", config_kw=None, wrap_mo
     config = ShardingConfiguration(comm, **(config_kw or {}))
     net = fresh_net(state)
     model = DDPModel(net, config) if wrap_model else net
-    inner = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[opt_name](model.parameters())  # fmt: skip
+    inner = {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }[opt_name](model.parameters())
     opt = DDPOptimizer(inner, config)
     per_step_bytes = []
     for step in range(steps):
@@ -103,8 +119,12 @@ def train_ddp(comm, state, steps=STEPS, opt_name="adam", config_kw=None, wrap_mo
         opt.zero_grad()
         per_step_bytes.append(comm.stats.total_bytes - before)
     meta = model.get_model_metadata() if wrap_model else None
-    return {"params": flat(net), "bytes": per_step_bytes, "meta": meta,
-            "buckets": model.bucket_sizes() if wrap_model else None}  # fmt: skip
+    return {
+        "params": flat(net),
+        "bytes": per_step_bytes,
+        "meta": meta,
+        "buckets": model.bucket_sizes() if wrap_model else None,
+    }
 
 
 def train_torch_ddp(comm, state, steps=STEPS):
@@ -154,8 +174,19 @@ def branch_step(comm, state, find_unused, strategy="ddp"):
 # ---------------------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
-                                                ("gloo", 2), ("gloo", 3), mpi_world(2), mpi_world(3)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "world"),
+    [
+        ("inmemory", 1),
+        ("inmemory", 2),
+        ("inmemory", 3),
+        ("inmemory", 4),
+        ("gloo", 2),
+        ("gloo", 3),
+        mpi_world(2),
+        mpi_world(3),
+    ],
+)
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 def test_ddp_matches_single_process(backend, world, opt_name):
     """Catches a gradient summed instead of averaged (SGD sees it; Adam is nearly scale-invariant), a bucket
@@ -247,6 +278,7 @@ def test_unused_parameters(strategy):
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert torch.equal(results[0], results[1])
+
     # The branch's gradient is rank 0's divided by 2 (rank 1 contributed zeros).
     def branch_after_step(dtype):
         net = fresh_net(state, with_branch=True).to(dtype)
@@ -255,8 +287,9 @@ def test_unused_parameters(strategy):
         return net.branch.weight.detach() - 0.1 * net.branch.weight.grad / 2
 
     expected = reference_pair(branch_after_step)
-    offset = sum(p.numel() for n, p in fresh_net(state, with_branch=True).named_parameters()
-                 if not n.startswith("branch"))  # fmt: skip
+    offset = sum(
+        p.numel() for n, p in fresh_net(state, with_branch=True).named_parameters() if not n.startswith("branch")
+    )
     got = results[0][offset : offset + expected[0].numel()].view_as(expected[0])
     assert_matches_reference(got, *expected)
 
@@ -417,8 +450,9 @@ def test_zero_grad_both_modes(set_to_none, pair):
     set_to_none=False must zero the views in place. Both equal single-process training."""
     state = initial_state()
     classes = {"ddp": (DDPModel, DDPOptimizer), "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer)}[pair]
-    results = run_ranks(zero_grad_modes, 2, "inmemory", state=state, set_to_none=set_to_none,
-                        model_cls=classes[0], opt_cls=classes[1])  # fmt: skip
+    results = run_ranks(
+        zero_grad_modes, 2, "inmemory", state=state, set_to_none=set_to_none, model_cls=classes[0], opt_cls=classes[1]
+    )
     expected = reference_pair(single_process, state)
     for params, cleared in results:
         assert cleared, "zero_grad left gradients behind"
@@ -469,9 +503,11 @@ def test_gradients_are_averaged_in_a_pass_made_anyway(views, set_to_none):
             x, y = (t.to(dtype) for t in batch(step))
             per_rank = [F.mse_loss(net(x[r * 6 : r * 6 + 6]), y[r * 6 : r * 6 + 6]) for r in range(2)]
             if step == 2:  # each rank's loss was the mean of two halves of its slice
-                per_rank = [0.5 * F.mse_loss(net(x[r * 6 : r * 6 + 1]), y[r * 6 : r * 6 + 1])
-                            + 0.5 * F.mse_loss(net(x[r * 6 + 1 : r * 6 + 6]), y[r * 6 + 1 : r * 6 + 6])
-                            for r in range(2)]  # fmt: skip
+                per_rank = [
+                    0.5 * F.mse_loss(net(x[r * 6 : r * 6 + 1]), y[r * 6 : r * 6 + 1])
+                    + 0.5 * F.mse_loss(net(x[r * 6 + 1 : r * 6 + 6]), y[r * 6 + 1 : r * 6 + 6])
+                    for r in range(2)
+                ]
             (sum(per_rank) / 2).backward()
             opt.step()
             opt.zero_grad()
@@ -512,6 +548,7 @@ def test_buffers_follow_rank0_and_predict_is_local():
     state = bn_net().state_dict()
     (_, bytes0), (mean1, bytes1) = run_ranks(batchnorm_buffers, 2, "inmemory", state=state)
     assert bytes0 == bytes1 == 0
+
     # After rank 1's second forward: 0.9 x (rank 0's running mean after one step) + 0.1 x rank 1's batch mean.
     def running_mean(dtype):
         net = bn_net(state).to(dtype)

@@ -45,9 +45,16 @@ def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: boo
     """Train the elastic job's model from the newest checkpoint under ``root`` up to step ``until``."""
     config = gpudist.ShardingConfiguration(comm)
     model = elastic_job.wrap(elastic_job.build_model(), config, zero_stage)
-    opt = gpudist.ElasticOptimizer(elastic_job.make_optimizer(model.parameters()), config, Path(root), every,
-                                   zero_stage=zero_stage, batch_size=elastic_job.GLOBAL_BATCH // comm.world_size,
-                                   lr_scaling=lr_scaling, base_world_size=3 if lr_scaling else None)  # fmt: skip
+    opt = gpudist.ElasticOptimizer(
+        elastic_job.make_optimizer(model.parameters()),
+        config,
+        Path(root),
+        every,
+        zero_stage=zero_stage,
+        batch_size=elastic_job.GLOBAL_BATCH // comm.world_size,
+        lr_scaling=lr_scaling,
+        base_world_size=3 if lr_scaling else None,
+    )
     start, lr = opt.step_count, opt.param_groups[0]["lr"]
     world, rank = comm.world_size, comm.rank
     while opt.step_count < until:
@@ -89,8 +96,9 @@ def test_learning_rate_follows_the_world_size(tmp_path):
     scaling applied twice across restarts."""
     root = str(tmp_path / "ckpt")
     run_ranks(_train, 2, "inmemory", root=root, until=3, every=3, zero_stage=0, finish=True, lr_scaling="linear")
-    again = run_ranks(_train, 2, "inmemory", root=root, until=4, every=3, zero_stage=0, finish=True,
-                      lr_scaling="linear")  # fmt: skip
+    again = run_ranks(
+        _train, 2, "inmemory", root=root, until=4, every=3, zero_stage=0, finish=True, lr_scaling="linear"
+    )
     assert again[0][4] == pytest.approx(0.01 * 2 / 3)
     back = run_ranks(_train, 3, "inmemory", root=root, until=5, every=3, zero_stage=0, finish=True, lr_scaling="linear")
     assert back[0][4] == pytest.approx(0.01)
@@ -145,8 +153,10 @@ def _bad(comm, case: str, root: str):
     gpudist.ElasticOptimizer(opt, config, root, model=None if case == "model" else module, **kwargs)
 
 
-@pytest.mark.parametrize("case,message", [("every", "checkpoint_every=0"), ("scaling", "lr_scaling='cubic'"),
-                                          ("model", "needs the model it checkpoints")])  # fmt: skip
+@pytest.mark.parametrize(
+    "case,message",
+    [("every", "checkpoint_every=0"), ("scaling", "lr_scaling='cubic'"), ("model", "needs the model it checkpoints")],
+)
 def test_bad_input_is_refused(tmp_path, case, message):
     """Bad settings raise an error naming the value and the fix, before anything is read or written."""
     with pytest.raises(gpudist.testing.RanksFailedError, match=message):
@@ -174,8 +184,7 @@ def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     root.mkdir()
     logs = [tmp_path / f"agent{i}.log" for i in range(4)]
     port = free_port()
-    launch = functools.partial(elastic_job.launch_agent, port, root, steps=steps, every=every, sleep=0.15,
-                               cwd=ROOT)  # fmt: skip
+    launch = functools.partial(elastic_job.launch_agent, port, root, steps=steps, every=every, sleep=0.15, cwd=ROOT)
     status = functools.partial(elastic_job.read_status, root)
     agents = [launch(logs[0])]
     # The first agent must host the rendezvous store (it is never killed): the others start once it listens, however
@@ -183,16 +192,25 @@ def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     elastic_job.wait_for(lambda: _listening(port), "the first agent's rendezvous store", agents, logs, limit=120)
     agents += [launch(logs[i]) for i in (1, 2)]
     try:
-        elastic_job.wait_for(lambda: any(s["event"] == "step" and s["world"] == 3 and s["step"] >= 10
-                                         for s in status()), "10 steps at world size 3", agents, logs)  # fmt: skip
+        elastic_job.wait_for(
+            lambda: any(s["event"] == "step" and s["world"] == 3 and s["step"] >= 10 for s in status()),
+            "10 steps at world size 3",
+            agents,
+            logs,
+        )
         elastic_job.kill_node(agents[2])
         killed_at = max(s["step"] for s in status())
-        elastic_job.wait_for(lambda: any(s["event"] == "step" and s["world"] == 2 and s["step"] >= killed_at + 6
-                                         for s in status()), "6 steps at world size 2", agents, logs)  # fmt: skip
+        elastic_job.wait_for(
+            lambda: any(s["event"] == "step" and s["world"] == 2 and s["step"] >= killed_at + 6 for s in status()),
+            "6 steps at world size 2",
+            agents,
+            logs,
+        )
         agents.append(launch(logs[3]))
         survivors = [a for i, a in enumerate(agents) if i != 2]
-        elastic_job.wait_for(lambda: all(a.poll() is not None for a in survivors), "the agents to finish", agents,
-                             logs, limit=150)  # fmt: skip
+        elastic_job.wait_for(
+            lambda: all(a.poll() is not None for a in survivors), "the agents to finish", agents, logs, limit=150
+        )
         codes = [a.returncode for a in survivors]
         assert codes == [0, 0, 0], "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
     finally:
@@ -226,8 +244,12 @@ def _scheduler_then_load(comm, root: str):
     opt2.step()
     sched.step()
     inner = opt2.optimizer
-    return (inner.param_groups[0]["lr"], inner.param_groups is opt2.param_groups, inner.state is opt2.state,
-            len(inner.state))  # fmt: skip
+    return (
+        inner.param_groups[0]["lr"],
+        inner.param_groups is opt2.param_groups,
+        inner.state is opt2.state,
+        len(inner.state),
+    )
 
 
 def test_scheduler_built_before_a_load_still_drives_the_optimizer(tmp_path):

@@ -76,8 +76,22 @@ def assert_losses_match(got: list[float], ref32: list[float], ref64: list[float]
 def ddp_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One short run of the script as a user would start it: 2 spawned Gloo ranks, fp32 communication."""
     out = tmp_path_factory.mktemp("train") / "run"
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--strategy", "ddp", "--world-size", str(WORLD),
-           "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--log-every", "10", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "--strategy",
+        "ddp",
+        "--world-size",
+        str(WORLD),
+        "--steps",
+        str(STEPS),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--log-every",
+        "10",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     return proc, out
@@ -89,8 +103,11 @@ def test_script_trains_and_writes_its_outputs(ddp_run):
     proc, out = ddp_run
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     # Not a terminal: one plain progress line per --log-every steps, no carriage returns.
-    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["10/30", "20/30",
-                                                                                                  "30/30"]
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == [
+        "10/30",
+        "20/30",
+        "30/30",
+    ]
     assert "\r" not in proc.stdout
 
     metrics = json.loads((out / "metrics.json").read_text())
@@ -125,8 +142,10 @@ def test_ddp_on_two_ranks_matches_single_process_training(ddp_run):
     trained = load_file(out / "model.safetensors")
     assert sorted(trained) == sorted(params64)
     names = sorted(params64)
-    flat = {key: torch.cat([d[n].reshape(-1) for n in names]) for key, d in (("got", trained), ("32", params32),
-                                                                             ("64", params64))}  # fmt: skip
+    flat = {
+        key: torch.cat([d[n].reshape(-1) for n in names])
+        for key, d in (("got", trained), ("32", params32), ("64", params64))
+    }
     assert_matches_reference(flat["got"], flat["32"], flat["64"], what="parameters")
     # The reported loss is the global batch's, as the single process computes it.
     metrics = json.loads((out / "metrics.json").read_text())
@@ -156,8 +175,10 @@ def test_corpus_and_model_are_deterministic_from_the_seed():
     assert torch.equal(a.batches(2, 4)[0], b.batches(2, 4)[0])
     assert not torch.equal(a.batches(2, 4)[0], lm.SyntheticCorpus(seed=8).batches(2, 4)[0])
     assert not torch.equal(a.batches(2, 4)[0], a.batches(2, 4, split="val")[0])  # held-out data is separate
-    assert torch.equal(torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()),
-                       torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()))
+    assert torch.equal(
+        torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()),
+        torch.nn.utils.parameters_to_vector(lm.TinyLM(seed=1).parameters()),
+    )
     # A script that uses one seed for everything still gets a corpus with learnable structure (floor << uniform).
     assert a.entropy_floor(64) < 0.6 * math.log(lm.VOCAB_SIZE)
 
@@ -183,8 +204,12 @@ def test_loss_plot_without_matplotlib_is_a_valid_png(monkeypatch):
     """Catches the fallback plot writing a file no viewer opens (bad chunk CRC, wrong row length, missing filter
     bytes): without matplotlib the script must still write a real PNG."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
-    metrics = {"loss": [4.2, 3.1, 2.6, 2.4], "entropy_floor": 2.1, "log_vocab": 4.16,
-               "config": {"strategy": "ddp", "world_size": 2, "comm_dtype": "fp32"}}
+    metrics = {
+        "loss": [4.2, 3.1, 2.6, 2.4],
+        "entropy_floor": 2.1,
+        "log_vocab": 4.16,
+        "config": {"strategy": "ddp", "world_size": 2, "comm_dtype": "fp32"},
+    }
     data = train.plot_loss(metrics)
     assert data.startswith(PNG_SIGNATURE)
     pos, chunks = len(PNG_SIGNATURE), {}
@@ -202,8 +227,9 @@ def test_loss_plot_without_matplotlib_is_a_valid_png(monkeypatch):
     assert len(set(raw)) > 3  # something was drawn on the white background
 
 
-def _sgd_training(comm: gpudist.CommunicationBackend | None, steps: int, global_batch: int,
-                  dtype=torch.float32) -> torch.Tensor:  # fmt: skip
+def _sgd_training(
+    comm: gpudist.CommunicationBackend | None, steps: int, global_batch: int, dtype=torch.float32
+) -> torch.Tensor:
     """A few SGD steps on a small TinyLM: with DDP on ``comm``'s ranks, or in plain PyTorch (in ``dtype``) when
     ``comm`` is None."""
     corpus = lm.SyntheticCorpus(seed=0, seq_len=16)
@@ -238,8 +264,22 @@ def test_script_runs_every_zero_strategy(tmp_path, strategy):
     """Catches `examples/train.py --strategy zero1|zero2|zero3|fsdp` failing where DDP works (a model/optimizer pair
     that does not fit the script, e.g. sharded parameters the script reads for its replica check or model file),
     and the replicas disagreeing after a few steps."""
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--strategy", strategy, "--world-size", "2", "--steps", "4",
-           "--global-batch", "8", "--log-every", "2", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "--strategy",
+        strategy,
+        "--world-size",
+        "2",
+        "--steps",
+        "4",
+        "--global-batch",
+        "8",
+        "--log-every",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -247,16 +287,20 @@ def test_script_runs_every_zero_strategy(tmp_path, strategy):
     assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(n for n, _ in lm.TinyLM().named_parameters())
 
 
-@pytest.mark.parametrize(("strategy", "world", "pp", "tp"), [("pipeline", 2, 2, 1), ("pipeline", 4, 2, 1),
-                                                         ("tensor", 2, 1, 2), ("hybrid", 4, 2, 2)])
+@pytest.mark.parametrize(
+    ("strategy", "world", "pp", "tp"),
+    [("pipeline", 2, 2, 1), ("pipeline", 4, 2, 1), ("tensor", 2, 1, 2), ("hybrid", 4, 2, 2)],
+)
 def test_model_parallel_strategies_train_like_ddp(tmp_path, strategy, world, pp, tp):
     """`--strategy pipeline|tensor|hybrid` (TinyLM as embeddings, blocks, head; heads, MLP and vocabulary split)
     gives the same per-step losses as DDP on the same global batches, with identical gathered parameters on
     every rank. Catches the script feeding a replica the wrong slice (each replica, not each rank, reads one), a
     loss that is not the global batch's, and the tied head/embedding drifting between stages or shards."""
+
     def run(name, ranks, **kw):
-        cfg = train.TrainConfig(steps=4, global_batch=8, log_every=100, d_model=32, seq_len=16,
-                                out=str(tmp_path / name), **kw)  # fmt: skip
+        cfg = train.TrainConfig(
+            steps=4, global_batch=8, log_every=100, d_model=32, seq_len=16, out=str(tmp_path / name), **kw
+        )
         run_ranks(train.train, ranks, "inmemory", cfg=cfg)
         return json.loads((tmp_path / name / "metrics.json").read_text())
 
@@ -276,9 +320,11 @@ def test_async_with_staleness_zero_and_elastic_resume_train_like_ddp(tmp_path):
     DDP's steps: both give DDP's per-step losses. Catches the example feeding async workers the wrong slices, the
     elastic run restarting from step 0 or a wrong data position, and the LR schedule not following the resumed step.
     (The async losses are each rank's own slice averaged over ranks, as DDP's are.)"""
+
     def run(name, ranks, steps=6, **kw):
-        cfg = train.TrainConfig(steps=steps, global_batch=8, log_every=100, d_model=32, seq_len=16,
-                                out=str(tmp_path / name), **kw)  # fmt: skip
+        cfg = train.TrainConfig(
+            steps=steps, global_batch=8, log_every=100, d_model=32, seq_len=16, out=str(tmp_path / name), **kw
+        )
         run_ranks(train.train, ranks, "inmemory", cfg=cfg)
         return json.loads((tmp_path / name / "metrics.json").read_text())
 
@@ -303,9 +349,11 @@ def test_async_with_stale_gradients_converges_on_the_example_task(tmp_path):
     parameters. The 5% is a bound on the training outcome, not on rounding: which stale version each gradient
     meets depends on thread timing (host speed and load), so the async run itself differs between runs and hosts;
     the margin (1.9% measured) absorbs that."""
+
     def run(name, **kw):
-        cfg = train.TrainConfig(steps=60, global_batch=12, log_every=100, d_model=32, seq_len=16,
-                                out=str(tmp_path / name), **kw)  # fmt: skip
+        cfg = train.TrainConfig(
+            steps=60, global_batch=12, log_every=100, d_model=32, seq_len=16, out=str(tmp_path / name), **kw
+        )
         run_ranks(train.train, 3, "inmemory", cfg=cfg)
         return json.loads((tmp_path / name / "metrics.json").read_text())
 

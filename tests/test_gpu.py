@@ -236,6 +236,7 @@ def test_compressed_collectives_on_cuda(name):
     for compressor in (IdentityCompressor(), TopKCompressor(1.0)):
         for results in run_ranks(lossless_vs_plain, 3, "inmemory", device="cuda", compressor=compressor, n=1001):
             assert_lossless(results, 3)
-    for applied, pending, true, bound in run_ranks(conservation, 3, "inmemory", device="cuda", compressor=LOSSY[name],
-                                                   n=5000):  # fmt: skip
+    for applied, pending, true, bound in run_ranks(
+        conservation, 3, "inmemory", device="cuda", compressor=LOSSY[name], n=5000
+    ):
         torch.testing.assert_close(applied + pending, true, rtol=0, atol=bound)

@@ -60,8 +60,9 @@ def reference(kind: str = "adamw", dtype=torch.float32) -> tuple[torch.Tensor, l
 
 def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="1f1b", max_grad_norm=None):
     config = ShardingConfiguration(comm, max_grad_norm=max_grad_norm)
-    model = HybridShardedModel(tiny(), config, pp, tp, dp, plan=tinylm_plan, blocks=as_sequential, micro_batches=2,
-                               schedule=schedule)  # fmt: skip
+    model = HybridShardedModel(
+        tiny(), config, pp, tp, dp, plan=tinylm_plan, blocks=as_sequential, micro_batches=2, schedule=schedule
+    )
     opt = HybridShardedOptimizer(make_optimizer(model.parameters(), kind), config, pp, tp, dp, zero_stage=zero_stage)
     replicas, d = model.data_parallel_size, model.data_parallel_rank
     losses = []
@@ -138,10 +139,12 @@ def test_3d_2x2x2_clips_to_the_global_gradient_norm(zero_stage):
 def bad_layouts(comm):
     config = ShardingConfiguration(comm)
     errors = []
-    for call in (lambda: HybridShardedModel(tiny(), config, 3, 2, plan=tinylm_plan, blocks=as_sequential),
-                 lambda: HybridShardedModel(tiny(), config, 2, 2, 3, plan=tinylm_plan, blocks=as_sequential),
-                 lambda: HybridShardedModel(tiny(), config, 1, 2),
-                 lambda: HybridShardedModel(tiny(), config, 2, 1)):  # fmt: skip
+    for call in (
+        lambda: HybridShardedModel(tiny(), config, 3, 2, plan=tinylm_plan, blocks=as_sequential),
+        lambda: HybridShardedModel(tiny(), config, 2, 2, 3, plan=tinylm_plan, blocks=as_sequential),
+        lambda: HybridShardedModel(tiny(), config, 1, 2),
+        lambda: HybridShardedModel(tiny(), config, 2, 1),
+    ):
         with pytest.raises((TypeError, ValueError)) as info:
             call()
         errors.append(str(info.value))

@@ -234,8 +234,9 @@ def test_adam_matches_torch_optim(device, kernel_impl, case):
     for step, grad in enumerate(grads, 1):
         skipped = adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-2, **_kernel_adam_kw(case))
         assert skipped.item() == 0.0
-    refs = reference_pair(_torch_optim_run, lambda p: _torch_adam(p, case, lr=1e-2), start, grads,
-                          state_keys=("exp_avg", "exp_avg_sq"))  # fmt: skip
+    refs = reference_pair(
+        _torch_optim_run, lambda p: _torch_adam(p, case, lr=1e-2), start, grads, state_keys=("exp_avg", "exp_avg_sq")
+    )
     _assert_like_torch([param, exp_avg, exp_avg_sq], refs, ["param", "exp_avg", "exp_avg_sq"])
 
 
@@ -267,22 +268,53 @@ def test_references_match_torch_optim():
     """Catches the oracle itself drifting from torch.optim (the dispatching op uses torch's fused CPU kernels,
     so the single-tensor references need their own check)."""
     n, g = 513, _gen(9)
-    defaults = {"maximize": False, "grad_scale": 1.0, "grad_scale_tensor": None, "found_inf": None,
-                "check_finite": True, "param_out": None}  # fmt: skip
+    defaults = {
+        "maximize": False,
+        "grad_scale": 1.0,
+        "grad_scale_tensor": None,
+        "found_inf": None,
+        "check_finite": True,
+        "param_out": None,
+    }
     for decoupled in (False, True):
         start, grads = torch.randn(n, generator=g), [torch.randn(n, generator=g) for _ in range(20)]
         p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
         for step, grad in enumerate(grads, 1):
-            adam_step_reference(p, grad, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                weight_decay=0.1, decoupled_weight_decay=decoupled, **defaults)  # fmt: skip
+            adam_step_reference(
+                p,
+                grad,
+                m,
+                v,
+                step=step,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.1,
+                decoupled_weight_decay=decoupled,
+                **defaults,
+            )
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        _assert_like_torch([p], reference_pair(_torch_optim_run, lambda q, cls=cls: cls([q], lr=1e-2, weight_decay=0.1),
-                                               start, grads), ["param"])  # fmt: skip
+        _assert_like_torch(
+            [p],
+            reference_pair(_torch_optim_run, lambda q, cls=cls: cls([q], lr=1e-2, weight_decay=0.1), start, grads),
+            ["param"],
+        )
     start, grads = torch.randn(n, generator=g), [torch.randn(n, generator=g) for _ in range(20)]
     p, buf = start.clone(), torch.zeros(n)
     for step, grad in enumerate(grads, 1):
-        sgd_step_reference(p, grad, buf, lr=1e-2, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01,
-                           first_step=step == 1, **defaults)  # fmt: skip
+        sgd_step_reference(
+            p,
+            grad,
+            buf,
+            lr=1e-2,
+            momentum=0.9,
+            dampening=0.0,
+            nesterov=True,
+            weight_decay=0.01,
+            first_step=step == 1,
+            **defaults,
+        )
     make = lambda q: torch.optim.SGD([q], lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
     _assert_like_torch([p], reference_pair(_torch_optim_run, make, start, grads), ["param"])
 
@@ -298,8 +330,19 @@ def test_adam_grad_scale_lowp_copy_and_bf16_grad(device, kernel_impl):
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     clip = torch.tensor([0.5], device=device)
     for step, grad in enumerate(grads, 1):
-        adam_step(param, grad, m, v, step=step, lr=1e-3, weight_decay=0.05, decoupled_weight_decay=True,
-                  grad_scale=0.25, grad_scale_tensor=clip, param_out=out)  # fmt: skip
+        adam_step(
+            param,
+            grad,
+            m,
+            v,
+            step=step,
+            lr=1e-3,
+            weight_decay=0.05,
+            decoupled_weight_decay=True,
+            grad_scale=0.25,
+            grad_scale_tensor=clip,
+            param_out=out,
+        )
     scaled = [grad.double() * 0.25 * 0.5 for grad in grads]  # exact: bf16 values times powers of two
     make = lambda p: torch.optim.AdamW([p], lr=1e-3, weight_decay=0.05)
     _assert_like_torch([param], reference_pair(_torch_optim_run, make, start, scaled), ["param"])

@@ -28,9 +28,11 @@ import torch
 from gpudist import kernels as K
 from gpudist.kernels import _triton
 
-pytestmark = pytest.mark.skipif(not (_triton.HAS_TRITON and _triton.interpreter_active()),
-                                reason="records launches in Triton's interpreter (set in tests/conftest.py without "
-                                       "CUDA); the GPU tier runs the compiled kernels themselves")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not (_triton.HAS_TRITON and _triton.interpreter_active()),
+    reason="records launches in Triton's interpreter (set in tests/conftest.py without "
+    "CUDA); the GPU tier runs the compiled kernels themselves",
+)
 
 TARGETS = ["cuda:90", "cuda:80"]
 N = 300  # more than one block of the small kernels, cheap in the interpreter
@@ -57,9 +59,14 @@ def _record(monkeypatch) -> list[dict]:
     def recording_run(self, *args, grid, warmup, **kwargs):
         names = self.arg_names
         given = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-        launches.append({"module": self.fn.__module__, "kernel": self.fn.__name__,
-                         "args": {k: _encode(v) for k, v in given.items()},
-                         "options": {k: v for k, v in kwargs.items() if k not in names}})  # fmt: skip
+        launches.append(
+            {
+                "module": self.fn.__module__,
+                "kernel": self.fn.__name__,
+                "args": {k: _encode(v) for k, v in given.items()},
+                "options": {k: v for k, v in kwargs.items() if k not in names},
+            }
+        )
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
@@ -79,15 +86,28 @@ def _drive_every_op() -> None:
         K.unpack(flat, tensors, scale=2.0)
     for dtype in (f32, bf16):
         K.squared_norm(_randn(N, dtype))
-    adam = [{}, {"weight_decay": 0.1}, {"weight_decay": 0.1, "decoupled_weight_decay": True}, {"maximize": True},
-            {"grad_scale_tensor": torch.tensor([2.0])}, {"found_inf": torch.zeros(1)},
-            {"param_out": torch.empty(N, dtype=bf16)}, {"bf16_grad": True}]  # fmt: skip
+    adam = [
+        {},
+        {"weight_decay": 0.1},
+        {"weight_decay": 0.1, "decoupled_weight_decay": True},
+        {"maximize": True},
+        {"grad_scale_tensor": torch.tensor([2.0])},
+        {"found_inf": torch.zeros(1)},
+        {"param_out": torch.empty(N, dtype=bf16)},
+        {"bf16_grad": True},
+    ]
     for kw in adam:
         grad = _randn(N, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         K.adam_step(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N), step=1, lr=1e-2, **kw)
-    sgd = [{}, {"momentum": 0.9, "first_step": True}, {"momentum": 0.9, "nesterov": True}, {"weight_decay": 0.1},
-           {"maximize": True, "grad_scale_tensor": torch.tensor([2.0])}, {"found_inf": torch.zeros(1)},
-           {"param_out": torch.empty(N, dtype=bf16)}]  # fmt: skip
+    sgd = [
+        {},
+        {"momentum": 0.9, "first_step": True},
+        {"momentum": 0.9, "nesterov": True},
+        {"weight_decay": 0.1},
+        {"maximize": True, "grad_scale_tensor": torch.tensor([2.0])},
+        {"found_inf": torch.zeros(1)},
+        {"param_out": torch.empty(N, dtype=bf16)},
+    ]
     for kw in sgd:
         buf = torch.zeros(N) if kw.get("momentum") else None
         K.sgd_step(_randn(N, f32), _randn(N, f32, 4), buf, lr=1e-2, **kw)
@@ -101,8 +121,13 @@ def _drive_every_op() -> None:
             K.dequantize_1bit(bits, scales, N, block_size=64, dtype=dtype)
             K.dequantize_1bit_accumulate(bits, scales, torch.zeros(N, dtype=dtype), block_size=64)
             for mode in ("exact", "threshold"):
-                K.topk_compress(grad, None if residual is None else residual.clone(), 10, mode,
-                                generator=torch.Generator().manual_seed(0))  # fmt: skip
+                K.topk_compress(
+                    grad,
+                    None if residual is None else residual.clone(),
+                    10,
+                    mode,
+                    generator=torch.Generator().manual_seed(0),
+                )
         K.quantize_int8(_randn(N, dtype, 6), torch.zeros(N), block_size=64, stochastic=True, seed=3)
     K.topk_compress(_randn(N, f32, 7), torch.zeros(N), 10, "exact", index_dtype=torch.int32)
 
@@ -128,8 +153,14 @@ def test_every_kernel_compiles_for_hopper_and_ampere(monkeypatch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # today's default, stated: silences triton 3.9's warning
     script = Path(__file__).with_name("kernel_compile.py")
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "specs.json"), *TARGETS], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "specs.json"), *TARGETS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and len(rows) == len(specs) * len(TARGETS), done.stderr[-3000:]
     failed = [f"{r['kernel']} @ {r['target']} {r['args']}: {r.get('error')}" for r in rows if not r["ok"]]

@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ({}, (0, 1, 0, "none")),
         ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, (2, 4, 0, "torchrun")),
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
-         (1, 3, 1, "openmpi")),
+        (
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+            (1, 3, 1, "openmpi"),
+        ),
         ({"PMI_RANK": "3", "PMI_SIZE": "5", "MPI_LOCALRANKID": "0"}, (3, 5, 0, "mpich")),
         ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (1, 2, 1, "slurm")),
     ],
@@ -79,8 +81,11 @@ def run_job(world: int, rank_env) -> list[dict]:
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "OMPI_", "PMI_"))}
         env |= rank_env(rank, world) | {"MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outputs = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -117,11 +122,13 @@ def test_init_mpi_under_mpirun(tmp_path):
     text = text.replace("print(json.dumps(", 'open(f"{os.environ[\'OUT\']}/{comm.rank}.json", "w").write(json.dumps(')
     script.write_text(text.replace("flush=True)", ")"))
     env = dict(os.environ, MASTER_PORT="1", OUT=str(tmp_path), OMPI_MCA_btl_vader_single_copy_mechanism="none")
-    out = subprocess.run([*mpi_launcher(3), sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                         env=env)  # fmt: skip
+    out = subprocess.run(
+        [*mpi_launcher(3), sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env
+    )
     rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
     assert [(r["rank"], r["world"], r["sum"], r["backend"]) for r in rows] == [(i, 3, 6.0, "mpi") for i in range(3)], (
-        out.stdout[-2000:] + out.stderr[-2000:])
+        out.stdout[-2000:] + out.stderr[-2000:]
+    )
 
 
 def test_init_single_process_without_launcher():
@@ -140,8 +147,21 @@ def test_gpudist_info():
 def test_gpudist_bench_collectives(tmp_path):
     """The command prints the nccl-tests columns and writes JSON with gpudist and torch busbw side by side."""
     path = tmp_path / "c.json"
-    cmd = [sys.executable, "-m", "gpudist.cli", "bench", "collectives", "--world-size", "2", "--max-bytes", "4K",
-           "--rounds", "1", "--json", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpudist.cli",
+        "bench",
+        "collectives",
+        "--world-size",
+        "2",
+        "--max-bytes",
+        "4K",
+        "--rounds",
+        "1",
+        "--json",
+        str(path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     header = next(line for line in out.stdout.splitlines() if "size(B)" in line)
@@ -151,8 +171,12 @@ def test_gpudist_bench_collectives(tmp_path):
     assert {r["op"] for r in doc["rows"]} == {"all_reduce", "reduce_scatter", "all_gather"}
     assert all(r["gpudist_busbw_GBps"] > 0 and r["baseline_busbw_GBps"] > 0 for r in doc["rows"])
     assert doc["environment"]["torch"]
-    bad = subprocess.run([sys.executable, "-m", "gpudist.cli", "bench", "collectives", "--backend", "nccl"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpudist.cli", "bench", "collectives", "--backend", "nccl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "unavailable" in (bad.stderr + bad.stdout)
 
 
@@ -161,8 +185,18 @@ def test_init_under_real_torchrun():
     ("Address already in use"): under the agent every rank must join the agent's store."""
     from gpudist.testing import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(ROOT / "examples" / "comm_demo.py"), "--numel", "1001"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "examples" / "comm_demo.py"),
+        "--numel",
+        "1001",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "all ranks ok: True" in out.stdout
@@ -172,8 +206,21 @@ def test_gpudist_bench_kernels(tmp_path):
     """Catches the kernel benchmark breaking (an op builder out of step with the kernels' signatures, a
     missing baseline) or an unknown op passing silently; no timing is asserted."""
     path = tmp_path / "k.json"
-    cmd = [sys.executable, "-m", "gpudist.cli", "bench", "kernels", "--device", "cpu", "--elements", "64K",
-           "--rounds", "1", "--json", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpudist.cli",
+        "bench",
+        "kernels",
+        "--device",
+        "cpu",
+        "--elements",
+        "64K",
+        "--rounds",
+        "1",
+        "--json",
+        str(path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(path.read_text())
@@ -183,14 +230,22 @@ def test_gpudist_bench_kernels(tmp_path):
     assert all(r["gpudist_s"] > 0 and r["torch_s"] > 0 and r["speedup"] > 0 for r in doc["rows"])
     assert all(r["recall"] == 1.0 for r in doc["rows"] if r["op"].startswith("topk"))
     assert doc["copy_GBps"] > 0 and doc["environment"]["torch"]
-    bad = subprocess.run([sys.executable, "-m", "gpudist.cli", "bench", "kernels", "--ops", "pack,nope"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpudist.cli", "bench", "kernels", "--ops", "pack,nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "unknown op(s) ['pack', 'nope']" in bad.stderr
 
 
 def test_main_job_runs():
     """The README's main job (examples/comm_demo.py) runs on 3 spawned ranks and every check passes."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "comm_demo.py"), "--world-size", "3",
-                          "--numel", "10007"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "comm_demo.py"), "--world-size", "3", "--numel", "10007"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed on every rank" in out.stdout

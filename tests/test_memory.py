@@ -202,9 +202,13 @@ def _measure_phases(comm, strategy, x, y, width, depth, steps) -> dict:
         census = settled_census(base.total + (1 + TOLERANCE) * expected)
         alloc = allocated_bytes()
         reported = model.memory_per_rank()
-        rows[phase] = {"census": census.total - base.total, "allocated": None if alloc is None else alloc - base_alloc,
-                       "reported": sum(reported.values()), "reported_by_category": reported,
-                       "state_bytes": opt.state_bytes()}  # fmt: skip
+        rows[phase] = {
+            "census": census.total - base.total,
+            "allocated": None if alloc is None else alloc - base_alloc,
+            "reported": sum(reported.values()),
+            "reported_by_category": reported,
+            "state_bytes": opt.state_bytes(),
+        }
 
     record("wrap")
     for step in range(1, steps + 1):
@@ -235,14 +239,19 @@ def check_rank(strategy: str, world: int, rank: int, rows: dict, width: int) -> 
         total = sum(expected.values())
         where = f"{strategy} N={world} rank {rank} after {phase}"
         if abs(row["census"] - total) > TOLERANCE * total:
-            problems.append(f"{where}: live storages {row['census']:,} B = {row['census'] / total:.3f}x the formula "
-                            f"{total:,} B ({expected})")  # fmt: skip
+            problems.append(
+                f"{where}: live storages {row['census']:,} B = {row['census'] / total:.3f}x the formula "
+                f"{total:,} B ({expected})"
+            )
         if abs(row["reported"] - row["census"]) > TOLERANCE * total:
-            problems.append(f"{where}: the model reports {row['reported']:,} B ({row['reported_by_category']}) but "
-                            f"{row['census']:,} B are live")  # fmt: skip
+            problems.append(
+                f"{where}: the model reports {row['reported']:,} B ({row['reported_by_category']}) but "
+                f"{row['census']:,} B are live"
+            )
         if abs(row["state_bytes"] - expected["optimizer_state"]) > TOLERANCE * total:
-            problems.append(f"{where}: opt.state_bytes() = {row['state_bytes']:,} B, formula "
-                            f"{expected['optimizer_state']:,} B")  # fmt: skip
+            problems.append(
+                f"{where}: opt.state_bytes() = {row['state_bytes']:,} B, formula {expected['optimizer_state']:,} B"
+            )
     return problems
 
 
@@ -282,10 +291,13 @@ def test_the_allocator_sees_no_more_than_the_census(strategy, world):
     if allocated_bytes() is None:
         pytest.skip("no allocator count here: glibc's mallinfo2 is unavailable (not Linux/glibc 2.33+)")
     _, results = measured(strategy, world)
-    problems = [f"{strategy} N={world} rank {rank} after {phase}: the allocator holds {row['allocated']:,} B more "
-                f"than before the model, the census counts {row['census']:,} B of live storages"
-                for rank, rows in enumerate(results) for phase, row in rows.items()
-                if row["allocated"] - row["census"] > ALLOCATOR_MARGIN]  # fmt: skip
+    problems = [
+        f"{strategy} N={world} rank {rank} after {phase}: the allocator holds {row['allocated']:,} B more "
+        f"than before the model, the census counts {row['census']:,} B of live storages"
+        for rank, rows in enumerate(results)
+        for phase, row in rows.items()
+        if row["allocated"] - row["census"] > ALLOCATOR_MARGIN
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -299,8 +311,11 @@ def broadcast_and_census(comm, numel: int, tensors: int) -> dict:
     broadcast_tensors(comm, values)
     let_go_of_finished_ops(comm)
     census, alloc = storage_census(), allocated_bytes()
-    return {"census": census.total - base.total, "allocated": None if alloc is None else alloc - base_alloc,
-            "received": all(bool((v == 0).all()) for v in values)}  # fmt: skip
+    return {
+        "census": census.total - base.total,
+        "allocated": None if alloc is None else alloc - base_alloc,
+        "received": all(bool((v == 0).all()) for v in values),
+    }
 
 
 @pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("gloo", 2)])
@@ -316,8 +331,9 @@ def test_broadcast_tensors_keeps_no_copy_of_what_it_sent(backend, world):
     results = run_ranks(broadcast_and_census, world, backend, numel=numel + world, tensors=tensors)
     for rank, r in enumerate(results):
         assert r["received"]
-        assert r["census"] <= 0.01 * sent, (f"rank {rank}: {r['census']:,} B of storages outlive broadcast_tensors "
-                                            f"of {sent:,} B")  # fmt: skip
+        assert r["census"] <= 0.01 * sent, (
+            f"rank {rank}: {r['census']:,} B of storages outlive broadcast_tensors of {sent:,} B"
+        )
         if backend == "gloo" and r["allocated"] is not None:  # one process per rank: the allocator is this rank's
             grown = r["allocated"]
             assert grown <= 0.01 * sent + ALLOCATOR_MARGIN, f"rank {rank}: allocator +{grown:,} B, sent {sent:,}"

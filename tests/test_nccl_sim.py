@@ -238,15 +238,17 @@ def test_ddp_folds_the_average_into_a_pass_it_makes_anyway(views):
     assert (averaged >= 2 * test_gpu.STEPS) if views else averaged == 0, dict(fake.reductions)
 
 
-@pytest.mark.parametrize(("world", "micro", "schedule"), [(2, 4, "1f1b"), (3, 4, "1f1b"), (4, 8, "1f1b"),
-                                                          (3, 4, "gpipe"), (4, 2, "1f1b")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("world", "micro", "schedule"), [(2, 4, "1f1b"), (3, 4, "1f1b"), (4, 8, "1f1b"), (3, 4, "gpipe"), (4, 2, "1f1b")]
+)
 def test_pipeline_over_nccl_matches_one_process(world, micro, schedule):
     """Pipeline stages over NCCL's in-order p2p: each receive posted when needed, grouped with the sends before
     it. Catches the deadlock of receives posted ahead (they stall the stream; the simulated NCCL reports it as
     a hang) and shape/loss messages kept in host memory (NCCL sends device memory only)."""
     want = reference_pair(test_pipeline.reference)
-    for params, losses, _, _ in run_nccl(test_pipeline.pipeline_train, world, FakeNccl(timeout=20), micro=micro,
-                                         schedule=schedule):  # fmt: skip
+    for params, losses, _, _ in run_nccl(
+        test_pipeline.pipeline_train, world, FakeNccl(timeout=20), micro=micro, schedule=schedule
+    ):
         test_pipeline.check_training(params, losses, want)
 
 
@@ -255,8 +257,9 @@ def test_pipeline_with_changing_shapes_over_nccl(stages, micro):
     """Batches of 16, 8, 8, 24 samples with predict() in between. Catches the ordered path expecting the dummy
     message that only the speculative (posted-ahead) path sends, or a predict() shape message left in host memory."""
     want = reference_pair(test_pipeline.reference, steps=4, batch=test_pipeline.varying_batch)
-    for params, losses in run_nccl(test_pipeline.pipeline_train_varying, stages, FakeNccl(timeout=20), stages=stages,
-                                   micro=micro):  # fmt: skip
+    for params, losses in run_nccl(
+        test_pipeline.pipeline_train_varying, stages, FakeNccl(timeout=20), stages=stages, micro=micro
+    ):
         test_pipeline.check_training(params, losses, want)
 
 
@@ -272,8 +275,9 @@ def test_tensor_parallel_over_nccl_matches_one_process():
 def test_3d_hybrid_over_nccl_matches_one_process():
     """pp=2 x dp=2 x tp=2 with ZeRO-2 on 8 NCCL ranks: pipeline p2p groups, tensor all-reduces and sharded
     data-parallel steps on nested NCCL sub-communicators."""
-    test_hybrid.check(run_nccl(test_hybrid.hybrid_train, 8, FakeNccl(timeout=30), zero_stage=2, kind="adamw"),
-                      "adamw", 8)  # fmt: skip
+    test_hybrid.check(
+        run_nccl(test_hybrid.hybrid_train, 8, FakeNccl(timeout=30), zero_stage=2, kind="adamw"), "adamw", 8
+    )
 
 
 @pytest.mark.parametrize("name", ["topk", "int8", "1bit"])
@@ -302,8 +306,9 @@ def test_example_script_over_nccl_trains_like_ddp(tmp_path, strategy, world, pp)
     from .test_example_train import assert_losses_match, script_losses, train
 
     def cfg(name, **kw):
-        return train.TrainConfig(steps=4, global_batch=8, log_every=2, d_model=32, seq_len=16,
-                                 out=str(tmp_path / name), **kw)  # fmt: skip
+        return train.TrainConfig(
+            steps=4, global_batch=8, log_every=2, d_model=32, seq_len=16, out=str(tmp_path / name), **kw
+        )
 
     run_ranks(train.train, 2, "inmemory", cfg=cfg("ddp"))
     run_nccl(train.train, world, FakeNccl(), cfg=cfg(strategy, strategy=strategy, pp=pp, micro_batches=2))
@@ -326,11 +331,17 @@ def _bench_rank(comm) -> tuple[list[dict], dict]:
     rows = bench.sweep(comm, min_bytes=256, max_bytes=1024, rounds=1, target_seconds=1e-4)
     n, r = comm.world_size, comm.rank
     full = torch.arange(10 * n, dtype=torch.float32) * (r + 1)
-    ours = {"all_reduce": lambda i, o: comm.all_reduce(i), "reduce_scatter": comm.reduce_scatter,
-            "all_gather": comm.all_gather}  # fmt: skip
+    ours = {
+        "all_reduce": lambda i, o: comm.all_reduce(i),
+        "reduce_scatter": comm.reduce_scatter,
+        "all_gather": comm.all_gather,
+    }
     same = {}
-    for op, inp, out_numel in (("all_reduce", full, 10 * n), ("reduce_scatter", full, 10),
-                               ("all_gather", full[10 * r : 10 * (r + 1)], 10 * n)):  # fmt: skip
+    for op, inp, out_numel in (
+        ("all_reduce", full, 10 * n),
+        ("reduce_scatter", full, 10),
+        ("all_gather", full[10 * r : 10 * (r + 1)], 10 * n),
+    ):
         outs = []
         for call in (ours[op], lambda i, o, op=op: bench._raw_call(comm, op, i, o)()):
             i = inp.clone()
@@ -360,12 +371,17 @@ def test_collectives_benchmark_refuses_more_ranks_than_gpus(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
-    with installed(FakeNccl(version=23003)), pytest.raises(SystemExit, match=r"--world-size 2 needs 2 GPUs.*has 1"
-                                                                              r".*NCCL_MULTI_RANK_GPU_ENABLE=1"):
+    with (
+        installed(FakeNccl(version=23003)),
+        pytest.raises(
+            SystemExit,
+            match=r"--world-size 2 needs 2 GPUs.*has 1"
+            r".*NCCL_MULTI_RANK_GPU_ENABLE=1",
+        ),
+    ):
         bench._check_gpus(2)
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     bench._check_gpus(2)
-
 
 
 def test_simulation_matches_the_installed_cupy():

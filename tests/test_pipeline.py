@@ -40,8 +40,11 @@ def test_partition_blocks_balances_parameters():
     assert sum(counts) == 6 and min(counts) >= 1 and max(counts) == 2
     assert partition_blocks([1] * 7, 3, "uniform") == [3, 2, 2]
     assert partition_blocks([1] * 5, 2, [4, 1]) == [4, 1]
-    for balance, match in [([3, 3], "summing to the model's 5 blocks"), ([5, 0], "block counts >= 1"),
-                           ("even", "balance='even'")]:  # fmt: skip
+    for balance, match in [
+        ([3, 3], "summing to the model's 5 blocks"),
+        ([5, 0], "block counts >= 1"),
+        ("even", "balance='even'"),
+    ]:
         with pytest.raises(ValueError, match=match):
             partition_blocks([1] * 5, 2, balance)
     with pytest.raises(ValueError, match="num_stages=6 is more than the model's 5 blocks"):
@@ -92,8 +95,9 @@ D = 8
 
 def _mlp(blocks: int = 6) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(D, D), nn.Tanh()) if i % 2 else nn.Linear(D, D)
-                           for i in range(blocks)])  # fmt: skip
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(D, D), nn.Tanh()) if i % 2 else nn.Linear(D, D) for i in range(blocks)]
+    )
 
 
 _MLP = _mlp()
@@ -113,8 +117,9 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t  # token ids stay integers
 
 
-def reference(steps: int = 3, build=mlp, batch=global_batch, loss_fn=F.mse_loss,
-              dtype=torch.float32) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
+def reference(
+    steps: int = 3, build=mlp, batch=global_batch, loss_fn=F.mse_loss, dtype=torch.float32
+) -> tuple[torch.Tensor, list[float]]:
     """Single-process training on the global batch."""
     net = build().to(dtype)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
@@ -129,11 +134,21 @@ def reference(steps: int = 3, build=mlp, batch=global_batch, loss_fn=F.mse_loss,
     return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
 
 
-def pipeline_train(comm, stages=None, micro=4, schedule="1f1b", steps=3, build=mlp, batch=global_batch,
-                   loss_fn=F.mse_loss, balance="parameters"):  # fmt: skip
+def pipeline_train(
+    comm,
+    stages=None,
+    micro=4,
+    schedule="1f1b",
+    steps=3,
+    build=mlp,
+    batch=global_batch,
+    loss_fn=F.mse_loss,
+    balance="parameters",
+):
     config = ShardingConfiguration(comm)
-    model = PipelineParallelModel(build(), config, num_stages=stages, micro_batches=micro, schedule=schedule,
-                                  balance=balance)  # fmt: skip
+    model = PipelineParallelModel(
+        build(), config, num_stages=stages, micro_batches=micro, schedule=schedule, balance=balance
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     dp, d = model.data_parallel_size, model.data_parallel_rank
@@ -227,8 +242,9 @@ def test_tied_embedding_across_stages_matches_single_process(world):
     hold the shared matrix and sum its gradients, so training equals a single process. Catches a tied parameter
     updated from one stage's gradient only (the two copies drift apart) or counted twice in the full vector."""
     want = reference_pair(reference, build=lm, batch=lm_batch, loss_fn=lm_loss)
-    for params, losses, _, _ in run_ranks(pipeline_train, world, "inmemory", micro=2, build=lm, batch=lm_batch,
-                                          loss_fn=lm_loss):  # fmt: skip
+    for params, losses, _, _ in run_ranks(
+        pipeline_train, world, "inmemory", micro=2, build=lm, batch=lm_batch, loss_fn=lm_loss
+    ):
         check_training(params, losses, want)
 
 
@@ -263,10 +279,12 @@ def test_predict_errors_and_metadata():
 def bad_constructions(comm):
     config = ShardingConfiguration(comm)
     errors = []
-    for call in (lambda: PipelineParallelModel(nn.Linear(2, 2), config),
-                 lambda: PipelineParallelModel(mlp(), config, num_stages=3),
-                 lambda: PipelineParallelModel(mlp(), config, schedule="zigzag"),
-                 lambda: PipelineParallelModel(mlp(), config, micro_batches=0)):  # fmt: skip
+    for call in (
+        lambda: PipelineParallelModel(nn.Linear(2, 2), config),
+        lambda: PipelineParallelModel(mlp(), config, num_stages=3),
+        lambda: PipelineParallelModel(mlp(), config, schedule="zigzag"),
+        lambda: PipelineParallelModel(mlp(), config, micro_batches=0),
+    ):
         with pytest.raises((TypeError, ValueError)) as info:
             call()
         errors.append(str(info.value))

@@ -39,8 +39,9 @@ def helpers(comm, path: str) -> float:
     F.mse_loss(fsdp(x), y).backward()
     fsdp.clip_grad_norm_(0.1)
     squeezed = gpudist.DDPModel(test_gpu.net("cpu"), plain)
-    copt = gpudist.GradientCompressionOptimizer(torch.optim.SGD(squeezed.parameters(), lr=0.1), plain,
-                                                TopKCompressor(0.1))  # fmt: skip
+    copt = gpudist.GradientCompressionOptimizer(
+        torch.optim.SGD(squeezed.parameters(), lr=0.1), plain, TopKCompressor(0.1)
+    )
     for _ in range(2):
         F.mse_loss(squeezed(x), y).backward()
         copt.step()

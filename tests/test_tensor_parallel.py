@@ -268,10 +268,20 @@ def train_lm(comm, tp, opt_name, x, y, idiomatic=False, steps=STEPS):
             losses.append(loss.item())
         else:
             losses.append(model.train_step(x[mine], y[mine], optimizer=opt))
-    return {"losses": losses, "params": model.gather_full_parameters(), "meta": model.get_model_metadata(),
-            "local_numel": sum(p.numel() for p in model.parameters()),
-            "ranks": (model.pipeline_parallel_rank, model.pipeline_parallel_size, model.data_parallel_rank,
-                      model.data_parallel_size, model.tensor_parallel_rank, model.tensor_parallel_size)}  # fmt: skip
+    return {
+        "losses": losses,
+        "params": model.gather_full_parameters(),
+        "meta": model.get_model_metadata(),
+        "local_numel": sum(p.numel() for p in model.parameters()),
+        "ranks": (
+            model.pipeline_parallel_rank,
+            model.pipeline_parallel_size,
+            model.data_parallel_rank,
+            model.data_parallel_size,
+            model.tensor_parallel_rank,
+            model.tensor_parallel_size,
+        ),
+    }
 
 
 def train_mlp(comm, state, tp):
@@ -282,8 +292,11 @@ def train_mlp(comm, state, tp):
     for step in range(STEPS):
         x, y = mlp_batch(step)
         model.train_step(x, y, F.mse_loss, opt)
-    return {"params": model.gather_full_parameters(), "predict": model.predict(mlp_batch(0)[0]),
-            "shapes": [tuple(p.shape) for p in model.parameters()]}  # fmt: skip
+    return {
+        "params": model.gather_full_parameters(),
+        "predict": model.predict(mlp_batch(0)[0]),
+        "shapes": [tuple(p.shape) for p in model.parameters()],
+    }
 
 
 def save_trained(comm, path):
@@ -356,8 +369,12 @@ def test_primitives_on_a_group_of_one_return_the_input():
     """Catches a group of one that still builds autograd nodes or calls the backend."""
     comm = InMemoryCommunicationBackend(0, 1, f"solo-{uuid.uuid4().hex}")
     x = torch.ones(3, 4)
-    for fn in (copy_to_tensor_parallel, reduce_from_tensor_parallel, scatter_to_tensor_parallel,
-               gather_from_tensor_parallel):  # fmt: skip
+    for fn in (
+        copy_to_tensor_parallel,
+        reduce_from_tensor_parallel,
+        scatter_to_tensor_parallel,
+        gather_from_tensor_parallel,
+    ):
         assert fn(x, comm) is x
     assert comm.stats.total_calls == 0
 
@@ -370,9 +387,16 @@ def test_layers_match_torch(tp):
     run_ranks(check_layers, tp, "inmemory")
 
 
-@pytest.mark.parametrize(("backend", "tp", "opt_name"), [("inmemory", 2, "adamw"), ("inmemory", 4, "adamw"),
-                                                         ("gloo", 2, "adamw"), ("inmemory", 2, "sgd"),
-                                                         ("inmemory", 4, "sgd")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "tp", "opt_name"),
+    [
+        ("inmemory", 2, "adamw"),
+        ("inmemory", 4, "adamw"),
+        ("gloo", 2, "adamw"),
+        ("inmemory", 2, "sgd"),
+        ("inmemory", 4, "sgd"),
+    ],
+)
 def test_tinylm_matches_single_process(backend, tp, opt_name):
     """Catches heads split across q/k/v inconsistently, the tied head losing its tie to the embedding shard, a
     replicated gradient summed over the tensor group (SGD sees it), and extra or missing collectives: 5 steps
@@ -445,20 +469,50 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
 @pytest.mark.parametrize(
     ("world", "tp", "make", "plan", "match"),
     [
-        (2, None, lambda: lm().TinyLM(**{**LM, "vocab": 63}), tinylm_plan,
-         r"'tok' \(vocab\): vocabulary size \(num_embeddings\)=63 is not divisible by the tensor-parallel size 2"),
-        (4, None, lambda: lm().TinyLM(**{**LM, "d_model": 48, "n_heads": 6}), tinylm_plan,
-         r"'blocks.0' \(heads\): n_heads=6 is not divisible by the tensor-parallel size 4; .* \(1, 2, 3, 6\)"),
-        (2, None, lambda: nn.Sequential(nn.Linear(4, 13), nn.Linear(13, 2)), {"0": "colwise", "1": "rowwise"},
-         r"'0' \(colwise\): out_features=13 is not divisible by the tensor-parallel size 2"),
-        (4, 3, Mlp, {"fc1": "colwise", "fc2": "rowwise"},
-         r"tensor_parallel_size=3 does not divide the world size 4; use one of 1, 2, 4"),
+        (
+            2,
+            None,
+            lambda: lm().TinyLM(**{**LM, "vocab": 63}),
+            tinylm_plan,
+            r"'tok' \(vocab\): vocabulary size \(num_embeddings\)=63 is not divisible by the tensor-parallel size 2",
+        ),
+        (
+            4,
+            None,
+            lambda: lm().TinyLM(**{**LM, "d_model": 48, "n_heads": 6}),
+            tinylm_plan,
+            r"'blocks.0' \(heads\): n_heads=6 is not divisible by the tensor-parallel size 4; .* \(1, 2, 3, 6\)",
+        ),
+        (
+            2,
+            None,
+            lambda: nn.Sequential(nn.Linear(4, 13), nn.Linear(13, 2)),
+            {"0": "colwise", "1": "rowwise"},
+            r"'0' \(colwise\): out_features=13 is not divisible by the tensor-parallel size 2",
+        ),
+        (
+            4,
+            3,
+            Mlp,
+            {"fc1": "colwise", "fc2": "rowwise"},
+            r"tensor_parallel_size=3 does not divide the world size 4; use one of 1, 2, 4",
+        ),
         (2, None, Mlp, {"fc1": "colwise", "fc3": "rowwise"}, r"plan names 'fc3', which is not a submodule of Mlp"),
         (2, None, Mlp, {"fc1": "diagonal"}, r"plan entry 'fc1': unknown style 'diagonal'; use one of colwise, "),
-        (2, None, lambda: lm().TinyLM(**LM), lambda m: {**tinylm_plan(m), "blocks.0.qkv": "colwise"},
-         r"'blocks.0' \(heads\): .* must also map 'blocks.0.qkv' to 'colwise_qkv'"),
-        (2, None, lambda: lm().TinyLM(**LM), {"head": "vocab_output"},
-         r"tok.weight and head.weight are one \(tied\) parameter, but the plan splits them differently"),
+        (
+            2,
+            None,
+            lambda: lm().TinyLM(**LM),
+            lambda m: {**tinylm_plan(m), "blocks.0.qkv": "colwise"},
+            r"'blocks.0' \(heads\): .* must also map 'blocks.0.qkv' to 'colwise_qkv'",
+        ),
+        (
+            2,
+            None,
+            lambda: lm().TinyLM(**LM),
+            {"head": "vocab_output"},
+            r"tok.weight and head.weight are one \(tied\) parameter, but the plan splits them differently",
+        ),
     ],
     ids=["vocab", "heads", "features", "world", "name", "style", "qkv-pairing", "tied"],
 )

@@ -39,8 +39,12 @@ OPTIMIZERS = {
 }
 
 
-STAGES = {1: (ZeRO1Model, ZeRO1Optimizer), 2: (ZeRO2Model, ZeRO2Optimizer), 3: (ZeRO3Model, ZeRO3Optimizer),
-          "fsdp": (FSDPModel, ZeRO3Optimizer)}
+STAGES = {
+    1: (ZeRO1Model, ZeRO1Optimizer),
+    2: (ZeRO2Model, ZeRO2Optimizer),
+    3: (ZeRO3Model, ZeRO3Optimizer),
+    "fsdp": (FSDPModel, ZeRO3Optimizer),
+}
 SMALL_BUCKETS = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.00002}
 """~100 B and ~20 B: three uneven buckets, the first (norm.bias alone) 5 elements: at 8 ranks three own none of it."""
 
@@ -67,12 +71,19 @@ def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, conf
         skipped.append(opt.last_step_skipped)
     meta = model.get_model_metadata() if wrap_model else None
     params = model.gather_full_parameters() if wrap_model else flat(net)
-    return {"params": params, "bytes": step_bytes, "meta": meta, "skipped": skipped, "after_backward": after_backward,
-            "state_bytes": opt.state_bytes()}  # fmt: skip
+    return {
+        "params": params,
+        "bytes": step_bytes,
+        "meta": meta,
+        "skipped": skipped,
+        "after_backward": after_backward,
+        "state_bytes": opt.state_bytes(),
+    }
 
 
-@pytest.mark.parametrize(("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4),
-                                                ("gloo", 2), ("gloo", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "world"), [("inmemory", 1), ("inmemory", 2), ("inmemory", 3), ("inmemory", 4), ("gloo", 2), ("gloo", 3)]
+)
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("stage", [1, 2, 3, "fsdp"])
 def test_zero_matches_single_process(backend, world, opt_name, stage):
@@ -83,8 +94,9 @@ def test_zero_matches_single_process(backend, world, opt_name, stage):
     stale or into the wrong views, or a gradient reduce-scattered to the wrong shard."""
     state = initial_state()
     cls, kw = OPTIMIZERS[opt_name]
-    results = run_ranks(train_zero1, world, backend, state=state, opt_name=opt_name, stage=stage,
-                        config_kw=SMALL_BUCKETS)  # fmt: skip
+    results = run_ranks(
+        train_zero1, world, backend, state=state, opt_name=opt_name, stage=stage, config_kw=SMALL_BUCKETS
+    )
     expected = reference_pair(single_process, state, cls, **kw)
     for r in results:
         assert_matches_reference(r["params"], *expected)
@@ -99,15 +111,29 @@ def test_zero_with_plain_module_and_any_optimizer(opt_name, stage, wrap_model):
     optimizers without a fused kernel diverging from single-process training."""
     state = initial_state()
     cls, kw = OPTIMIZERS[opt_name]
-    results = run_ranks(train_zero1, 3, "inmemory", state=state, opt_name=opt_name, wrap_model=wrap_model,
-                        stage=stage, config_kw=SMALL_BUCKETS)  # fmt: skip
+    results = run_ranks(
+        train_zero1,
+        3,
+        "inmemory",
+        state=state,
+        opt_name=opt_name,
+        wrap_model=wrap_model,
+        stage=stage,
+        config_kw=SMALL_BUCKETS,
+    )
     expected = reference_pair(single_process, state, cls, **kw)
     for r in results:
         assert_matches_reference(r["params"], *expected)
 
 
-@pytest.mark.parametrize("config_kw", [{"gradient_as_bucket_view": False}, {"bucket_cap_mb": 1e-5},
-                                       {"overlap_communication": False, "max_grad_norm": 0.05}])  # fmt: skip
+@pytest.mark.parametrize(
+    "config_kw",
+    [
+        {"gradient_as_bucket_view": False},
+        {"bucket_cap_mb": 1e-5},
+        {"overlap_communication": False, "max_grad_norm": 0.05},
+    ],
+)
 def test_zero1_gradient_and_gather_paths(config_kw):
     """Catches the paths beside the default one diverging: gradients copied out of separate bucket buffers (no
     views) instead of read in place from the model's flat gradient buffer, and the owned range sent in 8 uneven
@@ -173,8 +199,9 @@ def test_zero1_nonfinite_gradient_skips_on_every_rank():
     the bad step changes nothing anywhere, and the next step trains normally."""
     state = initial_state()
     for wrap_model in (False, True):
-        results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="sgd", steps=1, nan_step=0,
-                            wrap_model=wrap_model)  # fmt: skip
+        results = run_ranks(
+            train_zero1, 2, "inmemory", state=state, opt_name="sgd", steps=1, nan_step=0, wrap_model=wrap_model
+        )
         for r in results:
             assert r["skipped"] == [True] and torch.equal(r["params"], flat(fresh_net(state)))
     results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="sgd", steps=2, nan_step=0)

@@ -119,8 +119,14 @@ def test_zero3_prefetches_the_next_unit():
         x, y = batch(step)
         F.mse_loss(model(x), y).backward()
     forward = events[: events.index(("gather", "norm")) + 1]
-    assert forward[:6] == [("forward", ""), ("gather", "fc1"), ("forward", "fc1"), ("gather", "fc2"),
-                           ("forward", "fc2"), ("gather", "norm")]  # fmt: skip
+    assert forward[:6] == [
+        ("forward", ""),
+        ("gather", "fc1"),
+        ("forward", "fc1"),
+        ("gather", "fc2"),
+        ("forward", "fc2"),
+        ("gather", "norm"),
+    ]
     backward = [e for e in events[len(forward) :] if e[0] == "gather"]
     assert backward == [("gather", "norm"), ("gather", "fc2"), ("gather", "fc1")]
 
@@ -139,8 +145,11 @@ def lm_batch(step, rank=0, world=1, size=12):
 
 def train_lm(comm, stage, dtype=torch.float32, steps=4):
     config = ShardingConfiguration(comm)
-    model_cls, opt_cls = {2: (ZeRO2Model, ZeRO2Optimizer), 3: (ZeRO3Model, ZeRO3Optimizer),
-                          "fsdp": (FSDPModel, ZeRO3Optimizer)}[stage]  # fmt: skip
+    model_cls, opt_cls = {
+        2: (ZeRO2Model, ZeRO2Optimizer),
+        3: (ZeRO3Model, ZeRO3Optimizer),
+        "fsdp": (FSDPModel, ZeRO3Optimizer),
+    }[stage]
     model = model_cls(tiny_lm(dtype), config)
     opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     for step in range(steps):

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 _DEFAULTS = {  # torch.testing.assert_close's defaults
-    torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
     torch.float64: (1e-7, 1e-7),
 }
 _usage: dict[tuple[str, str], float] = defaultdict(float)

@@ -191,7 +191,6 @@ class Work:
         return bool(self._done_fn()) if self._done_fn is not None else False
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Call signatures: what every rank must agree on
 
@@ -301,7 +300,9 @@ def p2p_mismatch_error(
         f"{side} mismatch on group '{group}': rank {sender} sent shape={tuple(sent.shape)}, dtype={sent.dtype} but "
         f"rank {receiver} posted recv(shape={tuple(posted.shape)}, dtype={posted.dtype}); size the receive buffer "
         f"like the sent tensor (raised on rank {rank}; the payload was not delivered)",
-        op=side, group=group, rank=rank,
+        op=side,
+        group=group,
+        rank=rank,
     )
 
 
@@ -356,8 +357,9 @@ class CommunicationBackend(ABC):
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work: ...
 
     @abstractmethod
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
-                        scratch_input: bool = False) -> Work: ...  # fmt: skip
+    def _reduce_scatter(
+        self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
+    ) -> Work: ...
 
     @abstractmethod
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work: ...
@@ -479,11 +481,17 @@ class CommunicationBackend(ABC):
         self._check_peer("recv", src, "src")
         # The signature is the one the matching send carries, so the two compare directly.
         sig = Signature("send", tensor.dtype, tuple(tensor.shape), root=self.rank)
-        return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._recv(sig, tensor, src),
-                         stat_name="recv")
+        return self._run(
+            sig,
+            tensor.numel() * tensor.element_size(),
+            async_op,
+            lambda: self._recv(sig, tensor, src),
+            stat_name="recv",
+        )
 
-    def batch_send_recv(self, sends: Sequence[tuple[torch.Tensor, int]] = (),
-                        recvs: Sequence[tuple[torch.Tensor, int]] = ()) -> Work:  # fmt: skip
+    def batch_send_recv(
+        self, sends: Sequence[tuple[torch.Tensor, int]] = (), recvs: Sequence[tuple[torch.Tensor, int]] = ()
+    ) -> Work:
         """Post the ``(tensor, dst)`` sends and ``(tensor, src)`` receives together and return one :class:`Work`
         for all of them (wait on it before reading a received tensor or changing a sent one). They progress
         concurrently (on NCCL: one group call), so two ranks that each send to the other and receive from it in
@@ -577,8 +585,12 @@ class CommunicationBackend(ABC):
     # -- helpers shared by all backends ------------------------------------------------------------------------------
 
     def _error(self, detail: str, op: str, cls: type[CommunicationError] = CommunicationError) -> CommunicationError:
-        return cls(f"{op} on group '{self.group}' failed on rank {self.rank}: {detail}", op=op, group=self.group,
-                   rank=self.rank)
+        return cls(
+            f"{op} on group '{self.group}' failed on rank {self.rank}: {detail}",
+            op=op,
+            group=self.group,
+            rank=self.rank,
+        )
 
     def _mark_broken(self, error: CommunicationError) -> CommunicationError:
         if self._broken is None and not isinstance(error, CollectiveMismatchError):

@@ -69,8 +69,16 @@ _TORCH_OPS = {
     ReductionOperation.MIN: dist.ReduceOp.MIN,
     ReductionOperation.PRODUCT: dist.ReduceOp.PRODUCT,
 }
-_PEER_GONE = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Read error",
-              "Write error", "closed by peer", "Socket closed")
+_PEER_GONE = (
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "Read error",
+    "Write error",
+    "closed by peer",
+    "Socket closed",
+)
 
 
 _EXIT_GRACE = 0.5
@@ -109,9 +117,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def create_store(
-    master_addr: str, master_port: int, rank: int, world_size: int, timeout: float
-) -> dist.Store:
+def create_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: float) -> dist.Store:
     """The rendezvous store: in-process for one rank, else a TCPStore hosted by rank 0.
 
     Rank 0 binds the listening socket itself, to ``master_addr`` only (TCPStore's own server listens on every
@@ -131,19 +137,33 @@ def create_store(
         if rank == 0:
             listener = socket.create_server((master_addr, master_port), backlog=max(128, world_size))
             fd = listener.detach()  # owned by the store from here on
-            return dist.TCPStore(master_addr, master_port, world_size, True, delta, wait_for_workers=True,
-                                 master_listen_fd=fd, use_libuv=False)
+            return dist.TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                True,
+                delta,
+                wait_for_workers=True,
+                master_listen_fd=fd,
+                use_libuv=False,
+            )
         return dist.TCPStore(master_addr, master_port, world_size, False, delta)
     except OSError as e:
         raise CommunicationError(
             f"rank {rank} could not open the rendezvous store at {master_addr}:{master_port}: {e}; "
-            f"set MASTER_PORT to a free port", op="init", group="world", rank=rank,
+            f"set MASTER_PORT to a free port",
+            op="init",
+            group="world",
+            rank=rank,
         ) from e
     except RuntimeError as e:  # DistStoreError: peers did not show up in time
         raise CommunicationTimeoutError(
             f"rank {rank} of {world_size}: rendezvous at {master_addr}:{master_port} did not complete within "
             f"{timeout:g}s ({e}); a rank never joined (check that all {world_size} processes started and "
-            f"agree on MASTER_ADDR/MASTER_PORT)", op="init", group="world", rank=rank,
+            f"agree on MASTER_ADDR/MASTER_PORT)",
+            op="init",
+            group="world",
+            rank=rank,
         ) from e
 
 
@@ -173,7 +193,9 @@ class GlooCommunicationBackend(CommunicationBackend):
                 if not dist.is_initialized():
                     raise CommunicationError(
                         "torch.distributed is not initialized; use GlooCommunicationBackend.from_env() or "
-                        "gpudist.init(), or pass an initialized process group", op="init", group="world",
+                        "gpudist.init(), or pass an initialized process group",
+                        op="init",
+                        group="world",
                     )
                 process_group = dist.group.WORLD
             try:
@@ -200,14 +222,17 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._in_flight_lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-                 connect_timeout: float | None = None) -> GlooCommunicationBackend:
+    def from_env(
+        cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, connect_timeout: float | None = None
+    ) -> GlooCommunicationBackend:
         """Join (and initialize ``torch.distributed`` with) the Gloo group described by torchrun's variables."""
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
             raise CommunicationError(
                 f"environment lacks {', '.join(missing)}; launch with torchrun or mpirun, or use gpudist.init(), "
-                f"which also reads Open MPI's and MPICH's variables", op="init", group="world",
+                f"which also reads Open MPI's and MPICH's variables",
+                op="init",
+                group="world",
             )
         return cls.create(
             rank=int(os.environ["RANK"]),
@@ -241,7 +266,10 @@ class GlooCommunicationBackend(CommunicationBackend):
         if dist.is_initialized():
             raise CommunicationError(
                 "torch.distributed is already initialized; wrap the existing group with "
-                "GlooCommunicationBackend(process_group) instead", op="init", group="world", rank=rank,
+                "GlooCommunicationBackend(process_group) instead",
+                op="init",
+                group="world",
+                rank=rank,
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
@@ -251,12 +279,15 @@ class GlooCommunicationBackend(CommunicationBackend):
         if store is None:
             store = create_store(master_addr, master_port, rank, world_size, join)
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=join))
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=join)
+            )
         except RuntimeError as e:
             raise CommunicationTimeoutError(
                 f"rank {rank}: Gloo process group did not form within {join:g}s: {e}",
-                op="init", group="world", rank=rank,
+                op="init",
+                group="world",
+                rank=rank,
             ) from e
         return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store)
 
@@ -271,7 +302,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         if "Timed out" in text or "timed out" in text or "Timeout" in text:
             return self._error(
                 f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died ({text})",
-                op, CommunicationTimeoutError,
+                op,
+                CommunicationTimeoutError,
             )
         if any(s in text for s in _PEER_GONE):
             return self._error(f"a peer process closed its connection (it died or was killed): {text}", op)
@@ -343,8 +375,9 @@ class GlooCommunicationBackend(CommunicationBackend):
     # benchmarks.collectives`` measures them against torch.distributed's calls in one run. A caller done with its
     # input (``scratch_input``: ZeRO-2's freshly packed bucket) has it reduced in place, without the copy.
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
-                        scratch_input: bool = False) -> Work:  # fmt: skip
+    def _reduce_scatter(
+        self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
+    ) -> Work:
         self._check(sig)
         scratch = inp.view(-1) if scratch_input else inp.reshape(-1).clone()
         start, end = shard_range(scratch.numel(), self.world_size, self.rank)
@@ -361,8 +394,11 @@ class GlooCommunicationBackend(CommunicationBackend):
         mine = flat[slice(*ranges[self.rank])]
         if mine.numel() and mine.data_ptr() != inp.data_ptr():  # in place when inp is already out's own range
             mine.copy_(inp.view(-1))
-        works = [self._gloo.broadcast([flat[start:end]], self._opts(BroadcastOptions, rootRank=r, rootTensor=0))
-                 for r, (start, end) in enumerate(ranges) if end > start]  # fmt: skip
+        works = [
+            self._gloo.broadcast([flat[start:end]], self._opts(BroadcastOptions, rootRank=r, rootTensor=0))
+            for r, (start, end) in enumerate(ranges)
+            if end > start
+        ]
         return self._work(*works)
 
     def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
@@ -433,14 +469,20 @@ class GlooCommunicationBackend(CommunicationBackend):
             raise CommunicationError(
                 "this backend wraps a process group without a known store; create it with "
                 "GlooCommunicationBackend.create()/from_env() or gpudist.init() to use new_group",
-                op="new_group", group=self.group, rank=self.rank,
+                op="new_group",
+                group=self.group,
+                rank=self.rank,
             )
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
         store = dist.PrefixStore(f"gpudist:{name}/", self._store)
         pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), self._delta)
         child = GlooCommunicationBackend(
-            timeout=self.timeout, validate=self.validate, _gloo=pg, _store=store,
-            _rank_world=(ranks.index(self.rank), len(ranks)), _group_name=name,
+            timeout=self.timeout,
+            validate=self.validate,
+            _gloo=pg,
+            _store=store,
+            _rank_world=(ranks.index(self.rank), len(ranks)),
+            _group_name=name,
         )
         self._children.add(child)
         return child
@@ -467,5 +509,6 @@ class GlooCommunicationBackend(CommunicationBackend):
             del held
         self._store = None
         if self._broken is None:
-            self._broken = CommunicationError(f"group {self.group!r} was shut down", op="shutdown", group=self.group,
-                                              rank=self.rank)  # fmt: skip
+            self._broken = CommunicationError(
+                f"group {self.group!r} was shut down", op="shutdown", group=self.group, rank=self.rank
+            )

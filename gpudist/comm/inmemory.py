@@ -213,12 +213,11 @@ class InMemoryCommunicationBackend(CommunicationBackend):
     # -- the ops -----------------------------------------------------------------------------------------------------
 
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
-        return self._collective(
-            sig, tensor, lambda ts: _reduce(ts, op), lambda r: tensor.view(-1).copy_(r)
-        )
+        return self._collective(sig, tensor, lambda ts: _reduce(ts, op), lambda r: tensor.view(-1).copy_(r))
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
-                        scratch_input: bool = False) -> Work:  # fmt: skip
+    def _reduce_scatter(
+        self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
+    ) -> Work:
         start, end = shard_range(inp.numel(), self.world_size, self.rank)
         return self._collective(sig, inp, lambda ts: _reduce(ts, op), lambda r: out.view(-1).copy_(r[start:end]))
 
@@ -281,7 +280,9 @@ class InMemoryCommunicationBackend(CommunicationBackend):
         def wait() -> None:
             with state.cond:
                 self._wait_until(
-                    side, lambda: other in slot, deadline,
+                    side,
+                    lambda: other in slot,
+                    deadline,
                     lambda: f"rank {peer} to post the {other} matching message #{index} from rank {src} to rank {dst}",
                 )
                 (sent, data), (posted, _) = slot["send"], slot["recv"]
@@ -299,6 +300,7 @@ class InMemoryCommunicationBackend(CommunicationBackend):
         state = self._state
         with state.cond:
             if state.broken is None:
-                state.broken = CommunicationError(f"rank {self.rank} aborted the group: {reason}", op="abort",
-                                                  group=self.group, rank=self.rank)
+                state.broken = CommunicationError(
+                    f"rank {self.rank} aborted the group: {reason}", op="abort", group=self.group, rank=self.rank
+                )
             state.cond.notify_all()

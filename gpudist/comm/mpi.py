@@ -56,7 +56,9 @@ def _mpi():
         raise CommunicationError(
             f"MPICommunicationBackend needs mpi4py and an MPI library ({e}); install them with "
             "`apt-get install openmpi-bin libopenmpi-dev` (or your cluster's MPI module) and "
-            "`pip install 'gpudist[mpi]'`", op="init", group="world",
+            "`pip install 'gpudist[mpi]'`",
+            op="init",
+            group="world",
         ) from e
     return MPI
 
@@ -91,9 +93,13 @@ class MPICommunicationBackend(CommunicationBackend):
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)  # errors become MPI.Exception (a RuntimeError), not aborts
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), group, timeout)
         self.validate = validate
-        self._ops = {ReductionOperation.SUM: MPI.SUM, ReductionOperation.AVERAGE: MPI.SUM,
-                     ReductionOperation.MAX: MPI.MAX, ReductionOperation.MIN: MPI.MIN,
-                     ReductionOperation.PRODUCT: MPI.PROD}  # fmt: skip
+        self._ops = {
+            ReductionOperation.SUM: MPI.SUM,
+            ReductionOperation.AVERAGE: MPI.SUM,
+            ReductionOperation.MAX: MPI.MAX,
+            ReductionOperation.MIN: MPI.MIN,
+            ReductionOperation.PRODUCT: MPI.PROD,
+        }
         self._subgroups = 0
         self._sender: ThreadPoolExecutor | None = None
         self._queue: queue.SimpleQueue | None = None  # the communication thread's work, started on first use
@@ -109,8 +115,11 @@ class MPICommunicationBackend(CommunicationBackend):
         deadline, pause = time.monotonic() + self.timeout, 0.0
         while not self._MPI.Request.Testall(list(requests)):
             if time.monotonic() > deadline:
-                raise self._error(f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died", op,
-                                  CommunicationTimeoutError)  # fmt: skip
+                raise self._error(
+                    f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died",
+                    op,
+                    CommunicationTimeoutError,
+                )
             time.sleep(pause)  # spin briefly, then back off to 1 ms so waiting ranks leave the cores to the others
             pause = min(max(pause * 2, 1e-5), 1e-3)
 
@@ -153,8 +162,9 @@ class MPICommunicationBackend(CommunicationBackend):
 
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self._queue,), name=f"gpudist-mpi-r{self.rank}",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._serve, args=(self._queue,), name=f"gpudist-mpi-r{self.rank}", daemon=True
+            ).start()
         self._queue.put(run)
         submitted = time.monotonic()
 
@@ -167,9 +177,13 @@ class MPICommunicationBackend(CommunicationBackend):
                 begun = started[0] if started else None
                 # Queued behind other ops: those time out first; a run that never starts is bounded by 2 timeouts.
                 if (begun is not None and time.monotonic() - begun > self.timeout) or (
-                        time.monotonic() - submitted > 2 * self.timeout):  # fmt: skip
-                    raise self._error(f"timed out after {self.timeout:g}s: a peer never called {sig.op}, hangs, or "
-                                      "died", sig.op, CommunicationTimeoutError)  # fmt: skip
+                    time.monotonic() - submitted > 2 * self.timeout
+                ):
+                    raise self._error(
+                        f"timed out after {self.timeout:g}s: a peer never called {sig.op}, hangs, or died",
+                        sig.op,
+                        CommunicationTimeoutError,
+                    )
 
         return Work(wait, future.done)
 
@@ -205,11 +219,13 @@ class MPICommunicationBackend(CommunicationBackend):
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         work = self._reduced(tensor)
         buf = _buffer(work)
-        return self._collective(sig, lambda: self._comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]),
-                                self._finish(work, tensor, op))  # fmt: skip
+        return self._collective(
+            sig, lambda: self._comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]), self._finish(work, tensor, op)
+        )
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
-                        scratch_input: bool = False) -> Work:  # fmt: skip
+    def _reduce_scatter(
+        self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
+    ) -> Work:
         counts = split_sizes(inp.numel(), self.world_size)
         send = self._reduced(inp)
         # MPI forbids overlapping send and receive buffers: the in-place form (out is inp's own range) receives into
@@ -219,8 +235,9 @@ class MPICommunicationBackend(CommunicationBackend):
         else:
             recv = out.view(-1)
         bufs = (_buffer(send), _buffer(recv))
-        return self._collective(sig, lambda: self._comm.Reduce_scatter(*bufs, counts, op=self._ops[op]),
-                                self._finish(recv, out, op))  # fmt: skip
+        return self._collective(
+            sig, lambda: self._comm.Reduce_scatter(*bufs, counts, op=self._ops[op]), self._finish(recv, out, op)
+        )
 
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
         counts = split_sizes(out.numel(), self.world_size)
@@ -252,8 +269,11 @@ class MPICommunicationBackend(CommunicationBackend):
             buf = _buffer(tensor)
             return self._work([self._comm.Isend(buf, dst, _PAYLOAD)], "send", keep=(buf,))
         if self._MPI.Query_thread() != self._MPI.THREAD_MULTIPLE:
-            raise self._error("validated send needs MPI_THREAD_MULTIPLE (mpi4py's default); use validate=False "
-                              "or an MPI library built with thread support", "send")  # fmt: skip
+            raise self._error(
+                "validated send needs MPI_THREAD_MULTIPLE (mpi4py's default); use validate=False "
+                "or an MPI library built with thread support",
+                "send",
+            )
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-mpi-send-r{self.rank}")
         future = self._sender.submit(self._send_checked, sig, tensor, dst)
@@ -279,8 +299,11 @@ class MPICommunicationBackend(CommunicationBackend):
         mine = torch.tensor(sig.encode(), dtype=torch.int64)
         status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
         bufs = (_buffer(mine), _buffer(status), _buffer(tensor))
-        requests = [self._comm.Isend(bufs[0], src, _HANDSHAKE), self._comm.Irecv(bufs[1], src, _STATUS),
-                    self._comm.Irecv(bufs[2], src, _PAYLOAD)]  # fmt: skip
+        requests = [
+            self._comm.Isend(bufs[0], src, _HANDSHAKE),
+            self._comm.Irecv(bufs[1], src, _STATUS),
+            self._comm.Irecv(bufs[2], src, _PAYLOAD),
+        ]
 
         def check() -> None:
             sent = Signature.decode(status.tolist())
@@ -294,8 +317,12 @@ class MPICommunicationBackend(CommunicationBackend):
         member = self.rank in ranks
         color = 0 if member else self._MPI.UNDEFINED
         split: list = []
-        self._wait(self._collective(sig, lambda: split.append(self._comm.Split(color, ranks.index(self.rank) if member
-                                                                               else 0))), "new_group")  # fmt: skip
+        self._wait(
+            self._collective(
+                sig, lambda: split.append(self._comm.Split(color, ranks.index(self.rank) if member else 0))
+            ),
+            "new_group",
+        )
         if not member:
             return None
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"

@@ -60,12 +60,18 @@ def _nccl():
     except ImportError as e:
         raise CommunicationError(
             f"the NCCL backend needs CuPy with NCCL ({e}); install the extra matching your CUDA: "
-            "pip install 'gpudist[cuda12]' or 'gpudist[cuda13]'", op="init", group="world",
+            "pip install 'gpudist[cuda12]' or 'gpudist[cuda13]'",
+            op="init",
+            group="world",
         ) from e
     if not getattr(nccl, "available", True):
-        raise CommunicationError("CuPy is installed but libnccl was not found; install the nvidia-nccl-cu12/-cu13 "
-                                 "wheel (pip install 'gpudist[cuda12]' or 'gpudist[cuda13]' brings it) or a system "
-                                 "NCCL", op="init", group="world")  # fmt: skip
+        raise CommunicationError(
+            "CuPy is installed but libnccl was not found; install the nvidia-nccl-cu12/-cu13 "
+            "wheel (pip install 'gpudist[cuda12]' or 'gpudist[cuda13]' brings it) or a system "
+            "NCCL",
+            op="init",
+            group="world",
+        )
     return nccl
 
 
@@ -75,16 +81,21 @@ def nccl_version() -> tuple[int, int, int] | None:
         code = _nccl().get_version()
     except (CommunicationError, RuntimeError):
         return None
-    return (code // 10000, code // 100 % 100, code % 100) if code >= 10000 else (code // 1000, code // 100 % 10,
-                                                                                  code % 100)  # fmt: skip
+    return (
+        (code // 10000, code // 100 % 100, code % 100)
+        if code >= 10000
+        else (code // 1000, code // 100 % 10, code % 100)
+    )
 
 
 def _id_bytes(unique_id: bytes | Sequence[int]) -> bytes:
     """An NCCL unique id as 128 bytes, from bytes (CuPy >= 14) or ints, signed (CuPy < 14) or not."""
     raw = unique_id if isinstance(unique_id, bytes) else bytes(int(b) & 0xFF for b in unique_id)
     if len(raw) != _ID_BYTES:
-        raise ValueError(f"an NCCL unique id has {_ID_BYTES} bytes, got {len(raw)}: pass what "
-                         "NCCLCommunicationBackend.unique_id() returned on rank 0")  # fmt: skip
+        raise ValueError(
+            f"an NCCL unique id has {_ID_BYTES} bytes, got {len(raw)}: pass what "
+            "NCCLCommunicationBackend.unique_id() returned on rank 0"
+        )
     return raw
 
 
@@ -106,8 +117,12 @@ class _CudaRuntime:
 
     def __init__(self, device: int | torch.device | None, group: str, rank: int):
         if not torch.cuda.is_available():
-            raise CommunicationError("the NCCL backend needs a CUDA device; torch sees none (use the Gloo or MPI "
-                                     "backend on CPU)", op="init", group=group, rank=rank)  # fmt: skip
+            raise CommunicationError(
+                "the NCCL backend needs a CUDA device; torch sees none (use the Gloo or MPI backend on CPU)",
+                op="init",
+                group=group,
+                rank=rank,
+            )
         index = device.index if isinstance(device, torch.device) else device
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else int(index))
 
@@ -147,25 +162,42 @@ class NCCLCommunicationBackend(CommunicationBackend):
     name = "nccl"
     ordered_p2p = True  # sends and receives run in issue order on torch's current stream
 
-    def __init__(self, rank: int, world_size: int, unique_id: bytes | Sequence[int], *,
-                 device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-                 group: str = "world"):  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        unique_id: bytes | Sequence[int],
+        *,
+        device: int | torch.device | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        group: str = "world",
+    ):
         super().__init__(rank, world_size, group, timeout)
         self._rt = _runtime(device, group, rank)
         self._lib = _nccl()
         self._device = self._rt.device
         self.validate = validate
-        self._types = {torch.float32: self._lib.NCCL_FLOAT32, torch.float64: self._lib.NCCL_FLOAT64,
-                       torch.float16: self._lib.NCCL_FLOAT16, torch.int64: self._lib.NCCL_INT64,
-                       torch.int32: self._lib.NCCL_INT32, torch.int8: self._lib.NCCL_INT8,
-                       torch.uint8: self._lib.NCCL_UINT8}  # fmt: skip
+        self._types = {
+            torch.float32: self._lib.NCCL_FLOAT32,
+            torch.float64: self._lib.NCCL_FLOAT64,
+            torch.float16: self._lib.NCCL_FLOAT16,
+            torch.int64: self._lib.NCCL_INT64,
+            torch.int32: self._lib.NCCL_INT32,
+            torch.int8: self._lib.NCCL_INT8,
+            torch.uint8: self._lib.NCCL_UINT8,
+        }
         # CuPy defines NCCL_BFLOAT16 and NCCL_AVG whatever NCCL it loads; the library has them from 2.10 on.
         modern = (nccl_version() or (0, 0, 0)) >= (2, 10, 0)
         if modern and hasattr(self._lib, "NCCL_BFLOAT16"):
             self._types[torch.bfloat16] = self._lib.NCCL_BFLOAT16
         self._avg = getattr(self._lib, "NCCL_AVG", None) if modern else None
-        self._ops = {ReductionOperation.SUM: self._lib.NCCL_SUM, ReductionOperation.MAX: self._lib.NCCL_MAX,
-                     ReductionOperation.MIN: self._lib.NCCL_MIN, ReductionOperation.PRODUCT: self._lib.NCCL_PROD}
+        self._ops = {
+            ReductionOperation.SUM: self._lib.NCCL_SUM,
+            ReductionOperation.MAX: self._lib.NCCL_MAX,
+            ReductionOperation.MIN: self._lib.NCCL_MIN,
+            ReductionOperation.PRODUCT: self._lib.NCCL_PROD,
+        }
         with self._rt.selected():
             try:
                 self._comm = _communicator(self._lib, world_size, _id_bytes(unique_id), rank)
@@ -186,21 +218,42 @@ class NCCLCommunicationBackend(CommunicationBackend):
         return _id_bytes(_nccl().get_unique_id())
 
     @classmethod
-    def from_bootstrap(cls, bootstrap: CommunicationBackend, *, device: int | torch.device | None = None,
-                       timeout: float | None = None, validate: bool = True) -> NCCLCommunicationBackend:  # fmt: skip
+    def from_bootstrap(
+        cls,
+        bootstrap: CommunicationBackend,
+        *,
+        device: int | torch.device | None = None,
+        timeout: float | None = None,
+        validate: bool = True,
+    ) -> NCCLCommunicationBackend:
         """The NCCL group of the same ranks as ``bootstrap`` (a CPU backend), whose rank 0 broadcasts the id."""
         ident = torch.zeros(_ID_BYTES, dtype=torch.int64)
         if bootstrap.rank == 0:
             ident.copy_(torch.tensor(list(cls.unique_id()), dtype=torch.int64))
         bootstrap.broadcast(ident, src=0)
-        return cls(bootstrap.rank, bootstrap.world_size, ident.tolist(), device=device,
-                   timeout=bootstrap.timeout if timeout is None else timeout, validate=validate)  # fmt: skip
+        return cls(
+            bootstrap.rank,
+            bootstrap.world_size,
+            ident.tolist(),
+            device=device,
+            timeout=bootstrap.timeout if timeout is None else timeout,
+            validate=validate,
+        )
 
     @classmethod
-    def create(cls, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
-               device: int | torch.device | None = None, timeout: float = DEFAULT_TIMEOUT, validate: bool = True,
-               store: torch.distributed.Store | None = None,
-               connect_timeout: float | None = None) -> NCCLCommunicationBackend:  # fmt: skip
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        *,
+        device: int | torch.device | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        store: torch.distributed.Store | None = None,
+        connect_timeout: float | None = None,
+    ) -> NCCLCommunicationBackend:
         """Join through torch's TCPStore at ``master_addr:master_port`` (rank 0 hosts it and publishes the id).
         ``connect_timeout`` bounds the join as in :meth:`GlooCommunicationBackend.create`."""
         from .gloo import create_store, join_timeout
@@ -229,15 +282,19 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _dtype(self, t: torch.Tensor, op: str) -> int:
         if t.dtype not in self._types:
-            raise TypeError(f"{op}: {t.dtype} is not supported by this CuPy/NCCL build (bf16 needs CuPy with "
-                            "NCCL_BFLOAT16 and NCCL >= 2.10); cast to float32 or upgrade cupy")  # fmt: skip
+            raise TypeError(
+                f"{op}: {t.dtype} is not supported by this CuPy/NCCL build (bf16 needs CuPy with "
+                "NCCL_BFLOAT16 and NCCL >= 2.10); cast to float32 or upgrade cupy"
+            )
         return self._types[t.dtype]
 
     def _check_tensor(self, op: str, tensor: torch.Tensor, what: str = "tensor") -> None:
         super()._check_tensor(op, tensor, what)
         if tensor.device != self._device:
-            raise ValueError(f"{op}: {what} is on {tensor.device} but this NCCL rank drives {self._device}; move it "
-                             f"there (tensor.to('{self._device}'))")  # fmt: skip
+            raise ValueError(
+                f"{op}: {what} is on {tensor.device} but this NCCL rank drives {self._device}; move it "
+                f"there (tensor.to('{self._device}'))"
+            )
         self._dtype(tensor, op)
 
     def _enqueued(self, op: str, then=None) -> Work:
@@ -266,9 +323,12 @@ class NCCLCommunicationBackend(CommunicationBackend):
             except RuntimeError as e:
                 problem = self._error(f"NCCL reported an asynchronous error: {e}", "async")
             if late is not None and problem is None:
-                problem = self._error(f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or "
-                                      "died; the NCCL communicator was aborted", late.op,
-                                      CommunicationTimeoutError)  # fmt: skip
+                problem = self._error(
+                    f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or "
+                    "died; the NCCL communicator was aborted",
+                    late.op,
+                    CommunicationTimeoutError,
+                )
             if problem is not None:
                 self._mark_broken(problem)
                 try:
@@ -300,14 +360,21 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         self._check(sig)
         nccl_op, scale = self._reduce_op(op)
-        self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "all_reduce"),
-                             nccl_op, self._stream())  # fmt: skip
+        self._comm.allReduce(
+            tensor.data_ptr(),
+            tensor.data_ptr(),
+            tensor.numel(),
+            self._dtype(tensor, "all_reduce"),
+            nccl_op,
+            self._stream(),
+        )
         if scale is not None:
             tensor.mul_(scale)
         return self._enqueued("all_reduce")
 
-    def _reduce_scatter(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation,
-                        scratch_input: bool = False) -> Work:  # fmt: skip
+    def _reduce_scatter(
+        self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
+    ) -> Work:
         self._check(sig)
         nccl_op, scale = self._reduce_op(op)
         dtype, stream, n, size = self._dtype(inp, "reduce_scatter"), self._stream(), inp.numel(), inp.element_size()
@@ -319,8 +386,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
                 for r in range(self.world_size):
                     start, end = shard_range(n, self.world_size, r)
                     if end > start:
-                        self._comm.reduce(inp.data_ptr() + start * size, out.data_ptr(), end - start, dtype, nccl_op,
-                                          r, stream)  # fmt: skip
+                        self._comm.reduce(
+                            inp.data_ptr() + start * size, out.data_ptr(), end - start, dtype, nccl_op, r, stream
+                        )
             finally:
                 self._lib.groupEnd()
         if scale is not None:
@@ -346,8 +414,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         self._check(sig)
-        self._comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "broadcast"),
-                             src, self._stream())  # fmt: skip
+        self._comm.broadcast(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "broadcast"), src, self._stream()
+        )
         return self._enqueued("broadcast")
 
     def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
@@ -366,8 +435,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _barrier(self, sig: Signature) -> Work:
         self._check(sig)
         token = torch.zeros(1, device=self._device)
-        self._comm.allReduce(token.data_ptr(), token.data_ptr(), 1, self._lib.NCCL_FLOAT32, self._lib.NCCL_SUM,
-                             self._stream())  # fmt: skip
+        self._comm.allReduce(
+            token.data_ptr(), token.data_ptr(), 1, self._lib.NCCL_FLOAT32, self._lib.NCCL_SUM, self._stream()
+        )
         work = self._enqueued("barrier")
         return Work(lambda: (work.wait(), self._rt.synchronize()), work.is_completed)
 
@@ -403,16 +473,24 @@ class NCCLCommunicationBackend(CommunicationBackend):
         ident = torch.zeros(_ID_BYTES, dtype=torch.int64, device=self._device)
         if self.rank == ranks[0]:
             ident.copy_(torch.tensor(list(self.unique_id()), dtype=torch.int64))
-        self._comm.broadcast(ident.data_ptr(), ident.data_ptr(), _ID_BYTES, self._lib.NCCL_INT64, ranks[0],
-                             self._stream())  # fmt: skip
+        self._comm.broadcast(
+            ident.data_ptr(), ident.data_ptr(), _ID_BYTES, self._lib.NCCL_INT64, ranks[0], self._stream()
+        )
         self._enqueued("new_group")
         values = ident.tolist()
         self._raise_if_broken("new_group")
         if self.rank not in ranks:
             return None
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
-        return NCCLCommunicationBackend(ranks.index(self.rank), len(ranks), values, device=self._device,
-                                        timeout=self.timeout, validate=self.validate, group=name)  # fmt: skip
+        return NCCLCommunicationBackend(
+            ranks.index(self.rank),
+            len(ranks),
+            values,
+            device=self._device,
+            timeout=self.timeout,
+            validate=self.validate,
+            group=name,
+        )
 
     def shutdown(self) -> None:
         """Stop the watchdog and destroy the communicator (after the device finished its queued ops)."""

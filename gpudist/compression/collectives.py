@@ -51,8 +51,16 @@ class CompressedChannel:
     ``scatter=True`` serves reduce-scatters (ZeRO-2): no second phase, so no server residual.
     """
 
-    def __init__(self, comm: CommunicationBackend, compressor: Compressor, numel: int, *, device: torch.device,
-                 scatter: bool = False, error_feedback: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        comm: CommunicationBackend,
+        compressor: Compressor,
+        numel: int,
+        *,
+        device: torch.device,
+        scatter: bool = False,
+        error_feedback: bool = True,
+    ):
         self.comm, self.compressor, self.numel, self.scatter = comm, compressor, numel, scatter
         self.error_feedback = error_feedback and not compressor.lossless
         n, world, rank = numel, comm.world_size, comm.rank
@@ -157,8 +165,9 @@ class CompressedChannel:
         comm, world = self.comm, self.comm.world_size
         compressor: TopKCompressor = self.compressor  # type: ignore[assignment]
         k = compressor.k(self.numel)
-        picked = kernels.topk_compress(acc, self.worker, k, compressor.mode, generator=self.generator,
-                                       index_dtype=torch.int32)  # fmt: skip
+        picked = kernels.topk_compress(
+            acc, self.worker, k, compressor.mode, generator=self.generator, index_dtype=torch.int32
+        )
         values = torch.empty(world * k, dtype=torch.float32, device=acc.device)
         indices = torch.empty(world * k, dtype=torch.int32, device=acc.device)
         with self._checked():
@@ -225,9 +234,11 @@ class CompressedChannel:
     def _check(self, tensor: torch.Tensor, what: str, numel: int) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() != numel:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{type(self).__name__}: {what} must be a flat tensor of {numel} elements (the channel "
-                             f"was built for that size), got {got}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: {what} must be a flat tensor of {numel} elements (the channel "
+                f"was built for that size), got {got}"
+            )
         if not tensor.dtype.is_floating_point:
-            raise TypeError(f"{type(self).__name__}: {what} is {tensor.dtype}; gradients to compress are floating "
-                            "point")  # fmt: skip
-
+            raise TypeError(
+                f"{type(self).__name__}: {what} is {tensor.dtype}; gradients to compress are floating point"
+            )

@@ -22,8 +22,15 @@ import torch
 from .. import kernels
 from ..kernels.quantize import _check_block_size
 
-__all__ = ["Compressor", "IdentityCompressor", "Int8Compressor", "OneBitCompressor", "QuantizingCompressor",
-           "TopKCompressor", "parse_compressor"]  # fmt: skip
+__all__ = [
+    "Compressor",
+    "IdentityCompressor",
+    "Int8Compressor",
+    "OneBitCompressor",
+    "QuantizingCompressor",
+    "TopKCompressor",
+    "parse_compressor",
+]
 
 
 class Compressor(ABC):
@@ -107,8 +114,10 @@ class QuantizingCompressor(Compressor):
 
     def payload_bytes(self, n: int) -> int:
         padded = -(-n // self.block_size) * self.block_size
-        return sum(m * torch.empty(0, dtype=d).element_size()
-                   for m, d in zip(self.payload_numels(padded), self.payload_dtypes, strict=True))  # fmt: skip
+        return sum(
+            m * torch.empty(0, dtype=d).element_size()
+            for m, d in zip(self.payload_numels(padded), self.payload_dtypes, strict=True)
+        )
 
     def _args(self) -> str:
         return f"block_size={self.block_size}"
@@ -227,5 +236,7 @@ def parse_compressor(spec: str | Compressor) -> Compressor:
             return IdentityCompressor()
     except ValueError as e:
         raise ValueError(f"compressor spec {spec!r}: {e}") from None
-    raise ValueError(f"compressor spec {spec!r} is not one of topk:RATIO[:exact|threshold], int8[:BLOCK], "
-                     "1bit[:BLOCK], none (e.g. 'topk:0.01')")  # fmt: skip
+    raise ValueError(
+        f"compressor spec {spec!r} is not one of topk:RATIO[:exact|threshold], int8[:BLOCK], "
+        "1bit[:BLOCK], none (e.g. 'topk:0.01')"
+    )

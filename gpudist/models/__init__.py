@@ -8,5 +8,14 @@ from .tensor import TensorParallelModel
 from .zero import ZeRO1Model, ZeRO2Model
 from .zero3 import FSDPModel, ZeRO3Model
 
-__all__ = ["DDPModel", "FSDPModel", "HybridShardedModel", "PipelineParallelModel", "ShardedModel",
-           "TensorParallelModel", "ZeRO1Model", "ZeRO2Model", "ZeRO3Model"]  # fmt: skip
+__all__ = [
+    "DDPModel",
+    "FSDPModel",
+    "HybridShardedModel",
+    "PipelineParallelModel",
+    "ShardedModel",
+    "TensorParallelModel",
+    "ZeRO1Model",
+    "ZeRO2Model",
+    "ZeRO3Model",
+]

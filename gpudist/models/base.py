@@ -57,8 +57,9 @@ class ShardedModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"{type(self).__name__} wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, ShardedModel):
-            raise TypeError(f"{type(self).__name__} got an already wrapped {type(module).__name__}; wrap the inner "
-                            "module once")  # fmt: skip
+            raise TypeError(
+                f"{type(self).__name__} got an already wrapped {type(module).__name__}; wrap the inner module once"
+            )
         if not isinstance(config, ShardingConfiguration):
             raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
         self.module = module
@@ -126,8 +127,9 @@ class ShardedModel(nn.Module):
         self.train()
         loss = loss_fn(self(inputs), targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                             f"{tuple(getattr(loss, 'shape', ()))}")  # fmt: skip
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+            )
         loss.backward()
         if optimizer is not None:
             optimizer.step()
@@ -176,8 +178,9 @@ class ShardedModel(nn.Module):
         count = sum(p.numel() for p in params)
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), "
-                             f"got {shape}")  # fmt: skip
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
+            )
         with torch.no_grad():
             offset = 0
             for p in params:
@@ -223,8 +226,10 @@ class ShardedModel(nn.Module):
 
     def buffer_table(self) -> list[dict]:
         """Name, shape and dtype of every buffer of the full module (what a checkpoint's manifest lists)."""
-        return [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                for n, b in self.module.named_buffers()]  # fmt: skip
+        return [
+            {"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+            for n, b in self.module.named_buffers()
+        ]
 
     def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
         """The buffers this rank holds: ``(name in the full module, tensor, whether this rank writes it)``; each
@@ -240,8 +245,12 @@ class ShardedModel(nn.Module):
     def serialize(self) -> bytes:
         """The full model state as safetensors bytes (no pickle), with a checksum and the strategy in the header."""
         state = {k: v.contiguous().cpu() for k, v in self.full_state_dict().items()}
-        meta = {"format": FORMAT, "strategy": self.strategy, "world_size": str(self.world_size),
-                "sha256": _digest(state)}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "strategy": self.strategy,
+            "world_size": str(self.world_size),
+            "sha256": _digest(state),
+        }
         return st_save(state, metadata=meta)
 
     def deserialize(self, data: bytes) -> None:
@@ -254,8 +263,10 @@ class ShardedModel(nn.Module):
             raise ValueError(f"serialized model does not match: missing {missing[:5]}, unexpected {extra[:5]}")
         for k, v in own.items():
             if state[k].shape != v.shape:
-                raise ValueError(f"serialized model does not match: {k} has shape {tuple(state[k].shape)}, "
-                                 f"the model {tuple(v.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"serialized model does not match: {k} has shape {tuple(state[k].shape)}, "
+                    f"the model {tuple(v.shape)}"
+                )
         self.load_full_state_dict(state)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -324,8 +335,15 @@ def module_table(module: nn.Module) -> list[dict]:
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    return [{"name": name, "aliases": aliases[id(p)][1:], "shape": list(p.shape),
-             "dtype": str(p.dtype).removeprefix("torch.")} for name, p in module.named_parameters()]  # fmt: skip
+    return [
+        {
+            "name": name,
+            "aliases": aliases[id(p)][1:],
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
+        }
+        for name, p in module.named_parameters()
+    ]
 
 
 def replica_share(layout, rank: int, split: bool, across_replicas: bool) -> tuple[int, int]:
@@ -364,5 +382,3 @@ def _read(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if meta.get("sha256") != _digest(state):
         raise ValueError("model payload checksum mismatch: the data was damaged after it was written")
     return state, meta
-
-

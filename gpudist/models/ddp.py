@@ -55,8 +55,9 @@ class DDPModel(ShardedModel):
         kinds = {(p.dtype, p.device) for p in self._params}
         self.flat_grads = None
         if self._views and len(kinds) == 1:
-            self.flat_grads = torch.zeros(sum(p.numel() for p in self._params), dtype=self._params[0].dtype,
-                                          device=self._params[0].device)  # fmt: skip
+            self.flat_grads = torch.zeros(
+                sum(p.numel() for p in self._params), dtype=self._params[0].dtype, device=self._params[0].device
+            )
         starts = [0]
         for p in self._params:
             starts.append(starts[-1] + p.numel())
@@ -84,8 +85,9 @@ class DDPModel(ShardedModel):
         """Whether ``param.grad`` are views into persistent bucket buffers."""
         return self.config.gradient_as_bucket_view
 
-    def _make_bucket(self, index: int, params: list[torch.nn.Parameter], names: list[str],
-                     storage: torch.Tensor | None = None) -> GradientBucket:  # fmt: skip
+    def _make_bucket(
+        self, index: int, params: list[torch.nn.Parameter], names: list[str], storage: torch.Tensor | None = None
+    ) -> GradientBucket:
         grads = FlatBuffer.empty_like(params) if storage is None else FlatBuffer(FlatLayout.of(params), storage)
         wire_dtype = self.config.communication_dtype or grads.data.dtype
         wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
@@ -113,11 +115,15 @@ class DDPModel(ShardedModel):
         :class:`gpudist.GradientCompressionOptimizer` installs one. The hook runs when the bucket is ready, in bucket
         order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels."""
         if not callable(getattr(hook, self._hook_op, None)):
-            raise TypeError(f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
-                            f"got {type(hook).__name__}")  # fmt: skip
+            raise TypeError(
+                f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
+                f"got {type(hook).__name__}"
+            )
         if self._comm_hook is not None and hook is not self._comm_hook:
-            raise ValueError(f"{type(self).__name__} already has a comm hook ({type(self._comm_hook).__name__}); "
-                             "build one optimizer that communicates per model")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__} already has a comm hook ({type(self._comm_hook).__name__}); "
+                "build one optimizer that communicates per model"
+            )
         self._comm_hook = hook
 
     @contextlib.contextmanager
@@ -322,5 +328,3 @@ class DDPModel(ShardedModel):
 
     def extra_repr(self) -> str:
         return f"world_size={self.world_size}, buckets={len(self._buckets)}"
-
-

@@ -43,23 +43,37 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
 
     strategy = "hybrid"
 
-    def __init__(self, module: nn.Module, config: ShardingConfiguration, pipeline_parallel_size: int = 1,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = -1, *, plan: Plan | None = None,
-                 blocks: Callable[[nn.Module], nn.Sequential | Sequence[nn.Module]] | None = None,
-                 micro_batches: int = 4, schedule: str = "1f1b",
-                 balance: str | Sequence[int] = "parameters"):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardingConfiguration,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = -1,
+        *,
+        plan: Plan | None = None,
+        blocks: Callable[[nn.Module], nn.Sequential | Sequence[nn.Module]] | None = None,
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        balance: str | Sequence[int] = "parameters",
+    ):
         if not isinstance(config, ShardingConfiguration):
             raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
-        layout = ParallelLayout.resolve(config.backend.world_size, pipeline_parallel_size, tensor_parallel_size,
-                                        data_parallel_size)  # fmt: skip
+        layout = ParallelLayout.resolve(
+            config.backend.world_size, pipeline_parallel_size, tensor_parallel_size, data_parallel_size
+        )
         if tensor_parallel_size > 1 and plan is None:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs a plan naming the layers to split, "
-                             "e.g. plan=gpudist.models.tensor.tinylm_plan or {'mlp.fc1': 'colwise', 'mlp.fc2': "
-                             "'rowwise'}")  # fmt: skip
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs a plan naming the layers to split, "
+                "e.g. plan=gpudist.models.tensor.tinylm_plan or {'mlp.fc1': 'colwise', 'mlp.fc2': "
+                "'rowwise'}"
+            )
         if blocks is None and pipeline_parallel_size > 1 and not isinstance(module, (nn.Sequential, list, tuple)):
-            raise TypeError(f"pipeline_parallel_size={pipeline_parallel_size} splits an nn.Sequential; "
-                            f"{type(module).__name__} is not one: pass blocks=, a function returning the module's "
-                            "blocks in order (e.g. examples/lm.py's as_sequential)")  # fmt: skip
+            raise TypeError(
+                f"pipeline_parallel_size={pipeline_parallel_size} splits an nn.Sequential; "
+                f"{type(module).__name__} is not one: pass blocks=, a function returning the module's "
+                "blocks in order (e.g. examples/lm.py's as_sequential)"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:

@@ -24,27 +24,40 @@ class ParallelLayout:
     tensor_parallel_size: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                data_parallel_size: int = -1) -> ParallelLayout:  # fmt: skip
+    def resolve(
+        cls,
+        world_size: int,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = -1,
+    ) -> ParallelLayout:
         """Validate the factors; ``data_parallel_size=-1`` takes the ranks left over. The error names every factor."""
         sizes = {"pipeline_parallel_size": pipeline_parallel_size, "tensor_parallel_size": tensor_parallel_size}
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or \
-                (data_parallel_size < 1 and data_parallel_size != -1):  # fmt: skip
-            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1, or -1 for the ranks "
-                             "left over")  # fmt: skip
+        if (
+            isinstance(data_parallel_size, bool)
+            or not isinstance(data_parallel_size, int)
+            or (data_parallel_size < 1 and data_parallel_size != -1)
+        ):
+            raise ValueError(
+                f"data_parallel_size={data_parallel_size!r} must be an int >= 1, or -1 for the ranks left over"
+            )
         model = pipeline_parallel_size * tensor_parallel_size
         if data_parallel_size == -1:
             if world_size % model:
-                raise ValueError(f"pp({pipeline_parallel_size}) * tp({tensor_parallel_size}) = {model} does not "
-                                 f"divide world_size({world_size}); choose sizes whose product divides it")  # fmt: skip
+                raise ValueError(
+                    f"pp({pipeline_parallel_size}) * tp({tensor_parallel_size}) = {model} does not "
+                    f"divide world_size({world_size}); choose sizes whose product divides it"
+                )
             data_parallel_size = world_size // model
         if model * data_parallel_size != world_size:
-            raise ValueError(f"pp({pipeline_parallel_size}) * dp({data_parallel_size}) * tp({tensor_parallel_size}) "
-                             f"= {model * data_parallel_size} != world_size({world_size}); make the product equal "
-                             "the world size, or pass data_parallel_size=-1")  # fmt: skip
+            raise ValueError(
+                f"pp({pipeline_parallel_size}) * dp({data_parallel_size}) * tp({tensor_parallel_size}) "
+                f"= {model * data_parallel_size} != world_size({world_size}); make the product equal "
+                "the world size, or pass data_parallel_size=-1"
+            )
         return cls(world_size, pipeline_parallel_size, data_parallel_size, tensor_parallel_size)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -69,8 +82,10 @@ class ParallelLayout:
         return groups
 
     def describe(self) -> str:
-        return (f"pp={self.pipeline_parallel_size} x dp={self.data_parallel_size} x tp={self.tensor_parallel_size} "
-                f"= {self.world_size} ranks")  # fmt: skip
+        return (
+            f"pp={self.pipeline_parallel_size} x dp={self.data_parallel_size} x tp={self.tensor_parallel_size} "
+            f"= {self.world_size} ranks"
+        )
 
 
 def make_groups(comm, groups: list[list[int]], required: bool = True):

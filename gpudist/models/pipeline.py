@@ -59,8 +59,9 @@ def partition_blocks(costs: Sequence[int], num_stages: int, balance: str | Seque
     if not isinstance(balance, str):
         counts = [int(c) for c in balance]
         if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
-            raise ValueError(f"balance={list(balance)} must give {num_stages} block counts >= 1 summing to the "
-                             f"model's {n} blocks")  # fmt: skip
+            raise ValueError(
+                f"balance={list(balance)} must give {num_stages} block counts >= 1 summing to the model's {n} blocks"
+            )
         return counts
     if balance == "uniform":
         return [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
@@ -98,8 +99,9 @@ def stage_schedule(schedule: str, num_stages: int, stage: int, micro_batches: in
     return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
 
 
-def schedule_bubble(orders: Sequence[Sequence[tuple[str, int]]], forward_cost: float = 1.0,
-                    backward_cost: float = 2.0) -> float:  # fmt: skip
+def schedule_bubble(
+    orders: Sequence[Sequence[tuple[str, int]]], forward_cost: float = 1.0, backward_cost: float = 2.0
+) -> float:
     """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, each op starting as soon as
     its input arrived (``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` after ``B(s+1, m)``) and the stage is free.
     For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
@@ -158,15 +160,23 @@ class PipelineParallelModel(ShardedModel):
 
     strategy = "pipeline"
 
-    def __init__(self, module: nn.Module | Sequence[nn.Module], config: ShardingConfiguration,
-                 num_stages: int | None = None, micro_batches: int = 4, schedule: str = "1f1b",
-                 balance: str | Sequence[int] = "parameters"):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        config: ShardingConfiguration,
+        num_stages: int | None = None,
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        balance: str | Sequence[int] = "parameters",
+    ):
         if isinstance(module, (list, tuple, nn.ModuleList)):
             module = nn.Sequential(*module)
         if not isinstance(module, nn.Sequential):
-            raise TypeError(f"PipelineParallelModel splits an nn.Sequential or a list of blocks, got "
-                            f"{type(module).__name__}; pass its layers in order, e.g. nn.Sequential(embed, *blocks, "
-                            "head), each taking and returning one tensor")  # fmt: skip
+            raise TypeError(
+                f"PipelineParallelModel splits an nn.Sequential or a list of blocks, got "
+                f"{type(module).__name__}; pass its layers in order, e.g. nn.Sequential(embed, *blocks, "
+                "head), each taking and returning one tensor"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -219,17 +229,26 @@ class PipelineParallelModel(ShardedModel):
                         holders[id(p)].append(s)
         unplaced = [n for n, p in full.named_parameters() if id(p) not in self._name_of]
         if unplaced:
-            raise ValueError(f"{type(self).__name__}: the blocks hold parameters the module does not name "
-                             f"({unplaced[:3]}); build the blocks from the module's own layers")  # fmt: skip
-        self._stage_names = [[self._name_of[id(p)] for p in dict.fromkeys(q for blk in blocks[a:b]
-                                                                          for q in blk.parameters())
-                              if holders[id(p)][0] == s] for s, (a, b) in enumerate(self.stage_blocks)]  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: the blocks hold parameters the module does not name "
+                f"({unplaced[:3]}); build the blocks from the module's own layers"
+            )
+        self._stage_names = [
+            [
+                self._name_of[id(p)]
+                for p in dict.fromkeys(q for blk in blocks[a:b] for q in blk.parameters())
+                if holders[id(p)][0] == s
+            ]
+            for s, (a, b) in enumerate(self.stage_blocks)
+        ]
         """Names of the parameters each stage owns, in the order it sends them in gather_full_parameters."""
         self._stage_numel = [sum(self._place[n][1] for n in names) for names in self._stage_names]
         # Buffers (and the state_dict keys) of the full model, and the stage that saves each: the first holding it.
         self._state_keys = list(root.state_dict().keys())
-        self._buffer_rows = [{"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
-                             for n, b in root.named_buffers()]  # fmt: skip
+        self._buffer_rows = [
+            {"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+            for n, b in root.named_buffers()
+        ]
         buffer_names = {id(b): n for n, b in root.named_buffers()}
         buffer_stage: dict[int, int] = {}
         for s, (a, b) in enumerate(self.stage_blocks):
@@ -246,8 +265,11 @@ class PipelineParallelModel(ShardedModel):
         self._stage_params = params
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
         self._owned_names = set(self._stage_names[stage])
-        self._buffers = [(buffer_names[id(buf)], buf, buffer_stage[id(buf)] == stage)
-                         for buf in self.module.buffers() if id(buf) in buffer_names]  # fmt: skip
+        self._buffers = [
+            (buffer_names[id(buf)], buf, buffer_stage[id(buf)] == stage)
+            for buf in self.module.buffers()
+            if id(buf) in buffer_names
+        ]
         """(name in the full model, buffer, whether this stage owns it) of every buffer this stage holds."""
 
         pp_groups = layout.groups("pipeline")
@@ -328,8 +350,14 @@ class PipelineParallelModel(ShardedModel):
         with self.pipeline_group.unchecked():  # shapes agreed by the step's shape message
             pending.append((self.pipeline_group.send(tensor, self._peer(offset), async_op=True), tensor))
 
-    def _post_recv(self, shape: torch.Size, dtype: torch.dtype, offset: int, pending: list | None = None,
-                   outbox: list | None = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    def _post_recv(
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        offset: int,
+        pending: list | None = None,
+        outbox: list | None = None,
+    ) -> tuple[torch.Tensor, Any]:
         """Post a receive from the stage ``offset`` away; returns the buffer and the Work to wait on before reading
         it. Receives from one peer match that peer's sends in order, so they may be posted ahead of time (not where
         p2p runs in issue order: there the sends waiting in ``outbox`` go out in one group with it)."""
@@ -367,9 +395,11 @@ class PipelineParallelModel(ShardedModel):
 
     def _check_sendable(self, tensor: torch.Tensor) -> None:
         if tensor.dim() > _META_LEN - 2 or tensor.dtype not in _DTYPES:
-            raise ValueError(f"PipelineParallelModel: stage {self.pipeline_parallel_rank} output of shape "
-                             f"{tuple(tensor.shape)} and dtype {tensor.dtype} cannot be sent; use at most "
-                             f"{_META_LEN - 2} dimensions and one of {_DTYPES}")  # fmt: skip
+            raise ValueError(
+                f"PipelineParallelModel: stage {self.pipeline_parallel_rank} output of shape "
+                f"{tuple(tensor.shape)} and dtype {tensor.dtype} cannot be sent; use at most "
+                f"{_META_LEN - 2} dimensions and one of {_DTYPES}"
+            )
 
     def _send_meta(self, tensor: torch.Tensor, pending: list) -> None:
         self._check_sendable(tensor)
@@ -382,22 +412,31 @@ class PipelineParallelModel(ShardedModel):
 
     def _stage_output(self, output: Any) -> torch.Tensor:
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"PipelineParallelModel: stage {self.pipeline_parallel_rank} (blocks "
-                            f"{self.stage_blocks[self.pipeline_parallel_rank]}) returned {type(output).__name__}; "
-                            "every block must return one tensor")  # fmt: skip
+            raise TypeError(
+                f"PipelineParallelModel: stage {self.pipeline_parallel_rank} (blocks "
+                f"{self.stage_blocks[self.pipeline_parallel_rank]}) returned {type(output).__name__}; "
+                "every block must return one tensor"
+            )
         return output
 
     def _micro(self, value: Any, what: str) -> list[Any]:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"PipelineParallelModel.train_step: {what} must be a tensor, got {type(value).__name__}")
         if value.shape[0] % self.micro_batches:
-            raise ValueError(f"PipelineParallelModel.train_step: {what} has batch size {value.shape[0]}, not a "
-                             f"multiple of micro_batches={self.micro_batches}; pass a batch divisible by it (each "
-                             "micro-batch must have the same size so their mean losses average to the batch's)")
+            raise ValueError(
+                f"PipelineParallelModel.train_step: {what} has batch size {value.shape[0]}, not a "
+                f"multiple of micro_batches={self.micro_batches}; pass a batch divisible by it (each "
+                "micro-batch must have the same size so their mean losses average to the batch's)"
+            )
         return list(value.chunk(self.micro_batches))
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
         """One pipelined step on this replica's batch (every stage of the replica passes the same ``inputs`` and
         ``targets``; only the first stage reads ``inputs``, only the last ``targets``). Gradients are accumulated
         over the micro-batches, summed over stages for shared parameters and averaged over replicas; then
@@ -473,8 +512,10 @@ class PipelineParallelModel(ShardedModel):
                     if last:
                         y = loss_fn(y, ts[i])
                         if not isinstance(y, torch.Tensor) or y.numel() != 1:
-                            raise ValueError(f"loss_fn must return a scalar tensor, got {type(y).__name__} "
-                                             f"{tuple(getattr(y, 'shape', ()))}")  # fmt: skip
+                            raise ValueError(
+                                f"loss_fn must return a scalar tensor, got {type(y).__name__} "
+                                f"{tuple(getattr(y, 'shape', ()))}"
+                            )
                         losses[i] = float(y.detach())
                     busy += time.perf_counter() - t0
                     if not last:
@@ -483,8 +524,13 @@ class PipelineParallelModel(ShardedModel):
                             out = (y.shape, y.dtype)
                             self._send(self._encode_meta(y), +1, pending, outbox)
                             if self._sent_shape not in (None, out) and not ordered:  # the receiver's guess
-                                self._send(torch.zeros(self._sent_shape[0], dtype=self._sent_shape[1],
-                                                        device=self.comm.device), +1, pending)
+                                self._send(
+                                    torch.zeros(
+                                        self._sent_shape[0], dtype=self._sent_shape[1], device=self.comm.device
+                                    ),
+                                    +1,
+                                    pending,
+                                )
                             self._sent_shape = out
                         self._send(y.detach(), +1, pending, outbox)
                     in_flight[i] = (x, y)
@@ -516,8 +562,12 @@ class PipelineParallelModel(ShardedModel):
                 self._flush(pending, outbox)
             for work, _ in pending:
                 work.wait()
-        self.last_schedule = {"order": order, "max_in_flight": max_in_flight,
-                              "busy_s": busy, "step_s": time.perf_counter() - started}  # fmt: skip
+        self.last_schedule = {
+            "order": order,
+            "max_in_flight": max_in_flight,
+            "busy_s": busy,
+            "step_s": time.perf_counter() - started,
+        }
         self.synchronize_gradients()
         self._mark_step_bytes()
         if optimizer is not None:
@@ -538,9 +588,11 @@ class PipelineParallelModel(ShardedModel):
     def forward(self, inputs: Any) -> torch.Tensor:
         """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step."""
         if torch.is_grad_enabled() and self.training:
-            raise RuntimeError("PipelineParallelModel: call train_step(inputs, targets, loss_fn, optimizer) to train "
-                               "(the backward pass is scheduled across ranks); forward runs without gradients, e.g. "
-                               "in predict() or under torch.no_grad()")  # fmt: skip
+            raise RuntimeError(
+                "PipelineParallelModel: call train_step(inputs, targets, loss_fn, optimizer) to train "
+                "(the backward pass is scheduled across ranks); forward runs without gradients, e.g. "
+                "in predict() or under torch.no_grad()"
+            )
         pending: list = []
         with torch.no_grad():
             x = inputs if self.is_first_stage else self._recv(*self._recv_meta(), -1)
@@ -599,8 +651,10 @@ class PipelineParallelModel(ShardedModel):
         """Overwrite this stage's parameters (shared ones included) from the full vector (same on every rank)."""
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self._full_numel:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
-                             f"parameter count), got {shape}")  # fmt: skip
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
+                f"parameter count), got {shape}"
+            )
         for name in self._local_names:
             offset, numel, shape = self._place[name]
             self._write_full(name, flat[offset : offset + numel].view(shape))
@@ -613,8 +667,9 @@ class PipelineParallelModel(ShardedModel):
         local.copy_(full if split is None else split.shard(full, tp.rank, tp.world_size))
 
     def clone(self) -> ShardedModel:
-        raise NotImplementedError("PipelineParallelModel holds one stage per rank; build a new one from the full "
-                                  "module to copy it")  # fmt: skip
+        raise NotImplementedError(
+            "PipelineParallelModel holds one stage per rank; build a new one from the full module to copy it"
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module's state (parameters under every name, buffers), as a single process would hold it, on
@@ -628,8 +683,10 @@ class PipelineParallelModel(ShardedModel):
         aliases = {alias: row["name"] for row in self._table for alias in row["aliases"]}
         missing = [k for k in self._state_keys if k not in full and aliases.get(k) not in full]
         if missing:
-            raise RuntimeError(f"PipelineParallelModel.full_state_dict: no stage holds {missing[:5]} (entries of the "
-                               "module outside the blocks the pipeline was built from)")  # fmt: skip
+            raise RuntimeError(
+                f"PipelineParallelModel.full_state_dict: no stage holds {missing[:5]} (entries of the "
+                "module outside the blocks the pipeline was built from)"
+            )
         device = self.comm.device
         return {k: (full[k] if k in full else full[aliases[k]].clone()).to(device) for k in self._state_keys}
 
@@ -646,9 +703,13 @@ class PipelineParallelModel(ShardedModel):
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Every parameter of this stage (tied ones too, so that loading fills them) under its full-model name:
         whole, or its runs in the full parameter when tensor parallelism split it."""
-        return [(p := self.module.get_parameter(local_name), held_segments(name, p, self._splits.get(name),
-                                                                              self.tensor_group))
-                for name, local_name in self._local_names.items()]  # fmt: skip
+        return [
+            (
+                p := self.module.get_parameter(local_name),
+                held_segments(name, p, self._splits.get(name), self.tensor_group),
+            )
+            for name, local_name in self._local_names.items()
+        ]
 
     def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
         """Only the stage owning a parameter writes it (a tied one: the first stage holding it), its copies over the
@@ -667,8 +728,14 @@ class PipelineParallelModel(ShardedModel):
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()
-        meta.update({"layout": self.layout.describe(), "stage": self.pipeline_parallel_rank,
-                     "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank], "schedule": self.schedule,
-                     "micro_batches": self.micro_batches,
-                     "stage_parameter_count": sum(p.numel() for p in self._stage_params)})  # fmt: skip
+        meta.update(
+            {
+                "layout": self.layout.describe(),
+                "stage": self.pipeline_parallel_rank,
+                "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank],
+                "schedule": self.schedule,
+                "micro_batches": self.micro_batches,
+                "stage_parameter_count": sum(p.numel() for p in self._stage_params),
+            }
+        )
         return meta

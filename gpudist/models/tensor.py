@@ -72,8 +72,10 @@ def _all_gather_along(x: torch.Tensor, comm: CommunicationBackend, dim: int) -> 
 def _own_slice(x: torch.Tensor, comm: CommunicationBackend, dim: int) -> torch.Tensor:
     size, n = x.shape[dim], comm.world_size
     if size % n:
-        raise ValueError(f"scatter_to_tensor_parallel: dimension {dim} has size {size}, not divisible by the "
-                         f"tensor-parallel size {n}; make it a multiple of {n}")  # fmt: skip
+        raise ValueError(
+            f"scatter_to_tensor_parallel: dimension {dim} has size {size}, not divisible by the "
+            f"tensor-parallel size {n}; make it a multiple of {n}"
+        )
     return x.narrow(dim, comm.rank * (size // n), size // n).clone(memory_format=torch.contiguous_format)
 
 
@@ -194,8 +196,9 @@ class _Split:
         return self.unshard(parts)
 
 
-def held_segments(name: str, local: torch.Tensor, split: _Split | None,
-                  group: CommunicationBackend | None) -> list[tuple[int, int, str, int]]:  # fmt: skip
+def held_segments(
+    name: str, local: torch.Tensor, split: _Split | None, group: CommunicationBackend | None
+) -> list[tuple[int, int, str, int]]:
     """The checkpoint segments (``ShardedModel.checkpoint_segments``) of ``local``, this rank's tensor of parameter
     ``name``: all of it when the parameter is not split, else its runs in the full parameter (``split`` over
     ``group``, the tensor-parallel group). The one rule :class:`TensorParallelModel` and the pipeline share."""
@@ -214,16 +217,23 @@ def _divisors(n: int) -> str:
 
 def _require_divisible(what: str, size: int, tp: int) -> None:
     if size % tp:
-        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp}; use a tensor-parallel "
-                         f"size that divides {size} ({_divisors(size)}), or make it a multiple of {tp}")  # fmt: skip
+        raise ValueError(
+            f"{what}={size} is not divisible by the tensor-parallel size {tp}; use a tensor-parallel "
+            f"size that divides {size} ({_divisors(size)}), or make it a multiple of {tp}"
+        )
 
 
 def _check_column(what: str, out_features: int, chunks: int, tp: int) -> None:
     if chunks > 1 and out_features % chunks:
-        raise ValueError(f"{what}: out_features={out_features} is not {chunks} equal blocks (a fused q, k, v "
-                         f"projection has 3 x d_model outputs); split it with 'colwise' instead")  # fmt: skip
-    _require_divisible(f"{what}: out_features" if chunks == 1 else f"{what}: width of each of its {chunks} blocks",
-                       out_features // chunks, tp)  # fmt: skip
+        raise ValueError(
+            f"{what}: out_features={out_features} is not {chunks} equal blocks (a fused q, k, v "
+            f"projection has 3 x d_model outputs); split it with 'colwise' instead"
+        )
+    _require_divisible(
+        f"{what}: out_features" if chunks == 1 else f"{what}: width of each of its {chunks} blocks",
+        out_features // chunks,
+        tp,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,8 +250,14 @@ class ColumnParallelLinear(nn.Module):
     :func:`vocab_parallel_cross_entropy` (an output head over the vocabulary).
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: CommunicationBackend,
-                 gather_output: bool = False, chunks: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        comm: CommunicationBackend,
+        gather_output: bool = False,
+        chunks: int = 1,
+    ):
         super().__init__()
         self.comm, self.gather_output, self.chunks = comm, gather_output, chunks
         self.weight = weight
@@ -249,8 +265,9 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0] * comm.world_size
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: CommunicationBackend, gather_output: bool = False,
-                    chunks: int = 1) -> ColumnParallelLinear:  # fmt: skip
+    def from_linear(
+        cls, linear: nn.Linear, comm: CommunicationBackend, gather_output: bool = False, chunks: int = 1
+    ) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (same values as the full layer: convert after initializing)."""
         _check_type(linear, nn.Linear, cls.__name__)
         _check_column(f"{cls.__name__}.from_linear", linear.out_features, chunks, comm.world_size)
@@ -274,8 +291,10 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} ({self.weight.shape[0]} here), "
-                f"chunks={self.chunks}, gather_output={self.gather_output}")  # fmt: skip
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} ({self.weight.shape[0]} here), "
+            f"chunks={self.chunks}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -287,8 +306,13 @@ class RowParallelLinear(nn.Module):
     of ``Y`` in forward; in backward nothing (an all-gather of ``dX`` when the input was scattered).
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: CommunicationBackend,
-                 input_is_parallel: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        comm: CommunicationBackend,
+        input_is_parallel: bool = True,
+    ):
         super().__init__()
         self.comm, self.input_is_parallel = comm, input_is_parallel
         self.weight = weight
@@ -296,8 +320,9 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1] * comm.world_size, weight.shape[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: CommunicationBackend,
-                    input_is_parallel: bool = True) -> RowParallelLinear:  # fmt: skip
+    def from_linear(
+        cls, linear: nn.Linear, comm: CommunicationBackend, input_is_parallel: bool = True
+    ) -> RowParallelLinear:
         """This rank's shard of ``linear`` (same values as the full layer: convert after initializing)."""
         _check_type(linear, nn.Linear, cls.__name__)
         _require_divisible(f"{cls.__name__}.from_linear: in_features", linear.in_features, comm.world_size)
@@ -313,8 +338,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} ({self.weight.shape[1]} here), out_features={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}")  # fmt: skip
+        return (
+            f"in_features={self.in_features} ({self.weight.shape[1]} here), out_features={self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -338,8 +365,10 @@ class VocabParallelEmbedding(nn.Module):
         _check_type(emb, nn.Embedding, cls.__name__)
         unsupported = [k for k in ("max_norm", "sparse", "scale_grad_by_freq") if getattr(emb, k)]
         if unsupported:
-            raise ValueError(f"{cls.__name__}.from_embedding: nn.Embedding option(s) {unsupported} are not supported "
-                             "with a vocabulary split; build the embedding without them")  # fmt: skip
+            raise ValueError(
+                f"{cls.__name__}.from_embedding: nn.Embedding option(s) {unsupported} are not supported "
+                "with a vocabulary split; build the embedding without them"
+            )
         _require_divisible(f"{cls.__name__}.from_embedding: num_embeddings", emb.num_embeddings, comm.world_size)
         return cls(_shard_parameter(emb.weight, _Split(0), comm), comm, emb.padding_idx)
 
@@ -348,8 +377,9 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= rows)
         pad = self.padding_idx - self.vocab_start if self.padding_idx is not None else None
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, pad if pad is not None and 0 <= pad < rows
-                          else None)  # fmt: skip
+        out = F.embedding(
+            local.masked_fill(outside, 0), self.weight, pad if pad is not None and 0 <= pad < rows else None
+        )
         return reduce_from_tensor_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.comm)
 
     def extra_repr(self) -> str:
@@ -389,8 +419,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype).view(ctx.shape), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, comm: CommunicationBackend,
-                                 vocab_start: int, ignore_index: int = -100) -> torch.Tensor:  # fmt: skip
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    targets: torch.Tensor,
+    comm: CommunicationBackend,
+    vocab_start: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Mean cross-entropy over tokens (as ``F.cross_entropy``) from logits split by vocabulary over ``comm``.
 
     ``logits_shard`` (``[..., V/tp]``) holds full-vocabulary columns ``[vocab_start, vocab_start + V/tp)``;
@@ -400,9 +435,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     Computed in float32; every rank of ``comm`` returns the same loss.
     """
     if logits_shard.shape[:-1] != targets.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits_shard.shape)} and targets "
-                         f"{tuple(targets.shape)} disagree; targets must have the logits' shape without the "
-                         "vocabulary dimension")  # fmt: skip
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits_shard.shape)} and targets "
+            f"{tuple(targets.shape)} disagree; targets must have the logits' shape without the "
+            "vocabulary dimension"
+        )
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, comm, vocab_start, ignore_index)
 
 
@@ -451,10 +488,10 @@ PLAN_STYLES: dict[str, str] = {
     "rowwise": "nn.Linear -> RowParallelLinear; its input arrives split, its output is all-reduced",
     "vocab": "nn.Embedding -> VocabParallelEmbedding (table split by vocabulary rows)",
     "vocab_output": "the output nn.Linear over the vocabulary -> ColumnParallelLinear; the model's output is then "
-                    "logits split by vocabulary, for vocab_parallel_cross_entropy",
+    "logits split by vocabulary, for vocab_parallel_cross_entropy",
     "heads": "a block like examples/lm.py's Block -> HeadParallelBlock (n_heads / tp local heads; give its qkv "
-             "'colwise_qkv' and its proj 'rowwise')",
-}  # fmt: skip
+    "'colwise_qkv' and its proj 'rowwise')",
+}
 """The styles a tensor-parallel plan maps module names to, with what each does."""
 
 
@@ -486,46 +523,62 @@ def tinylm_plan(model: nn.Module) -> dict[str, str]:
     the vocabulary and every block's number of heads."""
     missing = [name for name in ("tok", "blocks", "head") if not hasattr(model, name)]
     if missing:
-        raise ValueError(f"tinylm_plan expects examples/lm.py's TinyLM (tok, blocks, head); {type(model).__name__} "
-                         f"has no {missing}; write a plan dict for it (styles: {', '.join(PLAN_STYLES)})")  # fmt: skip
+        raise ValueError(
+            f"tinylm_plan expects examples/lm.py's TinyLM (tok, blocks, head); {type(model).__name__} "
+            f"has no {missing}; write a plan dict for it (styles: {', '.join(PLAN_STYLES)})"
+        )
     plan = {"tok": "vocab"}
     for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}": "heads", f"blocks.{i}.qkv": "colwise_qkv", f"blocks.{i}.proj": "rowwise",
-                 f"blocks.{i}.fc": "colwise", f"blocks.{i}.out": "rowwise"}  # fmt: skip
+        plan |= {
+            f"blocks.{i}": "heads",
+            f"blocks.{i}.qkv": "colwise_qkv",
+            f"blocks.{i}.proj": "rowwise",
+            f"blocks.{i}.fc": "colwise",
+            f"blocks.{i}.out": "rowwise",
+        }
     return plan | {"head": "vocab_output"}
 
 
 def validate_plan(module: nn.Module, plan: Mapping[str, str], tp: int) -> list[tuple[str, str]]:
     """The plan's (name, style) entries after checking every one against the module and tp (no communication)."""
     if not isinstance(plan, Mapping) or not plan:
-        raise TypeError(f"plan must be a non-empty dict of module name -> style ({', '.join(PLAN_STYLES)}) or a "
-                        f"function returning one (e.g. tinylm_plan), got {plan!r}")  # fmt: skip
+        raise TypeError(
+            f"plan must be a non-empty dict of module name -> style ({', '.join(PLAN_STYLES)}) or a "
+            f"function returning one (e.g. tinylm_plan), got {plan!r}"
+        )
     modules = dict(module.named_modules())
     for name, style in plan.items():
         if style not in PLAN_STYLES:
             raise ValueError(f"plan entry {name!r}: unknown style {style!r}; use one of {', '.join(PLAN_STYLES)}")
         if not isinstance(name, str) or not name or name not in modules:
             layers = [n for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Embedding))]
-            raise ValueError(f"plan names {name!r}, which is not a submodule of {type(module).__name__}; use names "
-                             f"from module.named_modules(), e.g. {layers[:6]}")  # fmt: skip
+            raise ValueError(
+                f"plan names {name!r}, which is not a submodule of {type(module).__name__}; use names "
+                f"from module.named_modules(), e.g. {layers[:6]}"
+            )
         sub, what = modules[name], f"plan entry {name!r} ({style})"
         if style == "heads":
             absent = [p for p in (*_BLOCK_PARTS, "n_heads") if not hasattr(sub, p)]
             if absent or any(True for _ in sub.parameters(recurse=False)):
-                raise TypeError(f"{what}: needs a block laid out as examples/lm.py's Block (n_heads, "
-                                f"{', '.join(_BLOCK_PARTS)}, no parameters of its own); {type(sub).__name__} lacks "
-                                f"{absent or 'none, but has parameters of its own'}")  # fmt: skip
+                raise TypeError(
+                    f"{what}: needs a block laid out as examples/lm.py's Block (n_heads, "
+                    f"{', '.join(_BLOCK_PARTS)}, no parameters of its own); {type(sub).__name__} lacks "
+                    f"{absent or 'none, but has parameters of its own'}"
+                )
             _require_divisible(f"{what}: n_heads", sub.n_heads, tp)
             for part, needed in (("qkv", "colwise_qkv"), ("proj", "rowwise")):
                 if plan.get(f"{name}.{part}") != needed:
-                    raise ValueError(f"{what}: its attention runs on local heads, so the plan must also map "
-                                     f"'{name}.{part}' to '{needed}' (it maps it to "
-                                     f"{plan.get(f'{name}.{part}')!r})")  # fmt: skip
+                    raise ValueError(
+                        f"{what}: its attention runs on local heads, so the plan must also map "
+                        f"'{name}.{part}' to '{needed}' (it maps it to "
+                        f"{plan.get(f'{name}.{part}')!r})"
+                    )
             continue
         expected = nn.Embedding if style == "vocab" else nn.Linear
         if type(sub) is not expected:
-            raise TypeError(f"{what}: style {style!r} converts an {expected.__name__}, but {name!r} is a "
-                            f"{type(sub).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{what}: style {style!r} converts an {expected.__name__}, but {name!r} is a {type(sub).__name__}"
+            )
         if style == "vocab":
             _require_divisible(f"{what}: vocabulary size (num_embeddings)", sub.num_embeddings, tp)
         elif style == "rowwise":
@@ -545,14 +598,17 @@ def validate_plan(module: nn.Module, plan: Mapping[str, str], tp: int) -> list[t
             first = seen.setdefault(id(p), (name, split))
             if first[1] != split:
                 how = [str(s) if s is not None else "replicated" for s in (first[1], split)]
-                raise ValueError(f"{first[0]} and {name} are one (tied) parameter, but the plan splits them "
-                                 f"differently ({how[0]} vs {how[1]}); give both modules matching styles, e.g. "
-                                 "'vocab' for the embedding and 'vocab_output' for the head")  # fmt: skip
+                raise ValueError(
+                    f"{first[0]} and {name} are one (tied) parameter, but the plan splits them "
+                    f"differently ({how[0]} vs {how[1]}); give both modules matching styles, e.g. "
+                    "'vocab' for the embedding and 'vocab_output' for the head"
+                )
     return list(plan.items())
 
 
-def apply_plan(module: nn.Module, entries: list[tuple[str, str]], tensor_group: CommunicationBackend
-               ) -> tuple[dict[str, _Split], str | None]:  # fmt: skip
+def apply_plan(
+    module: nn.Module, entries: list[tuple[str, str]], tensor_group: CommunicationBackend
+) -> tuple[dict[str, _Split], str | None]:
     """Convert ``module``'s planned layers in place (``entries`` from :func:`validate_plan`) to their parallel
     versions over ``tensor_group``, keeping parameter names and ties. Returns how each split parameter (every name
     of it) is cut, and the name of the ``vocab_output`` layer (None without one)."""
@@ -597,18 +653,27 @@ class VocabParallelOutput:
         """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
         targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens."""
         if self.vocab_start is None:
-            raise ValueError("cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
-                             "vocabulary); this model's output is not split: use F.cross_entropy")  # fmt: skip
+            raise ValueError(
+                "cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
+                "vocabulary); this model's output is not split: use F.cross_entropy"
+            )
         return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self.vocab_start)
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   optimizer: torch.optim.Optimizer | None = None) -> float:  # fmt: skip
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
         """The base class's step; ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A
         given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer)."""
         if loss_fn is None:
             if self.vocab_start is None:
-                raise ValueError("train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
-                                 "loss (vocab_parallel_cross_entropy)")  # fmt: skip
+                raise ValueError(
+                    "train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
+                    "loss (vocab_parallel_cross_entropy)"
+                )
             loss_fn = self.cross_entropy
         return super().train_step(inputs, targets, loss_fn, optimizer)
 
@@ -651,8 +716,10 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
             world = config.backend.world_size
             tp = world if tensor_parallel_size is None else tensor_parallel_size
             if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}; use one of "
-                                 f"{_divisors(world)} (the ranks left over form data-parallel replicas)")  # fmt: skip
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide the world size {world}; use one of "
+                    f"{_divisors(world)} (the ranks left over form data-parallel replicas)"
+                )
             self._setup = {"plan": plan, "layout": ParallelLayout.resolve(world, 1, tp)}
         super().__init__(module, config)
 
@@ -771,8 +838,9 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         count = self.parameter_count()
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), "
-                             f"got {shape}")  # fmt: skip
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
+            )
         at = 0
         for row in self._table:
             n = torch.Size(row["shape"]).numel()
@@ -811,9 +879,13 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Each parameter this rank holds: a replicated one whole, a split one as its runs in the full parameter
         (:meth:`_Split.segments`; one per row for a rowwise weight)."""
-        return [(p := self.module.get_parameter(row["name"]),
-                 held_segments(row["name"], p, self._splits.get(row["name"]), self.tensor_group))
-                for row in self._table]  # fmt: skip
+        return [
+            (
+                p := self.module.get_parameter(row["name"]),
+                held_segments(row["name"], p, self._splits.get(row["name"]), self.tensor_group),
+            )
+            for row in self._table
+        ]
 
     def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
         """Split parameters are written once per tensor rank (shared by the data-parallel replicas), unsplit ones
@@ -823,8 +895,12 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     # -- reporting -------------------------------------------------------------------------------------------------
 
     def get_model_metadata(self) -> dict[str, Any]:
-        return {**super().get_model_metadata(), "layout": self.layout.describe(),
-                "tensor_parallel_rank": self.tensor_parallel_rank, "data_parallel_rank": self.data_parallel_rank}
+        return {
+            **super().get_model_metadata(),
+            "layout": self.layout.describe(),
+            "tensor_parallel_rank": self.tensor_parallel_rank,
+            "data_parallel_rank": self.data_parallel_rank,
+        }
 
     def extra_repr(self) -> str:
         return self.layout.describe()

@@ -42,18 +42,24 @@ class ZeRO2Model(DDPModel):
     def initialize_sharding(self) -> None:
         kinds = {(p.dtype, p.device) for p in self.module.parameters() if p.requires_grad}
         if len(kinds) > 1:
-            raise ValueError(f"ZeRO2Model needs all trainable parameters in one dtype and device, got "
-                             f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())")  # fmt: skip
+            raise ValueError(
+                f"ZeRO2Model needs all trainable parameters in one dtype and device, got "
+                f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())"
+            )
         super().initialize_sharding()
         config = self.config
-        parts = partition_buckets(self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True),
-                                  self.world_size, self.rank)  # fmt: skip
+        parts = partition_buckets(
+            self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True), self.world_size, self.rank
+        )
         for bucket, part in zip(self._buckets, parts, strict=True):
             bucket.part = part
         first = self._params[0] if self._params else None
         owned = sum(part.owned_numel for part in parts)
-        self.owned_grads = torch.zeros(owned, dtype=first.dtype if first is not None else torch.float32,
-                                       device=first.device if first is not None else "cpu")  # fmt: skip
+        self.owned_grads = torch.zeros(
+            owned,
+            dtype=first.dtype if first is not None else torch.float32,
+            device=first.device if first is not None else "cpu",
+        )
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
         self._layouts = {b.index: FlatLayout.of(b.params) for b in self._buckets}
         self._filling: dict[int, torch.Tensor] = {}
@@ -98,8 +104,9 @@ class ZeRO2Model(DDPModel):
         else:
             received = sent[part.owned_start : part.owned_start + part.owned_numel]  # in place: no second buffer
             with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-                work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True,
-                                                scratch_input=True)  # sent is this bucket's own packed copy
+                work = self.comm.reduce_scatter(
+                    sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True
+                )  # sent is this bucket's own packed copy
         bucket.in_flight = (sent, received)
         self._pending.append((bucket, work))
         # At most _IN_FLIGHT reduce-scatters at a time, as ZeRO3Model: each holds its bucket's full-size send buffer,

@@ -123,8 +123,10 @@ class ZeRO3Model(ShardedModel):
         for item in spec:
             name = by_id.get(id(item)) if isinstance(item, nn.Module) else item
             if name is None or name not in named or name == "":
-                raise ValueError(f"{type(self).__name__}: unit {item!r} is not a submodule of the wrapped module; "
-                                 f"pass names from module.named_modules(), e.g. {list(named)[1:4]}")  # fmt: skip
+                raise ValueError(
+                    f"{type(self).__name__}: unit {item!r} is not a submodule of the wrapped module; "
+                    f"pass names from module.named_modules(), e.g. {list(named)[1:4]}"
+                )
             names.append(name)
         return names
 
@@ -162,9 +164,20 @@ class ZeRO3Model(ShardedModel):
             start, end = shard_range(sum(numels), self.world_size, self.rank)
             full = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.empty(0)
             shard = nn.Parameter(full[start:end].clone(), requires_grad=trainable)
-            group = _Group(len(self._groups), unit, [",".join(names[id(p)]) for p in ps],
-                           [places[id(p)] for p in ps], [p.shape for p in ps], numels, dtype, ps[0].device,
-                           trainable, start, end, shard)  # fmt: skip
+            group = _Group(
+                len(self._groups),
+                unit,
+                [",".join(names[id(p)]) for p in ps],
+                [places[id(p)] for p in ps],
+                [p.shape for p in ps],
+                numels,
+                dtype,
+                ps[0].device,
+                trainable,
+                start,
+                end,
+                shard,
+            )
             at = 0
             for j, (p, n) in enumerate(zip(ps, numels, strict=True)):
                 group.offsets.append(at)
@@ -438,8 +451,9 @@ class ZeRO3Model(ShardedModel):
         count = self.parameter_count()
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), "
-                             f"got {shape}")  # fmt: skip
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
+            )
         at = 0
         for group, j in self._param_slot:
             self._write_param(group, j, flat[at : at + group.numels[j]])
@@ -490,9 +504,15 @@ class ZeRO3Model(ShardedModel):
     shards_parameters = True
 
     def parameter_table(self) -> list[dict]:
-        return [{"name": names[0], "aliases": names[1:], "shape": list(group.shapes[j]),
-                 "dtype": str(group.dtype).removeprefix("torch.")}
-                for names, (group, j) in zip(self._all_names(), self._param_slot, strict=True)]  # fmt: skip
+        return [
+            {
+                "name": names[0],
+                "aliases": names[1:],
+                "shape": list(group.shapes[j]),
+                "dtype": str(group.dtype).removeprefix("torch."),
+            }
+            for names, (group, j) in zip(self._all_names(), self._param_slot, strict=True)
+        ]
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         out = []

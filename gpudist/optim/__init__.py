@@ -8,6 +8,15 @@ from .elastic import ElasticOptimizer
 from .hybrid import HybridShardedOptimizer
 from .zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-__all__ = ["AsyncSGDOptimizer", "DDPOptimizer", "ElasticOptimizer", "GradientCompressionOptimizer",
-           "HybridShardedOptimizer", "OptimizationResult", "ShardedOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer",
-           "ZeRO3Optimizer"]
+__all__ = [
+    "AsyncSGDOptimizer",
+    "DDPOptimizer",
+    "ElasticOptimizer",
+    "GradientCompressionOptimizer",
+    "HybridShardedOptimizer",
+    "OptimizationResult",
+    "ShardedOptimizer",
+    "ZeRO1Optimizer",
+    "ZeRO2Optimizer",
+    "ZeRO3Optimizer",
+]

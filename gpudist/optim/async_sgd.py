@@ -127,8 +127,9 @@ class _ShardServer:
         try:
             for _ in range(self.world):
                 conn = _no_delay(self.listener.accept())
-                t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                     name=f"gpudist-ps{self.owner.comm.rank}-conn")  # fmt: skip
+                t = threading.Thread(
+                    target=self._serve, args=(conn,), daemon=True, name=f"gpudist-ps{self.owner.comm.rank}-conn"
+                )
                 t.start()
                 self.handlers.append(t)
         except (OSError, EOFError) as e:  # listener closed while accepting
@@ -215,9 +216,11 @@ class _ShardServer:
                     f"parameter-server shard {self.owner.comm.rank} waited {timeout:g}s for "
                     f"{'every worker to finish' if need == _FINAL else f'version {need}'} (at version "
                     f"{self.version}, {len(self.pending)} of {len(self.active)} gradients of the open round; "
-                    f"workers still training: {sorted(self.active)})", op="async_pull", group=self.owner.comm.group,
+                    f"workers still training: {sorted(self.active)})",
+                    op="async_pull",
+                    group=self.owner.comm.group,
                     rank=self.owner.comm.rank,
-                )  # fmt: skip
+                )
             return self.version, self.master.clone()
 
     def close(self) -> None:
@@ -245,21 +248,29 @@ class AsyncSGDOptimizer(ShardedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration, max_staleness: int = 4):
         super().__init__(optimizer, config)
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0 (0 is synchronous SGD; "
-                             "1-8 lets fast workers run ahead of a straggler)")  # fmt: skip
+            raise ValueError(
+                f"max_staleness={max_staleness!r} must be an integer >= 0 (0 is synchronous SGD; "
+                "1-8 lets fast workers run ahead of a straggler)"
+            )
         if self.model() is not None:
-            raise TypeError(f"AsyncSGDOptimizer needs a plain module, but {type(self.model()).__name__} (same config) "
-                            "reduces gradients in every backward, which waits for every rank; pass the unwrapped "
-                            "module's parameters")  # fmt: skip
+            raise TypeError(
+                f"AsyncSGDOptimizer needs a plain module, but {type(self.model()).__name__} (same config) "
+                "reduces gradients in every backward, which waits for every rank; pass the unwrapped "
+                "module's parameters"
+            )
         if config.max_grad_norm is not None:
-            raise ValueError("AsyncSGDOptimizer does not clip gradients (no global norm exists without a collective); "
-                             "set max_grad_norm=None or clip the local gradients before step()")  # fmt: skip
+            raise ValueError(
+                "AsyncSGDOptimizer does not clip gradients (no global norm exists without a collective); "
+                "set max_grad_norm=None or clip the local gradients before step()"
+            )
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("AsyncSGDOptimizer: the optimizer has no parameters that require grad")
         if any(p.dtype != torch.float32 for p in params):
-            raise ValueError(f"AsyncSGDOptimizer needs fp32 parameters, got {sorted({str(p.dtype) for p in params})}; "
-                             "call model.float() first")  # fmt: skip
+            raise ValueError(
+                f"AsyncSGDOptimizer needs fp32 parameters, got {sorted({str(p.dtype) for p in params})}; "
+                "call model.float() first"
+            )
         self.max_staleness = max_staleness
         self._flat_params = params
         self._numels = [p.numel() for p in params]
@@ -271,8 +282,10 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         comm = self.comm
         layout = [len(g["params"]) for g in self.param_groups] + [s for p in params for s in (*p.shape, -1)]
         if not same_on_every_rank(comm, _stable_hash(layout)):
-            raise ValueError(f"AsyncSGDOptimizer: rank {comm.rank}'s parameter groups or shapes differ from another "
-                             "rank's; every rank must build the same model and optimizer")  # fmt: skip
+            raise ValueError(
+                f"AsyncSGDOptimizer: rank {comm.rank}'s parameter groups or shapes differ from another "
+                "rank's; every rank must build the same model and optimizer"
+            )
         broadcast_tensors(comm, [p.data for p in params], 0)
         total = offset
         self._ranges = [shard_range(total, comm.world_size, r) for r in range(comm.world_size)]
@@ -304,19 +317,30 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self._flat_params])
 
     def _flat_grads(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                          .to("cpu", torch.float32) for p in self._flat_params])  # fmt: skip
+        return torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to("cpu", torch.float32)
+                for p in self._flat_params
+            ]
+        )
 
     def _receive(self, conn: Connection, what: str) -> bytes:
         if not conn.poll(self.comm.timeout + 5.0):  # the shard's own timeout answers first, with its reason
-            raise CommunicationTimeoutError(f"rank {self.comm.rank}: no reply to {what} within {self.comm.timeout:g}s",
-                                            op="async_pull", group=self.comm.group, rank=self.comm.rank)  # fmt: skip
+            raise CommunicationTimeoutError(
+                f"rank {self.comm.rank}: no reply to {what} within {self.comm.timeout:g}s",
+                op="async_pull",
+                group=self.comm.group,
+                rank=self.comm.rank,
+            )
         try:
             return conn.recv_bytes()
         except (EOFError, OSError) as e:
-            raise CommunicationError(f"rank {self.comm.rank}: a parameter-server shard went away during {what} "
-                                     f"({e}); its rank died", op="async_pull", group=self.comm.group,
-                                     rank=self.comm.rank) from None  # fmt: skip
+            raise CommunicationError(
+                f"rank {self.comm.rank}: a parameter-server shard went away during {what} ({e}); its rank died",
+                op="async_pull",
+                group=self.comm.group,
+                rank=self.comm.rank,
+            ) from None
 
     def _pull_all(self, needs: list[int]) -> None:
         start = time.perf_counter()
@@ -327,8 +351,9 @@ class AsyncSGDOptimizer(ShardedOptimizer):
             reply = self._receive(conn, f"the pull from shard {r}")
             (version,) = struct.unpack_from("<q", reply)
             if version == _TIMED_OUT:
-                raise CommunicationTimeoutError(reply[8:].decode(), op="async_pull", group=self.comm.group,
-                                                rank=self.comm.rank)  # fmt: skip
+                raise CommunicationTimeoutError(
+                    reply[8:].decode(), op="async_pull", group=self.comm.group, rank=self.comm.rank
+                )
             if version != self._versions[r]:
                 self._versions[r], self._used[r] = version, 0
             shards.append(torch.from_numpy(np.frombuffer(reply, dtype=np.float32, offset=8).copy()))
@@ -361,8 +386,9 @@ class AsyncSGDOptimizer(ShardedOptimizer):
             self._used[r] += 1
             self.bytes_moved += (hi - lo) * 4
         # Another gradient on the same version is allowed up to max_staleness + 1 times; then wait for the next one.
-        self._pull_all([v + 1 if used > self.max_staleness else 0
-                        for v, used in zip(self._versions, self._used, strict=True)])  # fmt: skip
+        self._pull_all(
+            [v + 1 if used > self.max_staleness else 0 for v, used in zip(self._versions, self._used, strict=True)]
+        )
         self.steps += 1
         return loss
 
@@ -399,8 +425,10 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("AsyncSGDOptimizer keeps its optimizer state on the parameter-server shards and "
-                                  "has no checkpoint format yet; save the model after finish()")  # fmt: skip
+        raise NotImplementedError(
+            "AsyncSGDOptimizer keeps its optimizer state on the parameter-server shards and "
+            "has no checkpoint format yet; save the model after finish()"
+        )
 
     def __del__(self):
         try:

@@ -67,8 +67,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
-            raise TypeError(f"{type(self).__name__} wraps a torch.optim.Optimizer instance, got "
-                            f"{type(optimizer).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{type(self).__name__} wraps a torch.optim.Optimizer instance, got {type(optimizer).__name__}"
+            )
         if not isinstance(config, ShardingConfiguration):
             raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], optimizer.defaults)
@@ -85,9 +86,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self, params: set[int] | None = None) -> int:
         """Bytes of optimizer state tensors this rank holds (for the parameters with ids in ``params``, or all)."""
-        return sum(v.numel() * v.element_size() for p, entry in self.state.items()
-                   if params is None or id(p) in params
-                   for v in entry.values() if isinstance(v, torch.Tensor))  # fmt: skip
+        return sum(
+            v.numel() * v.element_size()
+            for p, entry in self.state.items()
+            if params is None or id(p) in params
+            for v in entry.values()
+            if isinstance(v, torch.Tensor)
+        )
 
     @property
     def comm(self):

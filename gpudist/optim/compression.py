@@ -24,16 +24,32 @@ class CompressionHook:
     per gradient buffer (built up front from the communicator's ``gradient_buffers()``), dense during warm-up,
     and the byte accounting of every step."""
 
-    def __init__(self, comm, compressor: Compressor, buffers: dict[int, BufferSpec], *, warmup_steps: int,
-                 error_feedback: bool, local_gradients: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        comm,
+        compressor: Compressor,
+        buffers: dict[int, BufferSpec],
+        *,
+        warmup_steps: int,
+        error_feedback: bool,
+        local_gradients: bool = False,
+    ):
         self.comm, self.compressor, self.buffers = comm, compressor, buffers
         self.warmup_steps, self.error_feedback = warmup_steps, error_feedback
         self.local_gradients = local_gradients
         """After warm-up, leave every rank's own gradients in place (momentum compression communicates at step)."""
         device = next((s[2].device for spec in buffers.values() for s in spec.spans), torch.device("cpu"))
-        self.channels = {key: CompressedChannel(comm, compressor, spec.numel, device=device,
-                                                scatter=spec.op == "reduce_scatter", error_feedback=error_feedback)
-                         for key, spec in buffers.items()}  # fmt: skip
+        self.channels = {
+            key: CompressedChannel(
+                comm,
+                compressor,
+                spec.numel,
+                device=device,
+                scatter=spec.op == "reduce_scatter",
+                error_feedback=error_feedback,
+            )
+            for key, spec in buffers.items()
+        }
         self.steps = 0
         self.last_step = {"sent_bytes": 0, "dense_bytes": 0}
         self.total = {"sent_bytes": 0, "dense_bytes": 0}
@@ -47,8 +63,10 @@ class CompressionHook:
     def _channel(self, key: int, op: str) -> CompressedChannel:
         channel = self.channels.get(key)
         if channel is None or self.buffers[key].op != op:
-            raise RuntimeError(f"CompressionHook: no {op} buffer {key}; the model or optimizer changed its gradient "
-                               "buffers after the GradientCompressionOptimizer was built")  # fmt: skip
+            raise RuntimeError(
+                f"CompressionHook: no {op} buffer {key}; the model or optimizer changed its gradient "
+                "buffers after the GradientCompressionOptimizer was built"
+            )
         return channel
 
     def all_reduce(self, key: int, tensor: torch.Tensor) -> None:
@@ -117,23 +135,35 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 
     strategy = "compression"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration,
-                 compressor: Compressor | str, *, warmup_steps: int = 0, error_feedback: bool = True,
-                 compress: str = "gradients"):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: ShardingConfiguration,
+        compressor: Compressor | str,
+        *,
+        warmup_steps: int = 0,
+        error_feedback: bool = True,
+        compress: str = "gradients",
+    ):
         inner = optimizer if isinstance(optimizer, ShardedOptimizer) else None
         if compress not in ("gradients", "momentum"):
             raise ValueError(f"GradientCompressionOptimizer: compress={compress!r}; use 'gradients' or 'momentum'")
         if compress == "momentum":
             _check_momentum_target(inner, inner.optimizer if inner is not None else optimizer)
         if inner is not None:
-            if isinstance(inner, ZeRO3Optimizer) or not isinstance(inner, (DDPOptimizer, ZeRO1Optimizer,
-                                                                            ZeRO2Optimizer)):  # fmt: skip
-                raise TypeError(f"GradientCompressionOptimizer wraps a torch optimizer, DDPOptimizer, ZeRO1Optimizer "
-                                f"or ZeRO2Optimizer, got {type(inner).__name__} (ZeRO-3 gathers parameters, which "
-                                "have no error feedback to absorb compression)")  # fmt: skip
+            if isinstance(inner, ZeRO3Optimizer) or not isinstance(
+                inner, (DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer)
+            ):
+                raise TypeError(
+                    f"GradientCompressionOptimizer wraps a torch optimizer, DDPOptimizer, ZeRO1Optimizer "
+                    f"or ZeRO2Optimizer, got {type(inner).__name__} (ZeRO-3 gathers parameters, which "
+                    "have no error feedback to absorb compression)"
+                )
             if inner.config is not config:
-                raise ValueError("GradientCompressionOptimizer: the wrapped optimizer was built from another "
-                                 "ShardingConfiguration; pass the same config to both")  # fmt: skip
+                raise ValueError(
+                    "GradientCompressionOptimizer: the wrapped optimizer was built from another "
+                    "ShardingConfiguration; pass the same config to both"
+                )
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0")
         compressor = parse_compressor(compressor)
@@ -144,14 +174,18 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         model = self.model()
         if model is not None:
             if not isinstance(model, DDPModel):
-                raise TypeError(f"GradientCompressionOptimizer compresses the gradients of DDPModel, ZeRO1Model and "
-                                f"ZeRO2Model; {type(model).__name__} is not supported (use a plain module or one of "
-                                "those)")  # fmt: skip
+                raise TypeError(
+                    f"GradientCompressionOptimizer compresses the gradients of DDPModel, ZeRO1Model and "
+                    f"ZeRO2Model; {type(model).__name__} is not supported (use a plain module or one of "
+                    "those)"
+                )
             if isinstance(model, ZeRO2Model) != isinstance(inner, ZeRO2Optimizer):
-                raise TypeError(f"GradientCompressionOptimizer: {type(model).__name__} pairs with "
-                                f"{'a ZeRO2Optimizer' if isinstance(model, ZeRO2Model) else 'a torch optimizer, '}"
-                                f"{'' if isinstance(model, ZeRO2Model) else 'DDPOptimizer or ZeRO1Optimizer'} "
-                                f"inside it, got {type(inner or optimizer).__name__}")  # fmt: skip
+                raise TypeError(
+                    f"GradientCompressionOptimizer: {type(model).__name__} pairs with "
+                    f"{'a ZeRO2Optimizer' if isinstance(model, ZeRO2Model) else 'a torch optimizer, '}"
+                    f"{'' if isinstance(model, ZeRO2Model) else 'DDPOptimizer or ZeRO1Optimizer'} "
+                    f"inside it, got {type(inner or optimizer).__name__}"
+                )
             self._communicator = model
         elif isinstance(inner, (ZeRO1Optimizer, ZeRO2Optimizer)):
             self._communicator = inner
@@ -161,9 +195,14 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             cap = config.bucket_cap_bytes()
             self._buckets = [[params[i] for i in sorted(ix)] for ix in assign_buckets(params, cap, cap)]
         self.compress = compress
-        self.hook = CompressionHook(self.comm, compressor, self._communicator.gradient_buffers(),
-                                    warmup_steps=warmup_steps, error_feedback=error_feedback,
-                                    local_gradients=compress == "momentum")  # fmt: skip
+        self.hook = CompressionHook(
+            self.comm,
+            compressor,
+            self._communicator.gradient_buffers(),
+            warmup_steps=warmup_steps,
+            error_feedback=error_feedback,
+            local_gradients=compress == "momentum",
+        )
         if self._communicator is not self:
             self._communicator.register_comm_hook(self.hook)
 
@@ -245,17 +284,28 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         for key, channel in self.hook.channels.items():
             server = channel.server_residual()
             worker = channel.worker_residual()
-            residuals[key] = {"worker": None if worker is None else worker.clone(),
-                              "server": None if server is None else server[1].clone()}  # fmt: skip
-        return {"inner": inner, "compression": {"steps": self.hook.steps, "world_size": self.comm.world_size,
-                                                "rank": self.comm.rank, "compress": self.compress,
-                                                "residuals": residuals}}  # fmt: skip
+            residuals[key] = {
+                "worker": None if worker is None else worker.clone(),
+                "server": None if server is None else server[1].clone(),
+            }
+        return {
+            "inner": inner,
+            "compression": {
+                "steps": self.hook.steps,
+                "world_size": self.comm.world_size,
+                "rank": self.comm.rank,
+                "compress": self.compress,
+                "residuals": residuals,
+            },
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("compression") if isinstance(state_dict, dict) else None
         if meta is None or "inner" not in state_dict:
-            raise ValueError("GradientCompressionOptimizer.load_state_dict: not a state from "
-                             "GradientCompressionOptimizer.state_dict() (no 'compression' entry)")  # fmt: skip
+            raise ValueError(
+                "GradientCompressionOptimizer.load_state_dict: not a state from "
+                "GradientCompressionOptimizer.state_dict() (no 'compression' entry)"
+            )
         if meta["world_size"] != self.comm.world_size or set(meta["residuals"]) != set(self.hook.channels):
             raise ValueError(
                 f"GradientCompressionOptimizer.load_state_dict: the state was saved at world size "
@@ -277,25 +327,39 @@ def check_compress_mode(opt: GradientCompressionOptimizer, meta: dict) -> None:
     """Residuals of compressed gradients and of compressed momentum are different quantities: refuse to mix them."""
     saved = meta.get("compress", "gradients")
     if saved != opt.compress:
-        raise ValueError(f"GradientCompressionOptimizer: the state was saved with compress={saved!r}, this optimizer "
-                         f"has compress={opt.compress!r}; build it with compress={saved!r} to resume")  # fmt: skip
+        raise ValueError(
+            f"GradientCompressionOptimizer: the state was saved with compress={saved!r}, this optimizer "
+            f"has compress={opt.compress!r}; build it with compress={saved!r} to resume"
+        )
 
 
 def _check_momentum_target(inner: ShardedOptimizer | None, optimizer: torch.optim.Optimizer) -> None:
     """compress="momentum" needs replicated momentum SGD state; say what to change otherwise."""
     if inner is not None and not isinstance(inner, DDPOptimizer):
-        raise TypeError(f"GradientCompressionOptimizer(compress='momentum') needs every rank's full momentum, which "
-                        f"{type(inner).__name__} shards; use compress='gradients' with ZeRO, or a DDPOptimizer / "
-                        "torch optimizer")  # fmt: skip
+        raise TypeError(
+            f"GradientCompressionOptimizer(compress='momentum') needs every rank's full momentum, which "
+            f"{type(inner).__name__} shards; use compress='gradients' with ZeRO, or a DDPOptimizer / "
+            "torch optimizer"
+        )
     if type(optimizer) is not torch.optim.SGD:
-        raise TypeError(f"GradientCompressionOptimizer(compress='momentum') runs momentum SGD (torch.optim.SGD), got "
-                        f"{type(optimizer).__name__}; use compress='gradients' for other optimizers")  # fmt: skip
+        raise TypeError(
+            f"GradientCompressionOptimizer(compress='momentum') runs momentum SGD (torch.optim.SGD), got "
+            f"{type(optimizer).__name__}; use compress='gradients' for other optimizers"
+        )
     for i, group in enumerate(optimizer.param_groups):
-        bad = {k: group.get(k) for k, ok in (("momentum", group.get("momentum", 0) > 0),
-                                             ("dampening", not group.get("dampening")),
-                                             ("nesterov", not group.get("nesterov")),
-                                             ("maximize", not group.get("maximize"))) if not ok}  # fmt: skip
+        bad = {
+            k: group.get(k)
+            for k, ok in (
+                ("momentum", group.get("momentum", 0) > 0),
+                ("dampening", not group.get("dampening")),
+                ("nesterov", not group.get("nesterov")),
+                ("maximize", not group.get("maximize")),
+            )
+            if not ok
+        }
         if bad:
-            raise ValueError(f"GradientCompressionOptimizer(compress='momentum'): param group {i} has "
-                             f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}; it needs momentum > 0, "
-                             "dampening=0, nesterov=False, maximize=False")  # fmt: skip
+            raise ValueError(
+                f"GradientCompressionOptimizer(compress='momentum'): param group {i} has "
+                f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}; it needs momentum > 0, "
+                "dampening=0, nesterov=False, maximize=False"
+            )

@@ -57,35 +57,55 @@ class ElasticOptimizer(ShardedOptimizer):
 
     strategy = "elastic"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration,
-                 checkpoint_dir: str | os.PathLike, checkpoint_every: int = 100, *,
-                 model: torch.nn.Module | None = None, zero_stage: int = 0, batch_size: int | None = None,
-                 lr_scaling: str | None = None, base_world_size: int | None = None, keep: int = 2,
-                 resume: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: ShardingConfiguration,
+        checkpoint_dir: str | os.PathLike,
+        checkpoint_every: int = 100,
+        *,
+        model: torch.nn.Module | None = None,
+        zero_stage: int = 0,
+        batch_size: int | None = None,
+        lr_scaling: str | None = None,
+        base_world_size: int | None = None,
+        keep: int = 2,
+        resume: bool = True,
+    ):
         super().__init__(optimizer, config)
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an integer >= 1 (steps between "
-                             "checkpoints; a failure redoes at most that many steps)")  # fmt: skip
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every!r} must be an integer >= 1 (steps between "
+                "checkpoints; a failure redoes at most that many steps)"
+            )
         inner_class = data_parallel_optimizer(zero_stage)
         if lr_scaling not in _SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}; use None, 'linear' or 'sqrt'")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                       or batch_size < 1):  # fmt: skip
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer (samples per rank per step) or "
-                             "None")  # fmt: skip
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(
+                f"batch_size={batch_size!r} must be a positive integer (samples per rank per step) or None"
+            )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an integer >= 1 (committed checkpoints to keep)")
         if base_world_size is not None and (not isinstance(base_world_size, int) or base_world_size < 1):
             raise ValueError(f"base_world_size={base_world_size!r} must be a positive integer or None")
         module = model if model is not None else self.model()
         if module is None:
-            raise TypeError("ElasticOptimizer needs the model it checkpoints: build a DDPModel/ZeRO model with the "
-                            "same config first, or pass model=your_module")  # fmt: skip
+            raise TypeError(
+                "ElasticOptimizer needs the model it checkpoints: build a DDPModel/ZeRO model with the "
+                "same config first, or pass model=your_module"
+            )
         shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         if shared_store and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-            warnings.warn("several torchrun agents share the rendezvous store: with torch 2.11-2.13 the agents wait "
-                          "forever when a node joins. Launch them with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                          "(see the README's elastic section)", RuntimeWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "several torchrun agents share the rendezvous store: with torch 2.11-2.13 the agents wait "
+                "forever when a node joins. Launch them with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "(see the README's elastic section)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.inner = inner_class(optimizer, config)
         self.module = module
         self.zero_stage = zero_stage
@@ -149,11 +169,23 @@ class ElasticOptimizer(ShardedOptimizer):
         from ..checkpoint import CheckpointWrite
 
         self._commit()
-        extra = {"elastic": {"samples_seen": self.samples_seen, "history": self.history,
-                             "base_world_size": self.base_world_size, "base_lrs": self.base_lrs},
-                 "user": self.extra}  # fmt: skip
-        self._pending = CheckpointWrite(self._name(self.step_count), self.module, self.inner, step=self.step_count,
-                                        extra=extra, background=background)  # fmt: skip
+        extra = {
+            "elastic": {
+                "samples_seen": self.samples_seen,
+                "history": self.history,
+                "base_world_size": self.base_world_size,
+                "base_lrs": self.base_lrs,
+            },
+            "user": self.extra,
+        }
+        self._pending = CheckpointWrite(
+            self._name(self.step_count),
+            self.module,
+            self.inner,
+            step=self.step_count,
+            extra=extra,
+            background=background,
+        )
         if not background:
             self._commit()
 

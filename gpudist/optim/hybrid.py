@@ -19,7 +19,6 @@ from .zero import data_parallel_optimizer
 __all__ = ["HybridShardedOptimizer"]
 
 
-
 class HybridShardedOptimizer(ShardedOptimizer):
     """Steps a :class:`~gpudist.HybridShardedModel`'s parameters: each rank holds its pipeline stage's
     tensor-parallel shards, and the optimizer runs data parallelism in the model's data group last, after the
@@ -39,20 +38,32 @@ class HybridShardedOptimizer(ShardedOptimizer):
 
     strategy = "hybrid"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration,
-                 pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, data_parallel_size: int = -1, *,
-                 zero_stage: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: ShardingConfiguration,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = -1,
+        *,
+        zero_stage: int = 1,
+    ):
         super().__init__(optimizer, config)
         inner_class = data_parallel_optimizer(zero_stage)
         model = self.model()
         if not isinstance(model, HybridShardedModel):
-            raise TypeError("HybridShardedOptimizer steps a HybridShardedModel built from the same config; build the "
-                            "model first and pass torch.optim.X(model.parameters()) here")  # fmt: skip
-        layout = ParallelLayout.resolve(self.comm.world_size, pipeline_parallel_size, tensor_parallel_size,
-                                        data_parallel_size)  # fmt: skip
+            raise TypeError(
+                "HybridShardedOptimizer steps a HybridShardedModel built from the same config; build the "
+                "model first and pass torch.optim.X(model.parameters()) here"
+            )
+        layout = ParallelLayout.resolve(
+            self.comm.world_size, pipeline_parallel_size, tensor_parallel_size, data_parallel_size
+        )
         if layout != model.layout:
-            raise ValueError(f"HybridShardedOptimizer: {layout.describe()} differs from the model's "
-                             f"{model.layout.describe()}; pass the model's sizes")  # fmt: skip
+            raise ValueError(
+                f"HybridShardedOptimizer: {layout.describe()} differs from the model's "
+                f"{model.layout.describe()}; pass the model's sizes"
+            )
         self.zero_stage = zero_stage
         data_config = dataclasses.replace(config, backend=model.data_group)
         self.inner = inner_class(optimizer, data_config)

@@ -61,8 +61,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
             raise ValueError(f"{type(self).__name__}: the optimizer has no parameters that require grad")
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
-            raise ValueError(f"{type(self).__name__} needs all parameters in one dtype and device, got "
-                             f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters in one dtype and device, got "
+                f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())"
+            )
         layout = [len(g["params"]) for g in self.param_groups] + [s for p in params for s in (*p.shape, -1)]
         if self._replicated() and not same_on_every_rank(self.comm, _stable_hash(layout)):  # before any change
             raise ValueError(
@@ -109,8 +111,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._comm_hook = None
         self.last_step_skipped, self.last_grad_norm = False, math.nan
         if self._kind is None:
-            self._views = [nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length))
-                           for p in self._pieces]  # fmt: skip
+            self._views = [
+                nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length)) for p in self._pieces
+            ]
             groups = [{"params": [v], **self._hyper(p.group)} for v, p in zip(self._views, self._pieces, strict=True)]
             self._inner = type(optimizer)(groups, **optimizer.defaults) if groups else None
 
@@ -311,20 +314,38 @@ class _FlatShardOptimizer(ShardedOptimizer):
                     lo, hi = max(lo, window[0]), min(hi, window[1])
                     if lo >= hi:
                         continue
-                args = {"param": self._master_of(lo, hi), "grad": self._grad[lo:hi], "grad_scale": scale,
-                        "check_finite": False, "maximize": h.get("maximize", False), "lr": h["lr"],
-                        "weight_decay": h.get("weight_decay", 0.0)}  # fmt: skip
+                args = {
+                    "param": self._master_of(lo, hi),
+                    "grad": self._grad[lo:hi],
+                    "grad_scale": scale,
+                    "check_finite": False,
+                    "maximize": h.get("maximize", False),
+                    "lr": h["lr"],
+                    "weight_decay": h.get("weight_decay", 0.0),
+                }
                 if self._kind == "sgd":
                     buf = self._state.get("momentum_buffer")
-                    kernels.sgd_step(momentum_buffer=None if buf is None else buf[lo:hi], momentum=h["momentum"],
-                                     dampening=h["dampening"], nesterov=h["nesterov"],
-                                     first_step=self._steps[g] == 1, **args)  # fmt: skip
+                    kernels.sgd_step(
+                        momentum_buffer=None if buf is None else buf[lo:hi],
+                        momentum=h["momentum"],
+                        dampening=h["dampening"],
+                        nesterov=h["nesterov"],
+                        first_step=self._steps[g] == 1,
+                        **args,
+                    )
                 else:
                     beta1, beta2 = h["betas"]
                     state = self._state
-                    kernels.adam_step(exp_avg=state["exp_avg"][lo:hi], exp_avg_sq=state["exp_avg_sq"][lo:hi],
-                                      step=self._steps[g], beta1=beta1, beta2=beta2, eps=h["eps"],
-                                      decoupled_weight_decay=self._kind == "adamw", **args)  # fmt: skip
+                    kernels.adam_step(
+                        exp_avg=state["exp_avg"][lo:hi],
+                        exp_avg_sq=state["exp_avg_sq"][lo:hi],
+                        step=self._steps[g],
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=h["eps"],
+                        decoupled_weight_decay=self._kind == "adamw",
+                        **args,
+                    )
 
     def _by_group(self) -> dict[int, list[tuple[int, int]]]:
         merged: dict[int, list[tuple[int, int]]] = {}
@@ -361,11 +382,16 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release)."""
-        return {"strategy": self.strategy, "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "segments": list(self._segments), "steps": list(self._steps),
-                "state": {k: v.clone() for k, v in self._state.items()},
-                "inner": self._inner.state_dict() if self._inner is not None else None,
-                "param_groups": [self._hyper(g) for g in range(len(self.param_groups))]}  # fmt: skip
+        return {
+            "strategy": self.strategy,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "segments": list(self._segments),
+            "steps": list(self._steps),
+            "state": {k: v.clone() for k, v in self._state.items()},
+            "inner": self._inner.state_dict() if self._inner is not None else None,
+            "param_groups": [self._hyper(g) for g in range(len(self.param_groups))],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("world_size") != self.comm.world_size or state_dict.get("segments") != list(self._segments):
@@ -441,9 +467,13 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
     strategy = "zero2"
 
     def owned_segments(self) -> list[tuple[int, int]]:
-        self._parts = partition_buckets(self._flat_params, self.config.bucket_cap_bytes(),
-                                        self.config.bucket_cap_bytes(first=True), self.comm.world_size,
-                                        self.comm.rank)  # fmt: skip
+        self._parts = partition_buckets(
+            self._flat_params,
+            self.config.bucket_cap_bytes(),
+            self.config.bucket_cap_bytes(first=True),
+            self.comm.world_size,
+            self.comm.rank,
+        )
         return sorted(part.segment for part in self._parts)
 
     def reduce_gradients(self) -> None:
@@ -460,8 +490,10 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         self._grad = model.owned_gradients()  # the model's reduce-scattered pieces, same order: stepped in place
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
-        return {i: BufferSpec.of(self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel)
-                for i, part in enumerate(self._parts)}  # fmt: skip
+        return {
+            i: BufferSpec.of(self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel)
+            for i, part in enumerate(self._parts)
+        }
 
     def _reduce_scatter_gradients(self) -> None:
         hook, owned = self._comm_hook, self._private_grad()
@@ -527,8 +559,10 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
             self._grad = common
             return
         self._grad = torch.empty(self._owned_numel, dtype=self._grad.dtype, device=self._grad.device)
-        kernels.pack([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self._flat_params,
-                                                                              strict=True)], self._grad)  # fmt: skip
+        kernels.pack(
+            [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self._flat_params, strict=True)],
+            self._grad,
+        )
 
     def _common_buffer(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
         """The 1-D buffer whose consecutive slices ``grads`` are, in this optimizer's layout, or None."""
@@ -538,8 +572,12 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
             return None
         storage, ptr, size = base.untyped_storage().data_ptr(), base.data_ptr(), base.element_size()
         for g, offset, numel in zip(grads, layout.offsets, layout.numels, strict=True):
-            if (g is None or g.numel() != numel or g.data_ptr() != ptr + offset * size
-                    or g.untyped_storage().data_ptr() != storage):  # fmt: skip
+            if (
+                g is None
+                or g.numel() != numel
+                or g.data_ptr() != ptr + offset * size
+                or g.untyped_storage().data_ptr() != storage
+            ):
                 return None
         return base
 
