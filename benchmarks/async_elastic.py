@@ -13,7 +13,7 @@ Two measurements, one JSON (``benchmarks/results/async_elastic.json``):
    shards accepted; dropped ones do not count). Ratio = async / DDP, median over ``--rounds`` rounds that
    alternate the two (target >= 1.5). The final training loss of both is reported too (async trades staleness
    for speed).
-2. Recovery. ``gpudist.elastic_job`` under 3 torchrun agents (``--nnodes=2:3``, c10d rendezvous, checkpoints
+2. Recovery. ``gpudist.testing.elastic_job`` under 3 torchrun agents (``--nnodes=2:3``, c10d rendezvous, checkpoints
    every 5 steps); one node is killed ``--kills`` times (a new one joins after each recovery). Per kill: seconds
    from the kill to the first step done at the new world size (detect + restart + rendezvous + reload), and the
    steps redone (last step reached before the kill minus the checkpoint step resumed from).
@@ -34,10 +34,9 @@ import torch
 from torch import nn
 
 import gpudist
-from gpudist import elastic_job
 from gpudist.bench import environment
 from gpudist.fileio import atomic_write_json
-from gpudist.testing import free_port, run_ranks
+from gpudist.testing import elastic_job, free_port, run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 1.5

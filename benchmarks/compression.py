@@ -39,10 +39,10 @@ from torch.nn import functional as F
 import gpudist
 from gpudist import kernels
 from gpudist.bench import environment, interleaved_times
+from gpudist.bench.kernels import time_variants
 from gpudist.comm import GlooCommunicationBackend, Work
 from gpudist.compression import CompressedChannel, parse_compressor
 from gpudist.fileio import atomic_write_json
-from gpudist.kernel_bench import time_variants
 from gpudist.launch import WorkerPool, spawn
 
 from .ddp import make_model

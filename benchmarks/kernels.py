@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gpudist.bench import parse_size
-from gpudist.kernel_bench import run_kernels
+from gpudist.bench.kernels import run_kernels
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

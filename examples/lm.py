@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpudist.strategies.tensor import PLAN_STYLES
+
 __all__ = ["VOCAB", "VOCAB_SIZE", "SyntheticCorpus", "TinyLM", "lm_loss"]
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -326,3 +328,26 @@ def as_sequential(model: TinyLM) -> nn.Sequential:
     """The same TinyLM (same parameter objects) as blocks in order, for pipeline parallelism: embeddings, each
     transformer block, final LN + head. The head stays tied to the token embedding, across stages too."""
     return nn.Sequential(_Embed(model.tok, model.pos, model.seq_len), *model.blocks, _Head(model.ln_f, model.head))
+
+
+def tinylm_plan(model: nn.Module) -> dict[str, str]:
+    """The ready plan for ``TinyLM`` (above): each block's attention split by heads (qkv colwise by head,
+    proj rowwise) and its MLP (fc colwise, out rowwise); the token embedding split by vocabulary and the head, tied
+    to it, a vocabulary-parallel output. Position embeddings and LayerNorms stay replicated. Needs tp to divide
+    the vocabulary and every block's number of heads."""
+    missing = [name for name in ("tok", "blocks", "head") if not hasattr(model, name)]
+    if missing:
+        raise ValueError(
+            f"tinylm_plan expects this file's TinyLM (tok, blocks, head); {type(model).__name__} "
+            f"has no {missing}; write a plan dict for it (styles: {', '.join(PLAN_STYLES)})"
+        )
+    plan = {"tok": "vocab"}
+    for i in range(len(model.blocks)):
+        plan |= {
+            f"blocks.{i}": "heads",
+            f"blocks.{i}.qkv": "colwise_qkv",
+            f"blocks.{i}.proj": "rowwise",
+            f"blocks.{i}.fc": "colwise",
+            f"blocks.{i}.out": "rowwise",
+        }
+    return plan | {"head": "vocab_output"}

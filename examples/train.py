@@ -32,17 +32,16 @@ from typing import Any
 import torch
 
 # examples/lm.py: a script's own folder is on sys.path
-from lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss
+from lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss, tinylm_plan
 from safetensors.torch import save as st_save
 
 import gpudist
 from gpudist.bench import environment
 from gpudist.fileio import atomic_write_bytes
 from gpudist.launch import WorkerPool, detect_environment
-from gpudist.models.tensor import tinylm_plan
 
 # Strategy name -> (model class, optimizer class) in gpudist. A strategy is offered once gpudist exports both.
-# FSDP shards like ZeRO-3 (DESIGN.md puts them in one row), so it pairs with ZeRO3Optimizer.
+# FSDP shards like ZeRO-3 (one row in docs/strategies.md's table), so it pairs with ZeRO3Optimizer.
 STRATEGIES: dict[str, tuple[str, str]] = {
     "ddp": ("DDPModel", "DDPOptimizer"),
     "zero1": ("ZeRO1Model", "ZeRO1Optimizer"),

@@ -1,7 +1,7 @@
 """gpudist: data-, model- and pipeline-parallel training for PyTorch.
 
 Triton kernels feed NCCL through CuPy on GPUs; the same strategy classes run on CPU over Gloo, MPI or an
-in-memory backend. See README.md for the strategy guide and DESIGN.md for the architecture.
+in-memory backend. See docs/strategies.md for the strategy guide and docs/architecture.md for the architecture.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -26,28 +26,26 @@ from .comm import (
     ReductionOperation,
 )
 from .config import ShardingConfiguration
+from .elastic import ElasticOptimizer
 from .launch import init
-from .models import (
-    DDPModel,
-    FSDPModel,
-    HybridShardedModel,
-    PipelineParallelModel,
-    ShardedModel,
-    TensorParallelModel,
-    ZeRO1Model,
-    ZeRO2Model,
-    ZeRO3Model,
-)
-from .optim import (
+from .strategies import (
     AsyncSGDOptimizer,
+    DDPModel,
     DDPOptimizer,
-    ElasticOptimizer,
+    FSDPModel,
     GradientCompressionOptimizer,
+    HybridShardedModel,
     HybridShardedOptimizer,
     OptimizationResult,
+    PipelineParallelModel,
+    ShardedModel,
     ShardedOptimizer,
+    TensorParallelModel,
+    ZeRO1Model,
     ZeRO1Optimizer,
+    ZeRO2Model,
     ZeRO2Optimizer,
+    ZeRO3Model,
     ZeRO3Optimizer,
 )
 

@@ -49,11 +49,11 @@ from torch import nn
 from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
 from .flat import exchange_bytes
-from .models.base import ShardedModel, module_segments, module_table
-from .optim.base import ShardedOptimizer, load_keeping_identity
-from .optim.compression import GradientCompressionOptimizer, check_compress_mode
-from .optim.hybrid import HybridShardedOptimizer
-from .optim.zero import _FlatShardOptimizer
+from .strategies.compression import GradientCompressionOptimizer, check_compress_mode
+from .strategies.hybrid import HybridShardedOptimizer
+from .strategies.model import ShardedModel, module_segments, module_table
+from .strategies.optimizer import ShardedOptimizer, load_keeping_identity
+from .strategies.zero import _FlatShardOptimizer
 
 __all__ = [
     "CheckpointError",

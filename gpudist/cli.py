@@ -40,7 +40,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import parse_size, run_collectives
 
     if args.name == "kernels":
-        from .kernel_bench import OPS, run_kernels
+        from .bench.kernels import OPS, run_kernels
 
         ops = args.ops.split(",") if args.ops else None
         unknown = [o for o in ops or () if o not in OPS]

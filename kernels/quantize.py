@@ -219,7 +219,7 @@ def quantize_int8_triton(
 
 
 # The torch references are the CPU fallback, so they must not be slower than plain torch elementwise code
-# (gpudist.kernel_bench's baselines). Timings in the comments below: 4M elements, block 256, fp32, 2-core CPU,
+# (gpudist.bench.kernels's baselines). Timings in the comments below: 4M elements, block 256, fp32, 2-core CPU,
 # torch 2.13, ``python -m benchmarks.kernels``. Two things make the difference. (1) No padding copy: the whole
 # blocks are a zero-copy ``view(-1, block_size)`` of the input, and only the ragged last block (< block_size
 # elements) is copied into a zero-padded row; ``F.pad`` of the whole tensor cost a full copy each time.

@@ -29,11 +29,10 @@ from gpudist import (
     load_checkpoint,
     save_checkpoint,
 )
-from gpudist.models.tensor import tinylm_plan
 from gpudist.testing import run_ranks
 
 from .placement import run_checked
-from .test_hybrid import TinyLM, as_sequential, batch, lm_loss
+from .test_hybrid import TinyLM, as_sequential, batch, lm_loss, tinylm_plan
 from .tolerances import assert_matches_reference, reference_pair
 
 

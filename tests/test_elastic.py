@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import gpudist
-from gpudist import elastic_job
 from gpudist.checkpoint import CheckpointWrite, remove_stale_staging
-from gpudist.testing import free_port, run_ranks
+from gpudist.testing import elastic_job, free_port, run_ranks
 
 from .tolerances import assert_matches_reference, reference_pair
 

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from gpudist import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
-from gpudist.models.tensor import tinylm_plan
 from gpudist.testing import run_ranks
 
 from .tolerances import assert_matches_reference, reference_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from lm import TinyLM, as_sequential, lm_loss
+from lm import TinyLM, as_sequential, lm_loss, tinylm_plan
 
 VOCAB, STEPS = 32, 3
 

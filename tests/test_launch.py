@@ -224,7 +224,7 @@ def test_gpudist_bench_kernels(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(path.read_text())
-    from gpudist.kernel_bench import OPS
+    from gpudist.bench.kernels import OPS
 
     assert [r["op"] for r in doc["rows"]] == list(OPS)
     assert all(r["gpudist_s"] > 0 and r["torch_s"] > 0 and r["speedup"] > 0 for r in doc["rows"])

@@ -326,7 +326,7 @@ def test_nccl_is_marked_ordered_and_cpu_backends_are_not():
 
 
 def _bench_rank(comm) -> tuple[list[dict], dict]:
-    from gpudist import bench
+    from gpudist.bench import collectives as bench
 
     rows = bench.sweep(comm, min_bytes=256, max_bytes=1024, rounds=1, target_seconds=1e-4)
     n, r = comm.world_size, comm.rank
@@ -367,7 +367,7 @@ def test_collectives_benchmark_runs_over_nccl():
 def test_collectives_benchmark_refuses_more_ranks_than_gpus(monkeypatch):
     """Catches the NCCL benchmark spawning ranks that each die in ncclCommInitRank with two on one GPU: it names
     the world size, the GPU count and the NCCL_MULTI_RANK_GPU_ENABLE way out instead."""
-    from gpudist import bench
+    from gpudist.bench import collectives as bench
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)

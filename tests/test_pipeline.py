@@ -19,8 +19,8 @@ from torch import nn
 
 import gpudist
 from gpudist import PipelineParallelModel, ShardingConfiguration
-from gpudist.models.layout import ParallelLayout
-from gpudist.models.pipeline import partition_blocks, schedule_bubble, stage_schedule
+from gpudist.strategies.layout import ParallelLayout
+from gpudist.strategies.pipeline import partition_blocks, schedule_bubble, stage_schedule
 from gpudist.testing import run_ranks
 
 from .tolerances import assert_matches_reference, reference_pair

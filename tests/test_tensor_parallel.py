@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpudist import InMemoryCommunicationBackend, ShardingConfiguration
-from gpudist.models.tensor import (
+from gpudist.strategies.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelModel,
@@ -36,7 +36,6 @@ from gpudist.models.tensor import (
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
-    tinylm_plan,
     vocab_parallel_cross_entropy,
 )
 from gpudist.testing import run_ranks
@@ -254,7 +253,9 @@ def check_layers(comm):
 
 
 def train_lm(comm, tp, opt_name, x, y, idiomatic=False, steps=STEPS):
-    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), tinylm_plan, tensor_parallel_size=tp)
+    model = TensorParallelModel(
+        lm().TinyLM(**LM), ShardingConfiguration(comm), lm().tinylm_plan, tensor_parallel_size=tp
+    )
     opt = OPTIMIZERS[opt_name](model.parameters())
     per = x.shape[0] // model.data_parallel_size
     mine = slice(model.data_parallel_rank * per, (model.data_parallel_rank + 1) * per)  # this replica's rows
@@ -300,7 +301,7 @@ def train_mlp(comm, state, tp):
 
 
 def save_trained(comm, path):
-    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), tinylm_plan)
+    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), lm().tinylm_plan)
     opt = OPTIMIZERS["adamw"](model.parameters())
     x, y = lm_batch()
     for _ in range(2):
@@ -316,7 +317,7 @@ def save_trained(comm, path):
 def load_saved(comm, path):
     loaded = []
     for saved in ("tp.safetensors", "folder"):
-        model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), tinylm_plan)
+        model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), lm().tinylm_plan)
         model.load_model(path / saved)
         loaded.append(model.gather_full_parameters())
     return loaded
@@ -473,14 +474,14 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
             2,
             None,
             lambda: lm().TinyLM(**{**LM, "vocab": 63}),
-            tinylm_plan,
+            lambda m: lm().tinylm_plan(m),
             r"'tok' \(vocab\): vocabulary size \(num_embeddings\)=63 is not divisible by the tensor-parallel size 2",
         ),
         (
             4,
             None,
             lambda: lm().TinyLM(**{**LM, "d_model": 48, "n_heads": 6}),
-            tinylm_plan,
+            lambda m: lm().tinylm_plan(m),
             r"'blocks.0' \(heads\): n_heads=6 is not divisible by the tensor-parallel size 4; .* \(1, 2, 3, 6\)",
         ),
         (
@@ -503,7 +504,7 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
             2,
             None,
             lambda: lm().TinyLM(**LM),
-            lambda m: {**tinylm_plan(m), "blocks.0.qkv": "colwise"},
+            lambda m: {**lm().tinylm_plan(m), "blocks.0.qkv": "colwise"},
             r"'blocks.0' \(heads\): .* must also map 'blocks.0.qkv' to 'colwise_qkv'",
         ),
         (

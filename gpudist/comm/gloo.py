@@ -331,7 +331,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         Gloo's worker thread drops its reference to an op a moment after completing it; if that is the last one, it
         frees the op's tensors, which takes the GIL. That is harmless while the interpreter runs, but during its
         shutdown it kills the thread inside C++ and aborts the process ("terminate called without an active
-        exception"; 1 in 8 three-rank torchrun runs of gpudist.elastic_job, when nothing held the ops). So ops are
+        exception"; 1 in 8 three-rank torchrun runs of gpudist.testing.elastic_job, when nothing held the ops). So ops
+        are
         held while in flight, and at exit :func:`_let_gloo_threads_go` waits out that moment after the last one.
         Called from the send thread too."""
         with self._in_flight_lock:

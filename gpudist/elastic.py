@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from ..config import ShardingConfiguration
-from ..flat import exchange_bytes
-from .base import ShardedOptimizer
-from .zero import data_parallel_optimizer
+from .checkpoint import CheckpointWrite, latest_checkpoint, load_checkpoint, remove_stale_staging
+from .config import ShardingConfiguration
+from .flat import exchange_bytes
+from .strategies.optimizer import ShardedOptimizer
+from .strategies.zero import data_parallel_optimizer
 
 __all__ = ["ElasticOptimizer"]
 
@@ -135,7 +136,6 @@ class ElasticOptimizer(ShardedOptimizer):
     def restore(self):
         """Load the newest complete checkpoint under ``checkpoint_dir`` (collective; every rank loads the same one,
         chosen by rank 0). Returns its :class:`~gpudist.CheckpointInfo`, or None when there is none."""
-        from ..checkpoint import latest_checkpoint, load_checkpoint, remove_stale_staging
 
         comm = self.comm
         choice = b""
@@ -166,7 +166,6 @@ class ElasticOptimizer(ShardedOptimizer):
     def checkpoint(self, background: bool = True):
         """Start a checkpoint of the current step now (collective); it is committed by the next :meth:`step`,
         :meth:`checkpoint` or :meth:`finish` (or right away when ``background=False``)."""
-        from ..checkpoint import CheckpointWrite
 
         self._commit()
         extra = {

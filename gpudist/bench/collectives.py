@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .comm import CommunicationBackend, split_sizes
-from .fileio import atomic_write_json
+from ..comm import CommunicationBackend, split_sizes
+from ..fileio import atomic_write_json
 
 __all__ = ["BUS_FACTORS", "environment", "format_table", "interleaved_times", "parse_size", "run_collectives", "sweep"]
 
@@ -270,7 +270,7 @@ def _sweep_rank(comm: CommunicationBackend, **kwargs) -> list[dict]:
 def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
     """A spawned Gloo rank builds the NCCL group of the same ranks (one GPU each, or several ranks per GPU where
     NCCL allows it) and sweeps over NCCL."""
-    from .comm.nccl import NCCLCommunicationBackend
+    from ..comm.nccl import NCCLCommunicationBackend
 
     device = comm.rank % torch.cuda.device_count()
     torch.cuda.set_device(device)
@@ -280,7 +280,7 @@ def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
 def _check_gpus(world_size: int) -> None:
     """NCCL wants one GPU per rank; from 2.30 it allows several with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
     Say so before spawning, instead of each rank failing in ncclCommInitRank."""
-    from .comm.nccl import nccl_version
+    from ..comm.nccl import nccl_version
 
     gpus = torch.cuda.device_count()
     if world_size <= gpus or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
@@ -302,8 +302,8 @@ def run_collectives(
     backend: str = "gloo", world_size: int = 2, json_path: str | os.PathLike | None = None, **kwargs
 ) -> dict:
     """Spawn ``world_size`` ranks, sweep, print the table, optionally write JSON; returns the result document."""
-    from .launch import available_backends, spawn
-    from .testing import run_ranks
+    from ..launch import available_backends, spawn
+    from ..testing import run_ranks
 
     if backend == "inmemory":
         rows = run_ranks(_sweep_rank, world_size, "inmemory", timeout=600.0, **kwargs)[0]

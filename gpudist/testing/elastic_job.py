@@ -6,7 +6,7 @@ does not depend on the sequence of world sizes, and a single process can compute
 and, at the end, writes the final parameters and history to ``DIR/final.pt``.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2:3 --nproc-per-node=1 --max-restarts=3 \\
-        --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo -m gpudist.elastic_job --dir /tmp/run
+        --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo -m gpudist.testing.elastic_job --dir /tmp/run
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def launch_agent(
         "--rdzv-conf=join_timeout=90,last_call_timeout=3",
         "--monitor-interval=0.2",
         "-m",
-        "gpudist.elastic_job",
+        "gpudist.testing.elastic_job",
         "--dir",
         str(root),
         "--steps",

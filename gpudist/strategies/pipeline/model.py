@@ -1,21 +1,4 @@
-"""PipelineParallelModel: consecutive blocks of a model on consecutive ranks, fed micro-batch by micro-batch.
-
-Each stage holds only its blocks. A training step splits this replica's batch into ``micro_batches`` pieces;
-activations travel forward and their gradients backward with the backend's send/recv, in the order of the
-schedule:
-
-- ``"gpipe"``: every micro-batch forward, then every backward. Stage ``s`` keeps all ``m`` micro-batches'
-  activations alive at once.
-- ``"1f1b"`` (default): ``p - s - 1`` warm-up forwards, then one forward and one backward alternately, then the
-  remaining backwards (PipeDream-flush, as Megatron-LM and ``torch.distributed.pipelining.Schedule1F1B``). Same
-  bubble, ``(p - 1) / (m + p - 1)`` of the step, but stage ``s`` keeps at most ``p - s`` micro-batches in flight.
-
-The loss is computed on the last stage (``loss_fn`` must average over its micro-batch, like
-``F.cross_entropy``) and returned on every rank. Parameters shared between stages (a language model's tied
-embedding and output head) are kept on each stage that uses them and their gradients are summed between those
-stages after backward. With ``world_size = num_stages x d``, ``d`` replicas of the pipeline train on their own
-slices of the batch and average gradients, stage by stage, at the end of the step.
-"""
+"""PipelineParallelModel: runs a stage's share of the schedule (the executor), on :class:`StageLink`."""
 
 from __future__ import annotations
 
@@ -28,111 +11,16 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from ..comm import ReductionOperation
-from ..config import ShardingConfiguration
-from ..flat import exchange_bytes, reduce_gradients_in
-from .base import ShardedModel, module_table, replica_share
-from .layout import ParallelLayout, make_groups
-from .tensor import held_segments
+from ...comm import ReductionOperation
+from ...config import ShardingConfiguration
+from ...flat import exchange_bytes, reduce_gradients_in
+from ..layout import ParallelLayout, make_groups
+from ..model import ShardedModel, module_table, replica_share
+from ..tensor import held_segments
+from .p2p import DTYPES, META_LEN, StageLink
+from .schedule import SCHEDULES, partition_blocks, stage_schedule
 
-__all__ = ["PipelineParallelModel", "partition_blocks", "schedule_bubble", "stage_schedule"]
-
-SCHEDULES = ("1f1b", "gpipe")
-_META_LEN = 10  # [ndim, dtype code, up to 8 sizes]: the shape message that precedes a step's first activation
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Splitting and scheduling (pure functions: the tests and the benchmark use them directly)
-
-
-def partition_blocks(costs: Sequence[int], num_stages: int, balance: str | Sequence[int] = "parameters") -> list[int]:
-    """Blocks per stage for blocks of the given ``costs`` (parameter counts).
-
-    ``balance="parameters"`` minimises the largest stage's cost over contiguous splits (every stage gets at least
-    one block); ``"uniform"`` gives equal block counts (the first stages one more when they do not divide);
-    a sequence of block counts is used as given after checking it.
-    """
-    n = len(costs)
-    if num_stages > n:
-        raise ValueError(f"num_stages={num_stages} is more than the model's {n} blocks; every stage needs a block")
-    if not isinstance(balance, str):
-        counts = [int(c) for c in balance]
-        if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
-            raise ValueError(
-                f"balance={list(balance)} must give {num_stages} block counts >= 1 summing to the model's {n} blocks"
-            )
-        return counts
-    if balance == "uniform":
-        return [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
-    if balance != "parameters":
-        raise ValueError(f"balance={balance!r}; use 'parameters', 'uniform' or a list of blocks per stage")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: the smallest possible largest stage when the first i blocks form k stages
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    counts, i = [], n
-    for k in range(num_stages, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return counts[::-1]
-
-
-def stage_schedule(schedule: str, num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs forwards ``("F", m)`` and backwards ``("B", m)``."""
-    if schedule == "gpipe":
-        return [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
-    warmup = min(num_stages - stage - 1, micro_batches)
-    order = [("F", m) for m in range(warmup)]
-    for m in range(micro_batches - warmup):
-        order += [("F", warmup + m), ("B", m)]
-    return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
-
-
-def schedule_bubble(
-    orders: Sequence[Sequence[tuple[str, int]]], forward_cost: float = 1.0, backward_cost: float = 2.0
-) -> float:
-    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, each op starting as soon as
-    its input arrived (``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` after ``B(s+1, m)``) and the stage is free.
-    For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
-    p = len(orders)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * p
-    position = [0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
-                continue
-            kind, m = orders[s][position[s]]
-            dep = ("F", s - 1, m) if kind == "F" and s > 0 else ("B", s + 1, m) if kind == "B" and s < p - 1 else None
-            if kind == "B" and s == p - 1:
-                dep = ("F", s, m)
-            if dep is not None and dep not in done:
-                continue
-            start = max(clock[s], done[dep] if dep is not None else 0.0)
-            clock[s] = done[(kind, s, m)] = start + (forward_cost if kind == "F" else backward_cost)
-            position[s] += 1
-            progressed = True
-        if not progressed:
-            raise ValueError("the stage orders deadlock: some op waits for one that never runs")
-    makespan = max(clock)
-    busy = sum(len(order) for order in orders) / 2 * (forward_cost + backward_cost)
-    return 1.0 - busy / (p * makespan)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The model
+__all__ = ["PipelineParallelModel"]
 
 
 class _Stage(nn.Sequential):
@@ -284,9 +172,7 @@ class PipelineParallelModel(ShardedModel):
                 shared = [p for p in params if tuple(holders[id(p)]) == stages]
                 self._tied.append((group, shared))
         self.last_schedule: dict[str, Any] = {}
-        self._sent_shape = self._received_shape = None
-        """(shape, dtype) of the last train_step's activations sent to the next stage / received from the previous
-        one: the receiver posts the first activation's receive with it before the step's shape message arrives."""
+        self.link = StageLink(self.pipeline_group, self.pipeline_parallel_rank, self.comm.device)
         self.reduce_data_parallel = True
         """Whether the model averages gradients over replicas (False once a HybridShardedOptimizer does it)."""
         self._groups = [g for g in (self.pipeline_group, self.data_group, self.tensor_group) if g is not None]
@@ -333,80 +219,6 @@ class PipelineParallelModel(ShardedModel):
         if name is None or name not in self._stage_names[self.pipeline_parallel_rank]:
             return False
         return name in self._splits or self.tensor_parallel_rank == 0
-
-    # -- point to point ----------------------------------------------------------------------------------------------
-
-    def _peer(self, offset: int) -> int:
-        """Rank, in the pipeline group, of the stage ``offset`` away."""
-        return self.pipeline_parallel_rank + offset
-
-    def _send(self, tensor: torch.Tensor, offset: int, pending: list, outbox: list | None = None) -> None:
-        """Send to the stage ``offset`` away: now, or (``outbox`` given, on backends whose p2p runs in issue order)
-        later, posted in one group with the next receive or by :meth:`_flush`."""
-        tensor = tensor.contiguous()
-        if outbox is not None:
-            outbox.append((tensor, self._peer(offset)))
-            return
-        with self.pipeline_group.unchecked():  # shapes agreed by the step's shape message
-            pending.append((self.pipeline_group.send(tensor, self._peer(offset), async_op=True), tensor))
-
-    def _post_recv(
-        self,
-        shape: torch.Size,
-        dtype: torch.dtype,
-        offset: int,
-        pending: list | None = None,
-        outbox: list | None = None,
-    ) -> tuple[torch.Tensor, Any]:
-        """Post a receive from the stage ``offset`` away; returns the buffer and the Work to wait on before reading
-        it. Receives from one peer match that peer's sends in order, so they may be posted ahead of time (not where
-        p2p runs in issue order: there the sends waiting in ``outbox`` go out in one group with it)."""
-        buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
-        with self.pipeline_group.unchecked():
-            if outbox is None:
-                return buf, self.pipeline_group.recv(buf, self._peer(offset), async_op=True)
-            work = self.pipeline_group.batch_send_recv(outbox, [(buf, self._peer(offset))])
-            pending.append((work, list(outbox)))
-            outbox.clear()
-            return buf, work
-
-    def _flush(self, pending: list, outbox: list | None) -> None:
-        """Post the sends waiting in ``outbox`` (ordered p2p), as one group."""
-        if outbox:
-            with self.pipeline_group.unchecked():
-                pending.append((self.pipeline_group.batch_send_recv(outbox), list(outbox)))
-            outbox.clear()
-
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:
-        buf, work = self._post_recv(shape, dtype, offset)
-        work.wait()
-        return buf
-
-    @staticmethod
-    def _encode_meta(tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``'s shape and dtype as a message (on ``tensor``'s device: NCCL sends only device memory)."""
-        meta = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-        return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64, device=tensor.device)
-
-    @staticmethod
-    def _decode_meta(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-        values = meta.tolist()
-        return torch.Size(values[2 : 2 + values[0]]), _DTYPES[values[1]]
-
-    def _check_sendable(self, tensor: torch.Tensor) -> None:
-        if tensor.dim() > _META_LEN - 2 or tensor.dtype not in _DTYPES:
-            raise ValueError(
-                f"PipelineParallelModel: stage {self.pipeline_parallel_rank} output of shape "
-                f"{tuple(tensor.shape)} and dtype {tensor.dtype} cannot be sent; use at most "
-                f"{_META_LEN - 2} dimensions and one of {_DTYPES}"
-            )
-
-    def _send_meta(self, tensor: torch.Tensor, pending: list) -> None:
-        self._check_sendable(tensor)
-        self._send(self._encode_meta(tensor), +1, pending)
-
-    def _recv_meta(self) -> tuple[torch.Size, torch.dtype]:
-        return self._decode_meta(self._recv(torch.Size([_META_LEN]), torch.int64, -1))
 
     # -- training ----------------------------------------------------------------------------------------------------
 
@@ -481,25 +293,25 @@ class PipelineParallelModel(ShardedModel):
         started = time.perf_counter()
         with self.pipeline_group.unchecked():  # every message's shape is agreed by the step's shape message
             if not first:
-                meta = self._post_recv(torch.Size([_META_LEN]), torch.int64, -1, pending, outbox)
-                if self._received_shape is not None and not ordered:  # speculatively, with the last step's shape
-                    acts[0], posted_f = self._post_recv(*self._received_shape, -1), 1
+                meta = self.link.post_recv(torch.Size([META_LEN]), torch.int64, -1, pending, outbox)
+                if self.link.received_shape is not None and not ordered:  # speculatively, with the last step's shape
+                    acts[0], posted_f = self.link.post_recv(*self.link.received_shape, -1), 1
             for k, (kind, i) in enumerate(order):
                 if not first:
                     if shape is None:  # the first op, F0: learn the step's shape
                         meta[1].wait()
-                        shape = self._decode_meta(meta[0])
-                        if posted_f and shape != self._received_shape:  # the speculative receive gets a dummy
+                        shape = self.link.decode_meta(meta[0])
+                        if posted_f and shape != self.link.received_shape:  # the speculative receive gets a dummy
                             acts.pop(0)[1].wait()
                             posted_f = 0
-                        self._received_shape = shape
+                        self.link.received_shape = shape
                     while posted_f <= ahead_f[k]:
-                        acts[posted_f], posted_f = self._post_recv(*shape, -1, pending, outbox), posted_f + 1
+                        acts[posted_f], posted_f = self.link.post_recv(*shape, -1, pending, outbox), posted_f + 1
                 if out is not None:
                     while posted_b <= ahead_b[k]:
-                        grads[posted_b], posted_b = self._post_recv(*out, +1, pending, outbox), posted_b + 1
+                        grads[posted_b], posted_b = self.link.post_recv(*out, +1, pending, outbox), posted_b + 1
                     if posted_b == m and loss_recv is None and not ordered:
-                        loss_recv = self._post_recv(torch.Size([1]), torch.float64, +1)
+                        loss_recv = self.link.post_recv(torch.Size([1]), torch.float64, +1)
                 if kind == "F":
                     if first:
                         x = xs[i]
@@ -520,19 +332,19 @@ class PipelineParallelModel(ShardedModel):
                     busy += time.perf_counter() - t0
                     if not last:
                         if i == 0:
-                            self._check_sendable(y)
+                            self.link.check_sendable(y)
                             out = (y.shape, y.dtype)
-                            self._send(self._encode_meta(y), +1, pending, outbox)
-                            if self._sent_shape not in (None, out) and not ordered:  # the receiver's guess
-                                self._send(
+                            self.link.send(self.link.encode_meta(y), +1, pending, outbox)
+                            if self.link.sent_shape not in (None, out) and not ordered:  # the receiver's guess
+                                self.link.send(
                                     torch.zeros(
-                                        self._sent_shape[0], dtype=self._sent_shape[1], device=self.comm.device
+                                        self.link.sent_shape[0], dtype=self.link.sent_shape[1], device=self.comm.device
                                     ),
                                     +1,
                                     pending,
                                 )
-                            self._sent_shape = out
-                        self._send(y.detach(), +1, pending, outbox)
+                            self.link.sent_shape = out
+                        self.link.send(y.detach(), +1, pending, outbox)
                     in_flight[i] = (x, y)
                     max_in_flight = max(max_in_flight, len(in_flight))
                 else:
@@ -547,19 +359,19 @@ class PipelineParallelModel(ShardedModel):
                         torch.autograd.backward(y, grad)
                     busy += time.perf_counter() - t0
                     if not first:
-                        self._send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending, outbox)
+                        self.link.send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending, outbox)
                 if not receives[k + 1]:
-                    self._flush(pending, outbox)
+                    self.link.flush(pending, outbox)
             if last:
                 loss = losses.mean().reshape(1).to(self.comm.device)
                 if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global's
                     self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
             else:
-                loss, work = loss_recv or self._post_recv(torch.Size([1]), torch.float64, +1, pending, outbox)
+                loss, work = loss_recv or self.link.post_recv(torch.Size([1]), torch.float64, +1, pending, outbox)
                 work.wait()
             if not first:
-                self._send(loss, -1, pending, outbox)
-                self._flush(pending, outbox)
+                self.link.send(loss, -1, pending, outbox)
+                self.link.flush(pending, outbox)
             for work, _ in pending:
                 work.wait()
         self.last_schedule = {
@@ -595,21 +407,21 @@ class PipelineParallelModel(ShardedModel):
             )
         pending: list = []
         with torch.no_grad():
-            x = inputs if self.is_first_stage else self._recv(*self._recv_meta(), -1)
+            x = inputs if self.is_first_stage else self.link.recv(*self.link.recv_meta(), -1)
             y = self._stage_output(self.module(x))
             if not self.is_last_stage:
-                self._send_meta(y, pending)
-                self._send(y, +1, pending)
+                self.link.send_meta(y, pending)
+                self.link.send(y, +1, pending)
             for work, _ in pending:
                 work.wait()
             if self.is_last_stage:
-                self._check_sendable(y)
-                meta = self._encode_meta(y)
+                self.link.check_sendable(y)
+                meta = self.link.encode_meta(y)
             else:
-                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.comm.device)
+                meta = torch.zeros(META_LEN, dtype=torch.int64, device=self.comm.device)
             last = self.num_stages - 1
             self.pipeline_group.broadcast(meta, last)
-            shape, dtype = torch.Size(meta[2 : 2 + int(meta[0])].tolist()), _DTYPES[int(meta[1])]
+            shape, dtype = torch.Size(meta[2 : 2 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
             out = y.contiguous() if self.is_last_stage else torch.empty(shape, dtype=dtype, device=self.comm.device)
             self.pipeline_group.broadcast(out, last)
         return out

@@ -13,6 +13,8 @@ being gathered.
 
 Per step and rank: two all-gathers and one reduce-scatter of P (``3 (N-1)/N x P`` on a ring); memory P/N for
 parameters, gradients and optimizer state, plus the largest unit or two in flight.
+
+:class:`ZeRO3Optimizer` steps the shards in place (the model already reduce-scattered their gradients).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from torch import nn
 from .. import kernels
 from ..comm import ReductionOperation, shard_range
 from ..flat import broadcast_tensors
-from .base import ShardedModel
+from .model import ShardedModel
+from .zero import ZeRO2Optimizer
 
-__all__ = ["FSDPModel", "ZeRO3Model"]
+__all__ = ["FSDPModel", "ZeRO3Model", "ZeRO3Optimizer"]
+
 
 UnitSpec = Iterable[str | nn.Module] | Callable[[str, nn.Module], bool] | tuple[type, ...] | type | None
 
@@ -577,3 +581,74 @@ class FSDPModel(ZeRO3Model):
             classes = [c for c in auto_wrap_policy if isinstance(c, type)]
             auto_wrap_policy = tuple(classes) if len(classes) == len(auto_wrap_policy) else list(auto_wrap_policy)
         super().__init__(module, config, units=auto_wrap_policy)
+
+
+class ZeRO3Optimizer(ZeRO2Optimizer):
+    """ZeRO stage 3: steps the parameter shards a :class:`gpudist.ZeRO3Model` (or ``FSDPModel``) keeps on this rank.
+
+    Build it from ``model.parameters()`` (the shards) and the same configuration. The model has already
+    reduce-scattered the gradients into the shards' ``.grad`` during backward and gathers parameters again at
+    the next forward, so ``step`` only updates: one fused launch per parameter group for Adam/AdamW/SGD (any other
+    torch optimizer over views), an fp32 master copy when the shards are bf16/fp16, global-norm clipping and the
+    non-finite skip agreed over all ranks by one 8-byte all-reduce. Used with parameters no ZeRO-3 wrapper
+    shards (a plain module), it does ZeRO-2's job: reduce-scatter, update the owned pieces, all-gather.
+    """
+
+    strategy = "zero3"
+
+    def _sharded(self) -> bool:
+        return isinstance(self.model(), ZeRO3Model)
+
+    def _replicated(self) -> bool:
+        return not self._sharded()  # the model checked its architecture across ranks when it was built
+
+    def owned_segments(self) -> list[tuple[int, int]]:
+        if self._sharded():
+            self._parts = []
+            return [(0, self._flat.layout.total)]  # the shards are ours entirely
+        return super().owned_segments()
+
+    def reduce_gradients(self) -> None:
+        if not self._sharded():
+            super().reduce_gradients()
+            return
+        # The model reduce-scattered every shard's gradient into one flat buffer in parameter order (the shards'
+        # .grad are its slices): step that buffer in place. Otherwise (a gradient missing or replaced), a copy.
+        grads = [p.grad for p in self._flat_params]
+        common = self._common_buffer(grads)
+        if common is not None:
+            self._grad = common
+            return
+        self._grad = torch.empty(self._owned_numel, dtype=self._grad.dtype, device=self._grad.device)
+        kernels.pack(
+            [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self._flat_params, strict=True)],
+            self._grad,
+        )
+
+    def _common_buffer(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The 1-D buffer whose consecutive slices ``grads`` are, in this optimizer's layout, or None."""
+        base = grads[0]._base if grads and grads[0] is not None else None
+        layout = self._flat.layout
+        if base is None or base.dim() != 1 or base.numel() != layout.total or not base.is_contiguous():
+            return None
+        storage, ptr, size = base.untyped_storage().data_ptr(), base.data_ptr(), base.element_size()
+        for g, offset, numel in zip(grads, layout.offsets, layout.numels, strict=True):
+            if (
+                g is None
+                or g.numel() != numel
+                or g.data_ptr() != ptr + offset * size
+                or g.untyped_storage().data_ptr() != storage
+            ):
+                return None
+        return base
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if set_to_none and self._sharded():
+            self._grad = self._grad.new_empty(0)  # the shards' gradients are gone: this view of them goes too
+
+    def _gather_parameters(self) -> None:
+        if not self._sharded():
+            super()._gather_parameters()
+        elif not self._master_is_view:
+            kernels.pack([self._master], self._flat.data)  # new low-precision shard values from the fp32 master

@@ -22,7 +22,7 @@ from safetensors.torch import save as st_save
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors
-from ..models.base import ShardedModel
+from .model import ShardedModel
 
 __all__ = ["OptimizationResult", "ShardedOptimizer", "load_keeping_identity"]
 

@@ -43,8 +43,8 @@ from ..comm import CommunicationError, CommunicationTimeoutError, shard_range
 from ..comm.base import _stable_hash
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors, exchange_bytes
-from ..models.base import same_on_every_rank
-from .base import ShardedOptimizer
+from .model import same_on_every_rank
+from .optimizer import ShardedOptimizer
 
 __all__ = ["AsyncSGDOptimizer"]
 

@@ -10,11 +10,10 @@ from .. import kernels
 from ..compression import CompressedChannel, Compressor, parse_compressor
 from ..config import ShardingConfiguration
 from ..flat import BufferSpec, assign_buckets
-from ..models.ddp import DDPModel
-from ..models.zero import ZeRO2Model
-from .base import ShardedOptimizer
-from .ddp import DDPOptimizer
-from .zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from .ddp import DDPModel, DDPOptimizer
+from .fsdp import ZeRO3Optimizer
+from .optimizer import ShardedOptimizer
+from .zero import ZeRO1Optimizer, ZeRO2Model, ZeRO2Optimizer
 
 __all__ = ["CompressionHook", "GradientCompressionOptimizer"]
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .comm import InMemoryCommunicationBackend
-from .launch import RanksFailedError, shared_pool
+from ..comm import InMemoryCommunicationBackend
+from ..launch import RanksFailedError, shared_pool
 
 __all__ = ["RanksFailedError", "free_port", "mpi_launcher", "mpi_unavailable", "run_ranks"]
 
@@ -143,7 +143,7 @@ def _run_mpi(fn: Callable[..., Any], world_size: int, timeout: float, validate: 
         env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH")])])
         # Containers often forbid the cross-memory-attach syscalls Open MPI's shared memory uses for large messages.
         env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        cmd = [*mpi_launcher(world_size), sys.executable, "-m", "gpudist.testing", str(job)]
+        cmd = [*mpi_launcher(world_size), sys.executable, "-m", "gpudist.testing.mpi_rank", str(job)]
         limit = timeout + START_TIMEOUT + 60.0
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
@@ -175,7 +175,7 @@ def _mpi_rank_main(job: str) -> None:
     """Entry of each process ``run_ranks(..., "mpi")`` starts: run the pickled function, pickle its result."""
     import torch
 
-    from .comm.mpi import MPICommunicationBackend
+    from ..comm.mpi import MPICommunicationBackend
 
     torch.set_num_threads(1)  # ranks share the machine's cores
     comm, rank, finish = None, -1, None
@@ -227,7 +227,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-if __name__ == "__main__":
-    _mpi_rank_main(sys.argv[1])

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import kernels as K
-from .bench import environment
-from .fileio import atomic_write_json
+from .. import kernels as K
+from ..fileio import atomic_write_json
+from .collectives import environment
 
 __all__ = ["OPS", "format_kernel_table", "run_kernels"]
 
@@ -134,7 +134,7 @@ def _op_norm(n, device):
 
 
 def _op_topk(n, device, mode, ratio=0.01):
-    from .kernels.topk import topk_compress, topk_recall
+    from ..kernels.topk import topk_compress, topk_recall
 
     k = max(1, int(n * ratio))
     grad = torch.randn(n, device=device)
@@ -156,7 +156,7 @@ def _op_topk(n, device, mode, ratio=0.01):
 
 
 def _op_quantize(n, device, bits, block=256):
-    from .kernels import quantize as Q
+    from ..kernels import quantize as Q
 
     n = n // block * block
     grad = torch.randn(n, device=device)
@@ -189,7 +189,7 @@ def _op_quantize(n, device, bits, block=256):
 
 
 def _op_dequantize_accumulate(n, device, block=256):
-    from .kernels import quantize as Q
+    from ..kernels import quantize as Q
 
     n = n // block * block
     q, scales = Q.quantize_int8(torch.randn(n, device=device), block_size=block)

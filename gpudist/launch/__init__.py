@@ -1,0 +1,17 @@
+"""Starting gpudist: join a group from the launcher's environment (:func:`init`), or spawn local ranks
+(:class:`WorkerPool`, :func:`spawn`)."""
+
+from .environment import BACKENDS, LaunchEnvironment, available_backends, detect_environment, init
+from .spawn import RanksFailedError, WorkerPool, shared_pool, spawn
+
+__all__ = [
+    "BACKENDS",
+    "LaunchEnvironment",
+    "RanksFailedError",
+    "WorkerPool",
+    "available_backends",
+    "detect_environment",
+    "init",
+    "shared_pool",
+    "spawn",
+]

@@ -1,0 +1,210 @@
+"""HybridShardedModel: 3D parallelism, pipeline x data x tensor (seeds: HybridShardedModel).
+
+Composed one step at a time, in torchtitan's order: the ranks are laid out as ``pp x dp x tp``
+(:class:`~.layout.ParallelLayout`, tensor fastest); the module's planned layers are split over the tensor group
+(:mod:`.tensor`); the module's blocks are split into pipeline stages (:mod:`.pipeline`); data-parallel replicas
+average gradients last, in the data group (the model itself, or a :class:`~gpudist.HybridShardedOptimizer` with
+ZeRO-1/ZeRO-2 in that group).
+
+:class:`HybridShardedOptimizer` is the optimizer side: it steps this rank's part of the model with a data-parallel
+optimizer (replicated, ZeRO-1 or ZeRO-2) over the data-parallel group and clips by the global norm over all groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..comm import ReductionOperation
+from ..config import ShardingConfiguration
+from .layout import ParallelLayout, make_groups
+from .model import ShardedModel, module_table
+from .optimizer import ShardedOptimizer
+from .pipeline import SCHEDULES, PipelineParallelModel
+from .tensor import Plan, VocabParallelOutput, apply_plan, validate_plan
+from .zero import data_parallel_optimizer
+
+__all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
+
+
+class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
+    """3D parallelism: ``pipeline_parallel_size`` stages x ``data_parallel_size`` replicas (-1: the ranks left
+    over) x ``tensor_parallel_size``-way split layers.
+
+    ``plan`` (needed when ``tensor_parallel_size > 1``) names the layers to split, as for
+    :class:`~gpudist.TensorParallelModel` (e.g. ``tinylm_plan`` in examples/lm.py). ``blocks`` turns the
+    (converted) module into the ``nn.Sequential`` the pipeline splits (e.g. ``examples/lm.py``'s ``as_sequential``);
+    without it the module must be an ``nn.Sequential``, or ``pipeline_parallel_size`` 1.
+
+    Train with :meth:`train_step` on every rank; each replica passes its own slice of the batch, the ranks of one
+    replica the same slice. ``loss_fn=None`` uses the vocabulary-parallel cross-entropy when the plan has a
+    ``vocab_output`` layer (full logits are never gathered). Gradients are made whole in order: tensor-parallel
+    collectives inside backward, accumulation over micro-batches, shared parameters summed between stages, then
+    the average over replicas. Memory per rank: the stage's parameters split by the tensor group (optimizer state
+    further split over replicas with ZeRO), plus the 1F1B activations in flight. Communication: activation
+    all-reduces in the tensor group per layer, activations and their gradients between stages per micro-batch, one
+    gradient all-reduce (or ZeRO reduce-scatter + all-gather) per step in the data group.
+    """
+
+    strategy = "hybrid"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardingConfiguration,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = -1,
+        *,
+        plan: Plan | None = None,
+        blocks: Callable[[nn.Module], nn.Sequential | Sequence[nn.Module]] | None = None,
+        micro_batches: int = 4,
+        schedule: str = "1f1b",
+        balance: str | Sequence[int] = "parameters",
+    ):
+        if not isinstance(config, ShardingConfiguration):
+            raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
+        layout = ParallelLayout.resolve(
+            config.backend.world_size, pipeline_parallel_size, tensor_parallel_size, data_parallel_size
+        )
+        if tensor_parallel_size > 1 and plan is None:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs a plan naming the layers to split, "
+                "e.g. plan=examples/lm.py's tinylm_plan or {'mlp.fc1': 'colwise', 'mlp.fc2': "
+                "'rowwise'}"
+            )
+        if blocks is None and pipeline_parallel_size > 1 and not isinstance(module, (nn.Sequential, list, tuple)):
+            raise TypeError(
+                f"pipeline_parallel_size={pipeline_parallel_size} splits an nn.Sequential; "
+                f"{type(module).__name__} is not one: pass blocks=, a function returning the module's "
+                "blocks in order (e.g. examples/lm.py's as_sequential)"
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+        if isinstance(module, (list, tuple)):
+            module = nn.Sequential(*module)
+        self._setup = {"layout": layout, "balance": balance, "plan": plan, "blocks": blocks}
+        self.micro_batches, self.schedule = micro_batches, schedule
+        ShardedModel.__init__(self, module, config)
+
+    def _prepare(self, module: nn.Module) -> tuple[nn.Sequential, list[dict]]:
+        """Split the planned layers over the tensor group (in place), then return the blocks to pipeline."""
+        table = module_table(module)  # the full shapes, before splitting
+        plan, tp = self._setup["plan"], self.layout.tensor_parallel_size
+        entries = validate_plan(module, plan(module) if callable(plan) else plan, tp) if plan is not None else []
+        self.tensor_group = make_groups(self.comm, self.layout.groups("tensor"))
+        self._splits, output = apply_plan(module, entries, self.tensor_group) if entries else ({}, None)
+        self.vocab_start = None if output is None else module.get_submodule(output).output_start
+        blocks = self._setup["blocks"]
+        seq = blocks(module) if blocks is not None else module
+        if isinstance(seq, (list, tuple, nn.ModuleList)):
+            seq = nn.Sequential(*seq)
+        if not isinstance(seq, nn.Sequential):
+            seq = nn.Sequential(module)  # one block: pipeline_parallel_size is 1 (checked in __init__)
+        return seq, table
+
+
+class HybridShardedOptimizer(ShardedOptimizer):
+    """Steps a :class:`~gpudist.HybridShardedModel`'s parameters: each rank holds its pipeline stage's
+    tensor-parallel shards, and the optimizer runs data parallelism in the model's data group last, after the
+    model made gradients whole over the tensor group, the micro-batches and the stages.
+
+    ``zero_stage``: 0 averages gradients with an all-reduce and keeps the full optimizer state on every replica
+    (DDP); 1 (default) shards the optimizer state over the replicas (ZeRO-1: reduce-scatter, step the owned
+    part, all-gather the parameters); 2 also frees the gradients this replica does not own (ZeRO-2). The sizes
+    must be the model's layout (the seeds' signature; ``-1`` takes the ranks left over).
+
+    ``config.max_grad_norm`` clips to the L2 norm of the whole model's gradient, as
+    ``torch.nn.utils.clip_grad_norm_`` on one process: after the replica average, every rank sums the squares it
+    owns (its tensor shards of split parameters, tensor rank 0 the unsplit ones, the first holding stage a tied
+    parameter; with ZeRO its range of the replicas' average, with DDP replica 0), and one 8-byte all-reduce over
+    all ranks gives the norm. With ZeRO a non-finite norm skips the step on every rank, as ZeRO does.
+    """
+
+    strategy = "hybrid"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: ShardingConfiguration,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = -1,
+        *,
+        zero_stage: int = 1,
+    ):
+        super().__init__(optimizer, config)
+        inner_class = data_parallel_optimizer(zero_stage)
+        model = self.model()
+        if not isinstance(model, HybridShardedModel):
+            raise TypeError(
+                "HybridShardedOptimizer steps a HybridShardedModel built from the same config; build the "
+                "model first and pass torch.optim.X(model.parameters()) here"
+            )
+        layout = ParallelLayout.resolve(
+            self.comm.world_size, pipeline_parallel_size, tensor_parallel_size, data_parallel_size
+        )
+        if layout != model.layout:
+            raise ValueError(
+                f"HybridShardedOptimizer: {layout.describe()} differs from the model's "
+                f"{model.layout.describe()}; pass the model's sizes"
+            )
+        self.zero_stage = zero_stage
+        data_config = dataclasses.replace(config, backend=model.data_group)
+        self.inner = inner_class(optimizer, data_config)
+        if config.max_grad_norm is not None:  # the inner optimizer sees the data group only: it clips (and ZeRO
+            self.inner.gradient_norm_fn = self._global_norm  # skips non-finite steps) with the whole model's norm
+        model.reduce_data_parallel = False  # the inner optimizer averages (or reduce-scatters) over replicas
+        self.last_grad_norm = math.nan
+        if zero_stage == 0:  # the replicas' averaged gradients are equal: replica 0 counts them
+            first = model.data_parallel_rank == 0
+            self._norm_params = [p for p in self._params() if p.requires_grad and first and model.counts_in_norm(p)]
+        else:  # each replica counts its own range of the flat gradient, [lo, hi) of the inner optimizer's buffer
+            self._norm_spans = self._owned_spans(model)
+
+    def _owned_spans(self, model: HybridShardedModel) -> list[tuple[int, int]]:
+        inner = self.inner
+        layout, spans = inner._flat.layout, []
+        for start, length, at in inner._segment_spans():
+            for p, offset, numel in zip(inner._flat_params, layout.offsets, layout.numels, strict=True):
+                lo, hi = max(start, offset), min(start + length, offset + numel)
+                if lo < hi and model.counts_in_norm(p):
+                    lo, hi = at + lo - start, at + hi - start
+                    if spans and spans[-1][1] == lo:
+                        spans[-1] = (spans[-1][0], hi)
+                    else:
+                        spans.append((lo, hi))
+        return spans
+
+    def _global_norm(self) -> float:
+        """The whole model's gradient norm, from the squares this rank counts (collective over all ranks)."""
+        if self.zero_stage == 0:
+            grads = [p.grad.reshape(-1) for p in self._norm_params if p.grad is not None]
+        else:
+            grads = [self.inner._grad[lo:hi] for lo, hi in self._norm_spans]
+        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        for g in grads:
+            total += kernels.squared_norm(g.contiguous()).double()
+        self.comm.all_reduce(total, ReductionOperation.SUM)
+        self.last_grad_norm = math.sqrt(total.item())
+        return self.last_grad_norm
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)

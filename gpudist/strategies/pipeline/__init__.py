@@ -1,0 +1,24 @@
+"""PipelineParallelModel: consecutive blocks of a model on consecutive ranks, fed micro-batch by micro-batch.
+
+Each stage holds only its blocks. A training step splits this replica's batch into ``micro_batches`` pieces;
+activations travel forward and their gradients backward with the backend's send/recv, in the order of the
+schedule:
+
+- ``"gpipe"``: every micro-batch forward, then every backward. Stage ``s`` keeps all ``m`` micro-batches'
+  activations alive at once.
+- ``"1f1b"`` (default): ``p - s - 1`` warm-up forwards, then one forward and one backward alternately, then the
+  remaining backwards (PipeDream-flush, as Megatron-LM and ``torch.distributed.pipelining.Schedule1F1B``). Same
+  bubble, ``(p - 1) / (m + p - 1)`` of the step, but stage ``s`` keeps at most ``p - s`` micro-batches in flight.
+
+The loss is computed on the last stage (``loss_fn`` must average over its micro-batch, like
+``F.cross_entropy``) and returned on every rank. Parameters shared between stages (a language model's tied
+embedding and output head) are kept on each stage that uses them and their gradients are summed between those
+stages after backward. With ``world_size = num_stages x d``, ``d`` replicas of the pipeline train on their own
+slices of the batch and average gradients, stage by stage, at the end of the step.
+"""
+
+from .model import PipelineParallelModel
+from .p2p import StageLink
+from .schedule import SCHEDULES, partition_blocks, schedule_bubble, stage_schedule
+
+__all__ = ["SCHEDULES", "PipelineParallelModel", "StageLink", "partition_blocks", "schedule_bubble", "stage_schedule"]

@@ -1,0 +1,286 @@
+"""TensorParallelModel: converts a module in place from a plan and runs data parallel over the ranks left over."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm import CommunicationBackend, ReductionOperation
+from ...config import ShardingConfiguration
+from ...flat import broadcast_tensors, reduce_gradients_in
+from ..layout import ParallelLayout, make_groups
+from ..model import ShardedModel, module_table, replica_share
+from .layers import divisors, held_segments, vocab_parallel_cross_entropy
+from .mappings import gather_from_tensor_parallel
+from .plans import Plan, apply_plan, validate_plan
+
+# The model
+
+
+class VocabParallelOutput:
+    """The loss and prediction of a model whose output layer may be split by vocabulary (``vocab_output``):
+    needs ``vocab_start`` (None when the output is not split) and ``tensor_group``. Shared by
+    :class:`TensorParallelModel` and :class:`~gpudist.HybridShardedModel`; put it before the ShardedModel base."""
+
+    vocab_start: int | None
+    tensor_group: CommunicationBackend
+
+    def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
+        targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens."""
+        if self.vocab_start is None:
+            raise ValueError(
+                "cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
+                "vocabulary); this model's output is not split: use F.cross_entropy"
+            )
+        return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self.vocab_start)
+
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
+        """The base class's step; ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A
+        given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer)."""
+        if loss_fn is None:
+            if self.vocab_start is None:
+                raise ValueError(
+                    "train_step: pass loss_fn; only a plan with a 'vocab_output' layer has a default "
+                    "loss (vocab_parallel_cross_entropy)"
+                )
+            loss_fn = self.cross_entropy
+        return super().train_step(inputs, targets, loss_fn, optimizer)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The base class's prediction; a vocabulary-split output is gathered into full logits."""
+        out = super().predict(inputs)
+        if self.vocab_start is not None and isinstance(out, torch.Tensor):
+            out = gather_from_tensor_parallel(out, self.tensor_group, -1)
+        return out
+
+
+class TensorParallelModel(VocabParallelOutput, ShardedModel):
+    """Tensor (Megatron) parallelism: layers split within themselves over groups of ``tensor_parallel_size``
+    consecutive ranks, converted in place from ``plan`` (module name -> style, see :data:`PLAN_STYLES`, or a
+    function of the module such as :func:`tinylm_plan`); the ranks left over are data-parallel replicas.
+
+    Shards: the planned layers' weights (1/tp each; LayerNorms, position embeddings and row-parallel biases stay
+    replicated), so their gradients and optimizer state too. Communicates: an all-reduce of the activations per
+    column/row pair in forward and another in backward, within the tensor group; with data parallelism, one
+    all-reduce (average) of the local gradients per step over the data group, at the end of backward. Use it when
+    a layer's weights or activations do not fit on one device; every rank of a tensor group gets the same inputs,
+    each data-parallel replica its own slice of the batch.
+
+    Train with a plain optimizer over ``model.parameters()`` (each rank steps its own shard): the collectives make
+    every shard's gradient complete, and replicated parameters get identical gradients on the tensor group's
+    ranks. ``loss.backward(); opt.step()`` is enough. With a ``vocab_output`` layer, ``model(x)`` returns logits
+    split by vocabulary (this rank's ``[vocab_start, vocab_start + V/tp)``): take the loss with
+    :meth:`cross_entropy` (``train_step`` does when ``loss_fn`` is None); :meth:`predict` gathers full logits.
+    Parameter names stay those of the module; :meth:`gather_full_parameters`, :meth:`full_state_dict` and
+    ``save_model("x.safetensors")`` give the full, unsplit model; ``save_model("folder")`` and
+    :func:`gpudist.save_checkpoint` write each element once (a shard divided among the replicas holding it, a
+    replicated parameter among all ranks), loadable into any strategy and layout.
+    """
+
+    strategy = "tensor"
+
+    def __init__(self, module: nn.Module, config, plan: Plan, tensor_parallel_size: int | None = None):
+        if isinstance(config, ShardingConfiguration):  # otherwise the base class says what config must be
+            world = config.backend.world_size
+            tp = world if tensor_parallel_size is None else tensor_parallel_size
+            if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and world % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide the world size {world}; use one of "
+                    f"{divisors(world)} (the ranks left over form data-parallel replicas)"
+                )
+            self._setup = {"plan": plan, "layout": ParallelLayout.resolve(world, 1, tp)}
+        super().__init__(module, config)
+
+    # -- construction ----------------------------------------------------------------------------------------------
+
+    def initialize_sharding(self) -> None:
+        module, comm = self.module, self.comm
+        layout: ParallelLayout = self._setup["layout"]
+        tp = layout.tensor_parallel_size
+        plan = self._setup["plan"]
+        entries = validate_plan(module, plan(module) if callable(plan) else plan, tp)  # before any communication
+        self.layout = layout
+        _, self.data_parallel_rank, self.tensor_parallel_rank = layout.coords(self.rank)
+        self._table = module_table(module)
+        self._check_same_model()
+        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+        self.tensor_group = comm if tp == comm.world_size else make_groups(comm, layout.groups("tensor"))
+        self.data_group = None
+        if layout.data_parallel_size > 1:
+            self.data_group = comm if tp == 1 else make_groups(comm, layout.groups("data"))
+
+        self._splits, self._vocab_output = apply_plan(module, entries, self.tensor_group)
+        self._keys = list(module.state_dict().keys())
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        self._callback_queued = False
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- layout ----------------------------------------------------------------------------------------------------
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return 1
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def vocab_start(self) -> int | None:
+        """First vocabulary id of this rank's logits (None without a ``vocab_output`` layer)."""
+        return None if self._vocab_output is None else self.module.get_submodule(self._vocab_output).output_start
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return any(param is p for p in self.module.parameters())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._callback_queued = False  # a backward that failed half way must not keep the next one from syncing
+        return self.module(*args, **kwargs)
+
+    # -- training --------------------------------------------------------------------------------------------------
+
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        self.synchronize_gradients()
+        self._mark_step_bytes()
+
+    @torch.no_grad()
+    def synchronize_gradients(self) -> None:
+        """Average every local gradient over the data-parallel group (backward already does it; averaging again is
+        harmless, as the replicas then agree). Tensor-parallel gradients need nothing: the layers' collectives
+        made each shard's gradient complete."""
+        if self.data_group is not None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            reduce_gradients_in(self.data_group, params, ReductionOperation.AVERAGE)
+
+    def _bytes_total(self) -> int:
+        comms = {id(c): c for c in (self.comm, self.tensor_group, self.data_group) if c is not None}
+        return sum(c.stats.total_bytes for c in comms.values())
+
+    # -- full parameters -------------------------------------------------------------------------------------------
+
+    def parameter_count(self) -> int:
+        return sum(torch.Size(row["shape"]).numel() for row in self._table)
+
+    def parameter_table(self) -> list[dict]:
+        return copy.deepcopy(self._table)
+
+    def _full(self, name: str) -> torch.Tensor:
+        """The full value of parameter ``name`` (collective within the tensor group when it is split)."""
+        local = self.module.get_parameter(name).detach()
+        split = self._splits.get(name)
+        return local if split is None else split.gather(local, self.tensor_group)
+
+    def gather_full_parameters(self) -> torch.Tensor:
+        """The unsplit module's parameters flattened in its ``parameters()`` order; identical on every rank."""
+        if not self._table:
+            return torch.empty(0)
+        return torch.cat([self._full(row["name"]).reshape(-1) for row in self._table])
+
+    @torch.no_grad()
+    def _write(self, name: str, full: torch.Tensor) -> None:
+        local, split = self.module.get_parameter(name), self._splits.get(name)
+        tp = self.tensor_group
+        local.copy_(full.view(local.shape) if split is None else split.shard(full, tp.rank, tp.world_size))
+
+    def set_parameters(self, flat: torch.Tensor) -> None:
+        """Overwrite every parameter from a full vector in the unsplit module's ``parameters()`` order (the same on
+        every rank; each takes its shard)."""
+        count = self.parameter_count()
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
+            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
+            )
+        at = 0
+        for row in self._table:
+            n = torch.Size(row["shape"]).numel()
+            self._write(row["name"], flat[at : at + n].view(row["shape"]))
+            at += n
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit module's state (collective within the tensor group): what a single process would hold."""
+        full: dict[str, torch.Tensor] = {}
+        for row in self._table:
+            value = full[row["name"]] = self._full(row["name"])
+            for name in row["aliases"]:  # a copy each: safetensors refuses tensors that share memory
+                full[name] = value.clone()
+        buffers = {k: v.detach() for k, v in self.module.named_buffers()}
+        return {k: full[k] if k in full else buffers[k] for k in self._keys}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for row in self._table:
+            self._write(row["name"], state[row["name"]])
+        for k, v in self.module.named_buffers():
+            v.copy_(state[k])
+
+    def clone(self) -> TensorParallelModel:
+        """A new wrapper over a copy of the converted module, on the same groups (collective: every rank calls it)."""
+        shared = {id(x): x for x in (self.config, self.comm, self.tensor_group, self.data_group) if x is not None}
+        twin = copy.deepcopy(self, shared)
+        twin._install_hooks()  # deepcopy does not copy gradient hooks
+        self.config._models.add(twin)
+        return twin
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    shards_parameters = True
+
+    def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+        """Each parameter this rank holds: a replicated one whole, a split one as its runs in the full parameter
+        (:meth:`Split.segments`; one per row for a rowwise weight)."""
+        return [
+            (
+                p := self.module.get_parameter(row["name"]),
+                held_segments(row["name"], p, self._splits.get(row["name"]), self.tensor_group),
+            )
+            for row in self._table
+        ]
+
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
+        """Split parameters are written once per tensor rank (shared by the data-parallel replicas), unsplit ones
+        (LayerNorms, row-parallel biases) once in all (shared by every rank): :func:`replica_share`."""
+        return replica_share(self.layout, self.rank, name in self._splits, across_replicas)
+
+    # -- reporting -------------------------------------------------------------------------------------------------
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        return {
+            **super().get_model_metadata(),
+            "layout": self.layout.describe(),
+            "tensor_parallel_rank": self.tensor_parallel_rank,
+            "data_parallel_rank": self.data_parallel_rank,
+        }
+
+    def extra_repr(self) -> str:
+        return self.layout.describe()
