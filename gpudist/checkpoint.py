@@ -14,13 +14,17 @@ weight split by columns is ``out`` runs of ``in / tp``) take one entry, not one 
 
 Everything is described in *canonical* coordinates: a piece is elements ``[start, start + n)`` of one full
 parameter (or of its optimizer state such as ``exp_avg``), flattened. A strategy only has to say which pieces it
-holds (:meth:`ShardedModel.checkpoint_segments`, and the owned ranges of a ZeRO optimizer), so a checkpoint
-written by ZeRO-3 on 4 ranks loads into ZeRO-2 on 2 or DDP on 3: each rank reads the pieces it now needs from
-whichever files hold them. Every element is written once: when several ranks hold copies of it (data-parallel
+holds (the model through :class:`CheckpointableModel`, the optimizer through :class:`CheckpointableOptimizer`), so
+a checkpoint written by ZeRO-3 on 4 ranks loads into ZeRO-2 on 2 or DDP on 3: each rank reads the pieces it now
+needs from whichever files hold them. Every element is written once: when several ranks hold copies of it (data-parallel
 replicas, tensor ranks holding a replicated LayerNorm, pipeline stages sharing a tied embedding), the model's
 :meth:`ShardedModel.checkpoint_share` says how many copies there are and which one this rank is, and the copies
 split the writing (replicated strategies: rank r saves its ``shard_range`` of every tensor) or leave it to one
 (the stage owning a tied parameter).
+
+This module is the format and its I/O: it knows no strategy. The strategies implement the two protocols with the
+vocabulary defined here (canonical pieces, :func:`written`, :class:`Reader`); a plain ``nn.Module`` and a plain torch
+optimizer are described here, parameter by parameter.
 
 Saving is atomic: files go to a temporary folder beside the target, the manifest is written last, and the folder
 is renamed into place. Loading reads and verifies every byte it needs (file checksums, shapes, names, coverage)
@@ -39,7 +43,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors.torch import load as st_load
@@ -49,21 +53,34 @@ from torch import nn
 from .comm import CommunicationBackend, ReductionOperation, shard_range
 from .fileio import atomic_write_bytes, atomic_write_json
 from .flat import exchange_bytes
-from .strategies.compression import GradientCompressionOptimizer, check_compress_mode
-from .strategies.hybrid import HybridShardedOptimizer
-from .strategies.model import ShardedModel, module_segments, module_table
-from .strategies.optimizer import ShardedOptimizer, load_keeping_identity
-from .strategies.zero import _FlatShardOptimizer
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWrite",
+    "CheckpointableModel",
+    "CheckpointableOptimizer",
+    "Reader",
+    "Segments",
+    "Share",
+    "canonical",
+    "group_hyperparameters",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_keeping_identity",
+    "module_segments",
+    "module_table",
+    "optimizer_pieces",
+    "put_piece",
     "read_manifest",
     "remove_stale_staging",
     "save_checkpoint",
+    "saved_optimizer",
+    "scalar_of",
+    "stage_optimizer",
+    "stage_torch_optimizer",
+    "torch_optimizer_pieces",
+    "written",
 ]
 
 FORMAT = "gpudist.checkpoint.v2"
@@ -109,7 +126,7 @@ class _Parts:
 
 
 def _model_parts(model: nn.Module, comm: CommunicationBackend | None) -> _Parts:
-    if isinstance(model, ShardedModel):
+    if isinstance(model, CheckpointableModel):
         return _Parts(
             model.checkpoint_segments(),
             model.checkpoint_share,
@@ -134,10 +151,10 @@ def _model_parts(model: nn.Module, comm: CommunicationBackend | None) -> _Parts:
 
 
 def _param_table(model: nn.Module) -> list[dict[str, Any]]:
-    return model.parameter_table() if isinstance(model, ShardedModel) else module_table(model)
+    return model.parameter_table() if isinstance(model, CheckpointableModel) else module_table(model)
 
 
-def _canonical(segments: Segments, lo: int, hi: int):
+def canonical(segments: Segments, lo: int, hi: int):
     """The parts of ``[lo, hi)`` of a held tensor, as ``(position in the tensor, length, name, position in name)``."""
     for off, n, name, at in segments:
         a, b = max(lo, off), min(hi, off + n)
@@ -145,7 +162,7 @@ def _canonical(segments: Segments, lo: int, hi: int):
             yield a, b - a, name, at + a - off
 
 
-def _written(pieces, share: Share, across_replicas: bool) -> list[tuple[int, int, str, int]]:
+def written(pieces, share: Share, across_replicas: bool) -> list[tuple[int, int, str, int]]:
     """The parts of held ``pieces`` (``(position, length, name, position in name)``) that this rank writes.
 
     The ranks holding copies of a parameter's elements hold the same pieces of it (the same replica's shard, the
@@ -172,30 +189,7 @@ def _written(pieces, share: Share, across_replicas: bool) -> list[tuple[int, int
     return out
 
 
-def _flat_owned(opt: _FlatShardOptimizer, segmap: dict[int, Segments]):
-    """A ZeRO optimizer's owned buffer in canonical coordinates: (owned position, length, name, position)."""
-    # (the owned ranges are disjoint over the optimizer's ranks, the data-parallel replicas: copies elsewhere, as
-    # tensor ranks' replicated LayerNorms, are narrowed by the model's checkpoint_share(name, False))
-    layout = opt._flat.layout
-    for start, length, at in opt._segment_spans():
-        for i, p in enumerate(opt._flat_params):
-            lo, hi = max(start, layout.offsets[i]), min(start + length, layout.offsets[i] + layout.numels[i])
-            if lo < hi:
-                base = layout.offsets[i]
-                for pos, n, name, c in _canonical(segmap[id(p)], lo - base, hi - base):
-                    yield at + (pos + base - start), n, name, c
-
-
-def _torch_optimizer(opt) -> torch.optim.Optimizer:
-    return opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
-
-
-def _state_holder(opt):
-    """The optimizer object holding the state: a HybridShardedOptimizer's data-parallel optimizer (ZeRO or DDP)."""
-    return opt.inner if isinstance(opt, HybridShardedOptimizer) else opt
-
-
-def _hyper(groups: list[dict]) -> list[dict]:
+def group_hyperparameters(groups: list[dict]) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in groups]
 
 
@@ -207,108 +201,181 @@ def _jsonable(value) -> bool:
         return False
 
 
-def _scalar(value) -> float | int | None:
+def scalar_of(value) -> float | int | None:
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else None
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _residual_spans(opt: GradientCompressionOptimizer, segmap: dict[int, Segments]):
-    """Each compressed buffer's channel, with its elements in canonical coordinates: (buffer position, length,
-    name, position in name)."""
-    for key, channel in opt.hook.channels.items():
-        spans = []
-        for pos, length, param, at in opt.hook.buffers[key].spans:
-            for ppos, n, name, c in _canonical(segmap.get(id(param), []), at, at + length):
-                spans.append((pos + ppos - at, n, name, c))
-        yield channel, spans
+# ---------------------------------------------------------------------------------------------------------------------
+# The protocol: what a model and an optimizer say about the state they hold
+#
+# gpudist's wrappers describe themselves (ShardedModel's checkpoint_* methods, ShardedOptimizer's checkpoint_pieces
+# and stage_checkpoint); a plain nn.Module and a plain torch optimizer are described here, parameter by parameter.
+# This module knows no strategy: it sits below them, and they build on its vocabulary (canonical pieces, written,
+# Reader).
 
 
-def _residual_pieces(
-    opt: GradientCompressionOptimizer, segmap: dict[int, Segments], rank: int, world: int
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """Error-feedback residuals as checkpoint pieces. A worker residual is per rank (``residual.worker.<rank>``, the
-    whole buffer); server residuals are one canonical tensor split over the ranks (``residual.server``)."""
-    pieces: dict[str, torch.Tensor] = {}
-    for channel, spans in _residual_spans(opt, segmap):
-        worker, server = channel.worker_residual(), channel.server_residual()
-        for pos, n, name, c in spans:
-            if worker is not None:
-                pieces[f"residual.worker.{rank}|{name}|{c}"] = worker[pos : pos + n].detach().cpu().clone()
-            if server is not None:
-                start, values = server
-                a, b = max(pos, start), min(pos + n, start + values.numel())
-                if a < b:
-                    piece = values[a - start : b - start]
-                    pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
-    meta = {
-        "compressor": repr(opt.compressor),
-        "steps": opt.hook.steps,
-        "world_size": world,
-        "error_feedback": opt.hook.error_feedback,
-        "compress": opt.compress,
-    }
-    return pieces, meta
+@runtime_checkable
+class CheckpointableModel(Protocol):
+    """What a model tells a checkpoint (:class:`gpudist.ShardedModel` implements it for every strategy)."""
+
+    strategy: str
+    comm: CommunicationBackend
+
+    def parameter_table(self) -> list[dict]: ...
+    def checkpoint_segments(self) -> list[tuple[torch.Tensor, Segments]]: ...
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None: ...
+    def buffer_table(self) -> list[dict]: ...
+    def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]: ...
 
 
-def _optimizer_pieces(
-    opt, segmap: dict[int, Segments], share: Share, rank: int, world: int
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:
-    """This rank's optimizer state pieces ({key: tensor}), per-parameter scalars, and a description. State held by
-    several ranks (replicated, or a tied parameter's on two stages) is written once, as the parameters are."""
-    opt = _state_holder(opt)
-    if isinstance(opt, GradientCompressionOptimizer):
-        target = opt.inner if opt.inner is not None else opt.optimizer
-        pieces, scalars, desc = _optimizer_pieces(target, segmap, share, rank, world)
-        residuals, meta = _residual_pieces(opt, segmap, rank, world)
-        return {**pieces, **residuals}, scalars, {**desc, "compression": meta}
+@runtime_checkable
+class CheckpointableOptimizer(Protocol):
+    """What an optimizer tells a checkpoint (:class:`gpudist.ShardedOptimizer` implements it for every strategy).
+
+    ``segmap`` maps ``id(parameter)`` to the canonical pieces the model holds in it; ``share`` is the model's
+    :meth:`~gpudist.ShardedModel.checkpoint_share`."""
+
+    comm: CommunicationBackend
+
+    def checkpoint_pieces(
+        self, segmap: dict[int, Segments], share: Share, rank: int, world: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]], dict]:
+        """This rank's state pieces (``{"state.KEY|name|start": values}``, each element written by one rank), the
+        per-parameter scalars (``{name: {"step": 3}}``) and a description (``{"class": ..., "groups": ...}``)."""
+        ...
+
+    def stage_checkpoint(
+        self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[], None]:
+        """Read (and verify) all this rank needs from ``reader``; append ``(destination, values)`` copies to
+        ``apply``; return what installs the rest. Nothing may change before every rank has read successfully."""
+        ...
+
+
+def optimizer_pieces(opt, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+    """:meth:`CheckpointableOptimizer.checkpoint_pieces` of any optimizer, a plain torch one included."""
+    if isinstance(opt, CheckpointableOptimizer):
+        return opt.checkpoint_pieces(segmap, share, rank, world)
+    return torch_optimizer_pieces(opt, segmap, share)
+
+
+def stage_optimizer(opt, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list) -> Callable[[], None]:
+    """:meth:`CheckpointableOptimizer.stage_checkpoint` of any optimizer, a plain torch one included."""
+    if isinstance(opt, CheckpointableOptimizer):
+        return opt.stage_checkpoint(body, reader, segmap, apply)
+    return stage_torch_optimizer(opt, body, reader, segmap, apply)
+
+
+def put_piece(pieces: dict[str, torch.Tensor], key: str, name: str, at: int, values: torch.Tensor) -> None:
+    """Add ``values`` (elements ``[at, at + n)`` of optimizer state ``key`` of parameter ``name``) to ``pieces``."""
+    pieces[f"state.{key}|{name}|{at}"] = values.detach().reshape(-1).contiguous().cpu().clone()
+
+
+def torch_optimizer_pieces(torch_opt: torch.optim.Optimizer, segmap: dict[int, Segments], share: Share):
+    """:func:`optimizer_pieces` of a torch optimizer whose state is per parameter, replicated like the parameters."""
     pieces: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, float]] = {}
-
-    def put(key: str, name: str, at: int, values: torch.Tensor) -> None:
-        pieces[f"state.{key}|{name}|{at}"] = values.detach().reshape(-1).contiguous().cpu().clone()
-
-    if isinstance(opt, _FlatShardOptimizer):
-        owned = _written(_flat_owned(opt, segmap), share, False)  # the owned pieces this rank writes
-        tensors = dict(opt._state)
-        if not opt._master_is_view:
-            tensors["master"] = opt._master
-        for pos, n, name, c in owned:
-            for key, t in tensors.items():
-                put(key, name, c, t[pos : pos + n])
-        if opt._inner is not None:  # generic path: per-view state of the wrapped optimizer's class
-            for view, piece in zip(opt._views, opt._pieces, strict=True):
-                state = opt._inner.state.get(view, {})
-                for pos, n, name, c in owned:
-                    a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
-                    if a >= b:
-                        continue
-                    for key, value in state.items():
-                        if isinstance(value, torch.Tensor) and value.shape == view.shape and key != "step":
-                            lo, hi = a - piece.owned_offset, b - piece.owned_offset
-                            put(key, name, c + a - pos, value.reshape(-1)[lo:hi])
-                        elif (s := _scalar(value)) is not None:
-                            scalars.setdefault(name, {})[key] = s
-        else:
-            for g, group in enumerate(opt.param_groups):
-                for p in group["params"]:
-                    for _, _, name, _ in segmap.get(id(p), []):
-                        scalars.setdefault(name, {})["step"] = opt._steps[g]
-        kind = type(opt.optimizer).__name__
-        return pieces, scalars, {"class": kind, "groups": _hyper(opt.param_groups)}
-    torch_opt = _torch_optimizer(opt)
     for group in torch_opt.param_groups:
         for p in group["params"]:
             state = torch_opt.state.get(p, {})
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and key != "step":
                     flat = value.reshape(-1)
-                    for pos, n, name, c in _written(_canonical(segmap.get(id(p), []), 0, p.numel()), share, True):
-                        put(key, name, c, flat[pos : pos + n])
-                elif (s := _scalar(value)) is not None:
+                    for pos, n, name, c in written(canonical(segmap.get(id(p), []), 0, p.numel()), share, True):
+                        put_piece(pieces, key, name, c, flat[pos : pos + n])
+                elif (s := scalar_of(value)) is not None:
                     for _, _, name, _ in segmap.get(id(p), []):
                         scalars.setdefault(name, {})[key] = s
-    return pieces, scalars, {"class": type(torch_opt).__name__, "groups": _hyper(torch_opt.param_groups)}
+    return pieces, scalars, {"class": type(torch_opt).__name__, "groups": group_hyperparameters(torch_opt.param_groups)}
+
+
+def saved_optimizer(body: dict, reader: Reader, groups: list[dict], kind: str) -> tuple[dict, dict, list[str]]:
+    """The checkpoint's optimizer record, checked against an optimizer of class ``kind`` with ``groups``: the record,
+    its per-parameter scalars, and the state tensors' keys (``master`` aside)."""
+    saved = body.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{reader.path} holds no optimizer state; load it with optimizer=None, or save one")
+    if len(saved["groups"]) != len(groups):
+        raise CheckpointError(
+            f"{reader.path}: the checkpoint's optimizer has {len(saved['groups'])} parameter "
+            f"group(s), this one {len(groups)}"
+        )
+    if saved["class"] != kind:
+        raise CheckpointError(
+            f"{reader.path}: the checkpoint holds {saved['class']} state, the optimizer is a "
+            f"{kind}; build the same optimizer class, or load with optimizer=None"
+        )
+    keys = sorted({k.removeprefix("state.") for k, _ in reader.index if k.startswith("state.")} - {"master"})
+    return saved, saved["scalars"], keys
+
+
+def stage_torch_optimizer(
+    torch_opt: torch.optim.Optimizer, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list
+) -> Callable[[], None]:
+    """:func:`stage_optimizer` of a torch optimizer: its whole per-parameter state, installed by load_state_dict."""
+    saved, scalars, keys = saved_optimizer(body, reader, torch_opt.param_groups, type(torch_opt).__name__)
+    state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for group in torch_opt.param_groups:
+        for p in group["params"]:
+            segs = segmap.get(id(p), [])
+            entry = {}
+            if segs:
+                for key in keys:
+                    values = torch.zeros(p.numel(), dtype=torch.float32, device="cpu")
+                    for pos, n, name, c in canonical(segs, 0, p.numel()):
+                        values[pos : pos + n] = reader.read(f"state.{key}", name, c, n, torch.float32)
+                    entry[key] = values.view_as(p)
+                for key, value in scalars.get(segs[0][2], {}).items():
+                    entry[key] = torch.tensor(float(value), device="cpu")
+            if entry:
+                state[index] = entry
+            index += 1
+
+    def finish() -> None:
+        sd = torch_opt.state_dict()
+        groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
+        load_keeping_identity(torch_opt, {"state": state, "param_groups": groups_sd})
+
+    return finish
+
+
+def load_keeping_identity(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, keeping its ``param_groups`` dicts and ``state`` mapping the same
+    objects: torch's loader replaces them, which silently disconnects every wrapper sharing them and every LR
+    scheduler built before the load (the scheduler would go on setting lr in dicts the optimizer no longer reads)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    optimizer.load_state_dict(state_dict)
+    for old, new in zip(groups, optimizer.param_groups, strict=True):
+        old.update({k: v for k, v in new.items() if k != "params"})
+    state.clear()
+    state.update(optimizer.state)
+    optimizer.param_groups, optimizer.state = groups, state
+
+
+def module_table(module: nn.Module) -> list[dict]:
+    """The parameter table of an unwrapped module (:meth:`gpudist.ShardedModel.parameter_table`): name, other names
+    (tied parameters), shape and dtype of every parameter, in ``parameters()`` order."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return [
+        {
+            "name": name,
+            "aliases": aliases[id(p)][1:],
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
+        }
+        for name, p in module.named_parameters()
+    ]
+
+
+def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, Segments]]:
+    """The checkpoint segments of an unwrapped module (:meth:`gpudist.ShardedModel.checkpoint_segments`): each
+    parameter whole, under its first name."""
+    return [(p, [(0, p.numel(), name, 0)]) for name, p in module.named_parameters()]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -316,9 +383,9 @@ def _optimizer_pieces(
 
 
 def _comm_of(model, optimizer) -> CommunicationBackend | None:
-    if isinstance(model, ShardedModel):
+    if isinstance(model, CheckpointableModel):
         return model.comm
-    if isinstance(optimizer, ShardedOptimizer):
+    if isinstance(optimizer, CheckpointableOptimizer):
         return optimizer.comm
     return None
 
@@ -368,7 +435,7 @@ class CheckpointWrite:
         pieces: dict[str, torch.Tensor] = {}
         for tensor, segments in parts.held:
             flat = tensor.detach().reshape(-1)
-            for pos, n, name, c in _written(_canonical(segments, 0, flat.numel()), parts.share, True):
+            for pos, n, name, c in written(canonical(segments, 0, flat.numel()), parts.share, True):
                 pieces[f"param|{name}|{c}"] = flat[pos : pos + n].contiguous().cpu().clone()
         for name, b, writes in parts.buffers:
             if writes:
@@ -376,7 +443,7 @@ class CheckpointWrite:
         scalars, opt_desc = {}, None
         if optimizer is not None:
             segmap = {id(t): segs for t, segs in parts.held}
-            opt_pieces, scalars, opt_desc = _optimizer_pieces(optimizer, segmap, parts.share, rank, world)
+            opt_pieces, scalars, opt_desc = optimizer_pieces(optimizer, segmap, parts.share, rank, world)
             pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
         self.body = {
             "format": FORMAT,
@@ -555,7 +622,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return best
 
 
-class _Reader:
+class Reader:
     """Reads canonical ranges from a checkpoint's files, verifying each file's checksum once."""
 
     def __init__(self, path: Path, body: dict):
@@ -655,17 +722,17 @@ def load_checkpoint(
     try:
         body = read_manifest(path)
         _check_model(body, table, parts.buffers)
-        reader = _Reader(path, body)
+        reader = Reader(path, body)
         for tensor, segments in held:
             flat = tensor.data.reshape(-1)
-            for pos, n, name, c in _canonical(segments, 0, flat.numel()):
+            for pos, n, name, c in canonical(segments, 0, flat.numel()):
                 # fp32 parameters take an fp32 master copy when the checkpoint has one (saved by bf16 training)
                 kind = "state.master" if flat.dtype == torch.float32 and reader.has("state.master", name) else "param"
                 apply.append((flat[pos : pos + n], reader.read(kind, name, c, n, flat.dtype)))
         for name, b, _ in parts.buffers:
             apply.append((b.data.reshape(-1), reader.read("buffer", name, 0, b.numel(), b.dtype)))
         if optimizer is not None:
-            finish = _stage_optimizer(optimizer, body, reader, {id(t): s for t, s in held}, apply)
+            finish = stage_optimizer(optimizer, body, reader, {id(t): s for t, s in held}, apply)
     except CheckpointError as e:
         error = e
     if comm is not None:  # all ranks apply, or none does
@@ -683,168 +750,3 @@ def load_checkpoint(
     if finish is not None:
         finish()
     return CheckpointInfo(path, body["step"], body["world_size"], body["strategy"], body.get("extra", {}))
-
-
-def _stage_optimizer(
-    opt, body: dict, reader: _Reader, segmap: dict[int, Segments], apply: list[tuple[torch.Tensor, torch.Tensor]]
-):
-    """Read the optimizer state this rank needs; return a function that installs it (after the parameters)."""
-    opt = _state_holder(opt)
-    if isinstance(opt, GradientCompressionOptimizer):
-        return _stage_compression(opt, body, reader, segmap, apply)
-    saved = body.get("optimizer")
-    if saved is None:
-        raise CheckpointError(f"{reader.path} holds no optimizer state; load it with optimizer=None, or save one")
-    scalars: dict[str, dict] = saved["scalars"]
-    groups = opt.param_groups
-    if len(saved["groups"]) != len(groups):
-        raise CheckpointError(
-            f"{reader.path}: the checkpoint's optimizer has {len(saved['groups'])} parameter "
-            f"group(s), this one {len(groups)}"
-        )
-    kind = type(opt.optimizer if isinstance(opt, ShardedOptimizer) else opt).__name__
-    if saved["class"] != kind:
-        raise CheckpointError(
-            f"{reader.path}: the checkpoint holds {saved['class']} state, the optimizer is a "
-            f"{kind}; build the same optimizer class, or load with optimizer=None"
-        )
-    keys = sorted({k.removeprefix("state.") for k, _ in reader.index if k.startswith("state.")} - {"master"})
-
-    def first_name(group) -> str | None:
-        return next((segs[0][2] for p in group["params"] if (segs := segmap.get(id(p)))), None)
-
-    def step_of(group) -> int:
-        name = first_name(group)
-        return int(scalars.get(name, {}).get("step", 0)) if name is not None else 0
-
-    if isinstance(opt, _FlatShardOptimizer):
-        owned = list(_flat_owned(opt, segmap))
-        targets = dict(opt._state)
-        if set(keys) != set(targets) and opt._inner is None:
-            raise CheckpointError(
-                f"{reader.path}: the checkpoint's optimizer state has {keys or 'no tensors'}, "
-                f"this {type(opt.optimizer).__name__} needs {sorted(targets)}"
-            )
-        for pos, n, name, c in owned:
-            for key, t in targets.items():
-                apply.append((t[pos : pos + n], reader.read(f"state.{key}", name, c, n, t.dtype)))
-            if not opt._master_is_view and reader.has("state.master", name):  # fp32 beats a bf16 copy of it
-                master = reader.read("state.master", name, c, n, torch.float32)
-                apply.append((opt._master[pos : pos + n], master))
-        inner_state = None
-        if opt._inner is not None:
-            inner_state = {}
-            for i, (view, piece) in enumerate(zip(opt._views, opt._pieces, strict=True)):
-                entry: dict[str, Any] = {}
-                for key in keys:
-                    values = torch.zeros(piece.length, dtype=torch.float32, device="cpu")
-                    for pos, n, name, c in owned:
-                        a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
-                        if a < b:
-                            values[a - piece.owned_offset : b - piece.owned_offset] = reader.read(
-                                f"state.{key}", name, c + a - pos, b - a, torch.float32
-                            )
-                    entry[key] = values.view_as(view)
-                name = next(
-                    (
-                        nm
-                        for pos, n, nm, c in owned
-                        if pos < piece.owned_offset + piece.length and pos + n > piece.owned_offset
-                    ),
-                    None,
-                )
-                for key, value in scalars.get(name, {}).items():
-                    entry[key] = torch.tensor(float(value), device="cpu")
-                inner_state[i] = entry
-        steps = [step_of(g) for g in groups]
-
-        def finish() -> None:
-            for group, hyper in zip(groups, saved["groups"], strict=True):
-                group.update(hyper)
-            opt._steps = steps
-            if not any(reader.has("state.master", name) for _, _, name, _ in owned):
-                opt._refresh_master()  # no fp32 copy saved: start from the loaded parameters
-            if inner_state is not None:
-                sd = opt._inner.state_dict()
-                load_keeping_identity(opt._inner, {"state": inner_state, "param_groups": sd["param_groups"]})
-
-        return finish
-    torch_opt = _torch_optimizer(opt)
-    state: dict[int, dict[str, Any]] = {}
-    index = 0
-    for group in torch_opt.param_groups:
-        for p in group["params"]:
-            segs = segmap.get(id(p), [])
-            entry = {}
-            if segs:
-                for key in keys:
-                    values = torch.zeros(p.numel(), dtype=torch.float32, device="cpu")
-                    for pos, n, name, c in _canonical(segs, 0, p.numel()):
-                        values[pos : pos + n] = reader.read(f"state.{key}", name, c, n, torch.float32)
-                    entry[key] = values.view_as(p)
-                for key, value in scalars.get(segs[0][2], {}).items():
-                    entry[key] = torch.tensor(float(value), device="cpu")
-            if entry:
-                state[index] = entry
-            index += 1
-
-    def finish_torch() -> None:
-        sd = torch_opt.state_dict()
-        groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
-        load_keeping_identity(torch_opt, {"state": state, "param_groups": groups_sd})
-
-    return finish_torch
-
-
-def _stage_compression(
-    opt: GradientCompressionOptimizer,
-    body: dict,
-    reader: _Reader,
-    segmap: dict[int, Segments],
-    apply: list[tuple[torch.Tensor, torch.Tensor]],
-):
-    """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
-    worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
-    pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
-    meta = (body.get("optimizer") or {}).get("compression")
-    if meta is not None:
-        check_compress_mode(opt, meta)
-    finish_inner = _stage_optimizer(opt.inner if opt.inner is not None else opt.optimizer, body, reader, segmap, apply)
-    rank, world = opt.comm.rank, opt.comm.world_size
-    staged = []
-    for channel, spans in _residual_spans(opt, segmap):
-        worker = server = None
-        if meta is not None and channel.worker is not None:
-            saved_world = int(meta["world_size"])
-            kinds = (
-                [f"residual.worker.{rank}"]
-                if saved_world == world
-                else [f"residual.worker.{r}" for r in range(saved_world)]
-            )
-            worker = torch.zeros(channel.numel, dtype=torch.float32, device="cpu")
-            for pos, n, name, c in spans:
-                if all(reader.has(kind, name) for kind in kinds):
-                    total = sum(reader.read(kind, name, c, n, torch.float32) for kind in kinds)
-                    worker[pos : pos + n] = total / len(kinds)
-        held = channel.server_residual()
-        if meta is not None and held is not None:
-            start, values = held
-            server = torch.zeros(values.numel(), dtype=torch.float32, device="cpu")
-            for pos, n, name, c in spans:
-                a, b = max(pos, start), min(pos + n, start + values.numel())
-                if a < b and reader.has("residual.server", name):
-                    part = reader.read("residual.server", name, c + a - pos, b - a, torch.float32)
-                    server[a - start : b - start] = part
-        staged.append((channel, worker, server))
-
-    def finish() -> None:
-        finish_inner()
-        for channel, worker, server in staged:
-            channel.load_residuals(worker, server)
-        if meta is not None:
-            opt.hook.steps = int(meta["steps"])
-
-    return finish
-
-
-ShardedModel._checkpoint_io = (save_checkpoint, load_checkpoint)  # save_model/load_model of every strategy

@@ -19,8 +19,10 @@ _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 class ShardingConfiguration:
     """Settings a ``ShardedModel`` and its ``ShardedOptimizer`` share. Validated on construction.
 
-    Pass the same object to the model and to the optimizer: that is how the optimizer learns that the
-    model already reduces gradients (and so never reduces them twice).
+    A model wrapper and its optimizer pair up in one of two ways: ``ZeRO2Optimizer(inner, model)`` names the model
+    (explicit), or ``ZeRO2Optimizer(inner, config)`` with the config the model was built from, which finds the model
+    that reduces the optimizer's parameters (:meth:`model_for`). Either way the optimizer learns that the model
+    already reduces gradients, and never reduces them twice.
     """
 
     backend: CommunicationBackend
@@ -58,11 +60,7 @@ class ShardingConfiguration:
     """Clip gradients to this global L2 norm (across all ranks and shards) before each optimizer step."""
 
     _models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
-    """Model wrappers built with this configuration (how an optimizer finds who reduces its gradients)."""
-    _optimizers: weakref.WeakSet = dataclasses.field(
-        default_factory=weakref.WeakSet, init=False, repr=False, compare=False
-    )
-    """Optimizer wrappers built with this configuration (for memory reports)."""
+    """Model wrappers built with this configuration, for :meth:`model_for` (they add themselves when built)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, CommunicationBackend):
@@ -93,6 +91,11 @@ class ShardingConfiguration:
     @property
     def rank(self) -> int:
         return self.backend.rank
+
+    def model_for(self, params: list[torch.Tensor]):
+        """The model wrapper built with this configuration that reduces the gradients of every one of ``params``
+        (its :meth:`~gpudist.ShardedModel.manages`), or None: how ``Optimizer(inner, config)`` finds its model."""
+        return next((m for m in list(self._models) if all(m.manages(p) for p in params)), None)
 
     def bucket_cap_bytes(self, first: bool = False) -> int:
         return int((self.first_bucket_mb if first else self.bucket_cap_mb) * (1 << 20))

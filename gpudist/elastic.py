@@ -29,7 +29,17 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointWrite, latest_checkpoint, load_checkpoint, remove_stale_staging
+from .checkpoint import (
+    CheckpointWrite,
+    Reader,
+    Segments,
+    Share,
+    latest_checkpoint,
+    load_checkpoint,
+    optimizer_pieces,
+    remove_stale_staging,
+    stage_optimizer,
+)
 from .config import ShardingConfiguration
 from .flat import exchange_bytes
 from .strategies.optimizer import ShardedOptimizer
@@ -128,7 +138,7 @@ class ElasticOptimizer(ShardedOptimizer):
         self.history.append([self.step_count, self.comm.world_size])
         self._scale_lr()
 
-    # -- checkpoints ------------------------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def _name(self, step: int) -> Path:
         return self.checkpoint_dir / f"{_PREFIX}{step:09d}"
@@ -198,7 +208,7 @@ class ElasticOptimizer(ShardedOptimizer):
             for old in done[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    # -- the optimizer ----------------------------------------------------------------------------------------------
+    # -- the optimizer -----------------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
         self.inner.reduce_gradients()
@@ -219,6 +229,14 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
+
+    # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        return optimizer_pieces(self.inner, segmap, share, rank, world)
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        return stage_optimizer(self.inner, body, reader, segmap, apply)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .. import kernels
+from ..checkpoint import Reader, Segments, Share, canonical, optimizer_pieces, stage_optimizer
 from ..compression import CompressedChannel, Compressor, parse_compressor
 from ..config import ShardingConfiguration
 from ..flat import BufferSpec, assign_buckets
@@ -205,7 +206,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         if self._communicator is not self:
             self._communicator.register_comm_hook(self.hook)
 
-    # -- the own path: a plain module and a torch optimizer --------------------------------------------------------
+    # -- the own path: a plain module and a torch optimizer ----------------------------------------------------------
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
         return {i: BufferSpec.of(bucket, "all_reduce") for i, bucket in enumerate(self._buckets)}
@@ -224,7 +225,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             self.hook.all_reduce(i, flat)
             kernels.unpack(flat, grads)
 
-    # -- stepping --------------------------------------------------------------------------------------------------
+    # -- stepping ----------------------------------------------------------------------------------------------------
 
     def step(self, closure=None):
         if self.compress == "momentum" and self.hook.compressing:
@@ -274,7 +275,92 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         """Bytes sent in the last step and in all, against the dense equivalent (see :class:`CompressionHook`)."""
         return self.hook.report()
 
-    # -- state -----------------------------------------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------------------------
+
+    # -- checkpoints (gpudist.checkpoint's optimizer protocol) -------------------------------------------------------
+
+    def _residual_spans(self, segmap: dict[int, Segments]):
+        """Each compressed buffer's channel, with its elements in canonical coordinates: (buffer position, length,
+        name, position in name)."""
+        for key, channel in self.hook.channels.items():
+            spans = []
+            for pos, length, param, at in self.hook.buffers[key].spans:
+                for ppos, n, name, c in canonical(segmap.get(id(param), []), at, at + length):
+                    spans.append((pos + ppos - at, n, name, c))
+            yield channel, spans
+
+    def _target(self):
+        """The optimizer holding the model state: the wrapped ZeRO optimizer, or the torch optimizer (DDP)."""
+        return self.inner if self.inner is not None else self.optimizer
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """The wrapped optimizer's pieces, then the error-feedback residuals. A worker residual is per rank
+        (``residual.worker.<rank>``, the whole buffer); server residuals are one canonical tensor split over the ranks
+        (``residual.server``)."""
+        pieces, scalars, desc = optimizer_pieces(self._target(), segmap, share, rank, world)
+        for channel, spans in self._residual_spans(segmap):
+            worker, server = channel.worker_residual(), channel.server_residual()
+            for pos, n, name, c in spans:
+                if worker is not None:
+                    pieces[f"residual.worker.{rank}|{name}|{c}"] = worker[pos : pos + n].detach().cpu().clone()
+                if server is not None:
+                    start, values = server
+                    a, b = max(pos, start), min(pos + n, start + values.numel())
+                    if a < b:
+                        piece = values[a - start : b - start]
+                        pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
+        meta = {
+            "compressor": repr(self.compressor),
+            "steps": self.hook.steps,
+            "world_size": world,
+            "error_feedback": self.hook.error_feedback,
+            "compress": self.compress,
+        }
+        return pieces, scalars, {**desc, "compression": meta}
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
+        worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
+        pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
+        meta = (body.get("optimizer") or {}).get("compression")
+        if meta is not None:
+            check_compress_mode(self, meta)
+        finish_inner = stage_optimizer(self._target(), body, reader, segmap, apply)
+        rank, world = self.comm.rank, self.comm.world_size
+        staged = []
+        for channel, spans in self._residual_spans(segmap):
+            worker = server = None
+            if meta is not None and channel.worker is not None:
+                saved_world = int(meta["world_size"])
+                kinds = (
+                    [f"residual.worker.{rank}"]
+                    if saved_world == world
+                    else [f"residual.worker.{r}" for r in range(saved_world)]
+                )
+                worker = torch.zeros(channel.numel, dtype=torch.float32, device="cpu")
+                for pos, n, name, c in spans:
+                    if all(reader.has(kind, name) for kind in kinds):
+                        total = sum(reader.read(kind, name, c, n, torch.float32) for kind in kinds)
+                        worker[pos : pos + n] = total / len(kinds)
+            held = channel.server_residual()
+            if meta is not None and held is not None:
+                start, values = held
+                server = torch.zeros(values.numel(), dtype=torch.float32, device="cpu")
+                for pos, n, name, c in spans:
+                    a, b = max(pos, start), min(pos + n, start + values.numel())
+                    if a < b and reader.has("residual.server", name):
+                        part = reader.read("residual.server", name, c + a - pos, b - a, torch.float32)
+                        server[a - start : b - start] = part
+            staged.append((channel, worker, server))
+
+        def finish() -> None:
+            finish_inner()
+            for channel, worker, server in staged:
+                channel.load_residuals(worker, server)
+            if meta is not None:
+                self.hook.steps = int(meta["steps"])
+
+        return finish
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus this rank's residuals (per buffer, in buffer order) and step count."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..checkpoint import Reader, Segments, Share, optimizer_pieces, stage_optimizer
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from .layout import ParallelLayout, make_groups
@@ -171,17 +172,13 @@ class HybridShardedOptimizer(ShardedOptimizer):
             self._norm_spans = self._owned_spans(model)
 
     def _owned_spans(self, model: HybridShardedModel) -> list[tuple[int, int]]:
-        inner = self.inner
-        layout, spans = inner._flat.layout, []
-        for start, length, at in inner._segment_spans():
-            for p, offset, numel in zip(inner._flat_params, layout.offsets, layout.numels, strict=True):
-                lo, hi = max(start, offset), min(start + length, offset + numel)
-                if lo < hi and model.counts_in_norm(p):
-                    lo, hi = at + lo - start, at + hi - start
-                    if spans and spans[-1][1] == lo:
-                        spans[-1] = (spans[-1][0], hi)
-                    else:
-                        spans.append((lo, hi))
+        spans: list[tuple[int, int]] = []
+        for p, _, at, length in self.inner.owned_ranges():
+            if model.counts_in_norm(p):
+                if spans and spans[-1][1] == at:
+                    spans[-1] = (spans[-1][0], at + length)
+                else:
+                    spans.append((at, at + length))
         return spans
 
     def _global_norm(self) -> float:
@@ -189,7 +186,7 @@ class HybridShardedOptimizer(ShardedOptimizer):
         if self.zero_stage == 0:
             grads = [p.grad.reshape(-1) for p in self._norm_params if p.grad is not None]
         else:
-            grads = [self.inner._grad[lo:hi] for lo, hi in self._norm_spans]
+            grads = [self.inner.owned_gradient[lo:hi] for lo, hi in self._norm_spans]
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for g in grads:
             total += kernels.squared_norm(g.contiguous()).double()
@@ -202,6 +199,14 @@ class HybridShardedOptimizer(ShardedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
+
+    # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        return optimizer_pieces(self.inner, segmap, share, rank, world)
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        return stage_optimizer(self.inner, body, reader, segmap, apply)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from ..checkpoint import load_checkpoint, module_segments, module_table, save_checkpoint
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
@@ -69,6 +71,8 @@ class ShardedModel(nn.Module):
         self._bytes_mark = 0
         self.initialize_sharding()
         self._bytes_mark = self._bytes_total()
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        """The optimizers paired with this model (:meth:`ShardedOptimizer.model`), for :meth:`memory_per_rank`."""
         config._models.add(self)
 
     # -- the strategy's part ------------------------------------------------------------------------------------
@@ -275,9 +279,6 @@ class ShardedModel(nn.Module):
             for k, v in self.module.state_dict().items():
                 v.copy_(state[k])
 
-    _checkpoint_io: tuple[Callable, Callable] | None = None
-    """(save_checkpoint, load_checkpoint), installed by gpudist.checkpoint (which builds on this module)."""
-
     def save_model(self, path: str | os.PathLike) -> None:
         """Save the model (collective: every rank calls it and returns once it is complete).
 
@@ -290,14 +291,14 @@ class ShardedModel(nn.Module):
                 atomic_write_bytes(path, data)
             self.comm.barrier()
         else:
-            self._checkpoint_io[0](path, self)
+            save_checkpoint(path, self)
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load what :meth:`save_model` wrote (a file or a checkpoint folder, from any strategy and world size);
         checksums are verified and nothing changes if anything fails (collective for folders)."""
         path = Path(path)
         if path.is_dir():
-            self._checkpoint_io[1](path, self)
+            load_checkpoint(path, self)
             return
         if not path.is_file():
             raise FileNotFoundError(f"no model file or checkpoint folder at {path}")
@@ -313,7 +314,7 @@ class ShardedModel(nn.Module):
         return {
             "parameters": sum(p.numel() * p.element_size() for p in params),
             "gradients": sum(g.numel() * g.element_size() for g in grads.values()),
-            "optimizer_state": sum(opt.state_bytes(ids) for opt in list(self.config._optimizers)),
+            "optimizer_state": sum(opt.state_bytes(ids) for opt in list(self._optimizers)),
             "buffers": sum(b.numel() * b.element_size() for b in self.module.buffers()),
         }
 
@@ -330,22 +331,6 @@ class ShardedModel(nn.Module):
         }
 
 
-def module_table(module: nn.Module) -> list[dict]:
-    """:meth:`ShardedModel.parameter_table` of an unwrapped module."""
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    return [
-        {
-            "name": name,
-            "aliases": aliases[id(p)][1:],
-            "shape": list(p.shape),
-            "dtype": str(p.dtype).removeprefix("torch."),
-        }
-        for name, p in module.named_parameters()
-    ]
-
-
 def replica_share(layout, rank: int, split: bool, across_replicas: bool) -> tuple[int, int]:
     """:meth:`ShardedModel.checkpoint_share` of one parameter under a pipeline x data x tensor ``layout`` (on the
     stage that writes it): a parameter tensor parallelism split has one copy of each element per data-parallel
@@ -355,11 +340,6 @@ def replica_share(layout, rank: int, split: bool, across_replicas: bool) -> tupl
     tp, t = (1, 0) if split else (layout.tensor_parallel_size, tensor_rank)
     dp, d = (layout.data_parallel_size, data_rank) if across_replicas else (1, 0)
     return dp * tp, d * tp + t
-
-
-def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
-    """:meth:`ShardedModel.checkpoint_segments` of an unwrapped module: each parameter whole, under its first name."""
-    return [(p, [(0, p.numel(), name, 0)]) for name, p in module.named_parameters()]
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:

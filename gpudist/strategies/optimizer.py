@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..checkpoint import Reader, Segments, Share, load_keeping_identity, stage_torch_optimizer, torch_optimizer_pieces
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors
 from .model import ShardedModel
 
-__all__ = ["OptimizationResult", "ShardedOptimizer", "load_keeping_identity"]
+__all__ = ["OptimizationResult", "ShardedOptimizer"]
 
 STATE_FORMAT = "gpudist.optimizer.v1"
 
@@ -44,19 +45,6 @@ class OptimizationResult:
     seconds: float = 0.0
 
 
-def load_keeping_identity(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state_dict)``, keeping its ``param_groups`` dicts and ``state`` mapping the same
-    objects: torch's loader replaces them, which silently disconnects every wrapper sharing them and every LR
-    scheduler built before the load (the scheduler would go on setting lr in dicts the optimizer no longer reads)."""
-    groups, state = optimizer.param_groups, optimizer.state
-    optimizer.load_state_dict(state_dict)
-    for old, new in zip(groups, optimizer.param_groups, strict=True):
-        old.update({k: v for k, v in new.items() if k != "params"})
-    state.clear()
-    state.update(optimizer.state)
-    optimizer.param_groups, optimizer.state = groups, state
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of all optimizer strategies: wraps a ``torch.optim.Optimizer`` and shares its param_groups and state.
 
@@ -65,13 +53,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     built from the same ``config``, it leaves gradient reduction to the model and never repeats it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration):
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration | ShardedModel):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a torch.optim.Optimizer instance, got {type(optimizer).__name__}"
             )
+        model = None
+        if isinstance(config, ShardedModel):  # explicit pairing: the model hands over its configuration
+            model, config = config, config.config
         if not isinstance(config, ShardingConfiguration):
-            raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
+            raise TypeError(
+                f"config must be a gpudist.ShardingConfiguration or the ShardedModel this optimizer pairs with, got "
+                f"{type(config).__name__}"
+            )
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], optimizer.defaults)
         # Share, do not copy: schedulers editing our param_groups edit the wrapped optimizer's.
         self.optimizer = optimizer
@@ -79,10 +73,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.config = config
         self._model: ShardedModel | None = None
+        self._named_model = model
         self.gradient_norm_fn: Callable[[], float] | None = None
         """The global gradient norm for clipping (collective), when this optimizer steps one part of a larger
         model (HybridShardedOptimizer sets it on its data-parallel optimizer); None: the norm of its own gradients."""
-        config._optimizers.add(self)
+        if model is not None:
+            self._check_pairing(model)
+        self.model()  # pair now when the model exists (memory reports count this optimizer's state from then on)
 
     def state_bytes(self, params: set[int] | None = None) -> int:
         """Bytes of optimizer state tensors this rank holds (for the parameters with ids in ``params``, or all)."""
@@ -102,19 +99,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def model(self) -> ShardedModel | None:
-        """The wrapper built with the same config that reduces all of this optimizer's gradients, if any."""
+        """The model wrapper that reduces all of this optimizer's gradients, if any: the one named at construction,
+        else the one built from the same config that manages every parameter (:meth:`ShardingConfiguration.model_for`).
+        None: a plain module, whose gradients this optimizer reduces itself."""
         if self._model is None:
+            named = self._named_model
             params = [p for p in self._params() if p.requires_grad]
-            self._model = next((m for m in list(self.config._models) if all(m.manages(p) for p in params)), None)
+            self._model = named if named is not None else self.config.model_for(params)
+            if self._model is not None:
+                self._model._optimizers.add(self)
         return self._model
 
-    # -- the strategy's part ----------------------------------------------------------------------------------------
+    def _check_pairing(self, model: ShardedModel) -> None:
+        """A model named explicitly must reduce every trainable parameter of this optimizer."""
+        foreign = [i for i, p in enumerate(self._params()) if p.requires_grad and not model.manages(p)]
+        if foreign:
+            raise ValueError(
+                f"{type(self).__name__}: {len(foreign)} parameter(s) of the optimizer (first at index {foreign[0]}) "
+                f"are not {type(model).__name__}'s; build the optimizer from model.parameters()"
+            )
+
+    # -- the strategy's part -----------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
         """Make the gradients this rank steps on the global average (no-op when a model wrapper did it)."""
         raise NotImplementedError
 
-    # -- stepping ---------------------------------------------------------------------------------------------------
+    # -- stepping ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def clip_gradients(self) -> float | None:
@@ -160,7 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:  # called by torch.optim.Optimizer.__init__ while we are being built
             super().add_param_group(param_group)
 
-    # -- synchronization ------------------------------------------------------------------------------------------
+    # -- synchronization ---------------------------------------------------------------------------------------------
 
     def synchronize_parameters(self, src: int = 0) -> None:
         """Make every rank's parameters equal to ``src``'s (repairs drift; collective)."""
@@ -182,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.comm.all_reduce(vote, ReductionOperation.MIN if require == "all" else ReductionOperation.MAX)
         return bool(vote.item())
 
-    # -- the seeds' training loop -----------------------------------------------------------------------------------
+    # -- the seeds' training loop ------------------------------------------------------------------------------------
 
     def optimize(
         self,
@@ -239,7 +250,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         result.seconds = time.perf_counter() - start
         return result
 
-    # -- bytes ------------------------------------------------------------------------------------------------------
+    # -- checkpoints (gpudist.checkpoint's optimizer protocol) -------------------------------------------------------
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """This rank's optimizer state as checkpoint pieces (:class:`gpudist.checkpoint.CheckpointableOptimizer`).
+        Here: the wrapped optimizer's per-parameter state, written once across the ranks holding copies of it.
+        Strategies whose state is sharded or held elsewhere override it."""
+        return torch_optimizer_pieces(self.optimizer, segmap, share)
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """Read the state this rank needs from a checkpoint; return what installs it
+        (:class:`gpudist.checkpoint.CheckpointableOptimizer`)."""
+        return stage_torch_optimizer(self.optimizer, body, reader, segmap, apply)
+
+    # -- bytes -------------------------------------------------------------------------------------------------------
 
     def serialize(self) -> bytes:
         """The optimizer state as safetensors bytes: tensors by parameter index, the rest as JSON in the header."""

@@ -18,11 +18,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import kernels
+from ..checkpoint import (
+    CheckpointError,
+    Reader,
+    Segments,
+    Share,
+    canonical,
+    group_hyperparameters,
+    load_keeping_identity,
+    put_piece,
+    saved_optimizer,
+    scalar_of,
+    written,
+)
 from ..comm import ReductionOperation, Work, shard_range
 from ..comm.base import _stable_hash
 from ..config import ShardingConfiguration
@@ -293,11 +307,26 @@ class _FlatShardOptimizer(ShardedOptimizer):
             for start, length, at in self._segment_spans():
                 self._master[at : at + length].copy_(self._flat.data[start : start + length])
 
-    # -- partition --------------------------------------------------------------------------------------------------
+    # -- partition ---------------------------------------------------------------------------------------------------
 
     def owned_segments(self) -> list[tuple[int, int]]:
         """(flat offset, length) ranges of the flat parameter buffer this rank updates, ascending."""
         raise NotImplementedError
+
+    def owned_ranges(self):
+        """Where the owned buffer lies in the parameters: ``(parameter, start in its flattened values, offset in the
+        owned buffer, length)`` for every piece of a parameter this rank owns, in owned-buffer order."""
+        layout = self._flat.layout
+        for start, length, at in self._segment_spans():
+            for p, offset, numel in zip(self._flat_params, layout.offsets, layout.numels, strict=True):
+                lo, hi = max(start, offset), min(start + length, offset + numel)
+                if lo < hi:
+                    yield p, lo - offset, at + lo - start, hi - lo
+
+    @property
+    def owned_gradient(self) -> torch.Tensor:
+        """The owned gradients this rank steps, in owned-buffer order (valid from ``reduce_gradients`` to ``step``)."""
+        return self._grad
 
     def _segment_spans(self):
         at = 0
@@ -320,7 +349,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
     def _hyper(self, group: int) -> dict:
         return {k: v for k, v in self.param_groups[group].items() if k != "params"}
 
-    # -- gradients --------------------------------------------------------------------------------------------------
+    # -- gradients ---------------------------------------------------------------------------------------------------
 
     def _grad_views_for(self, start: int, length: int) -> list[torch.Tensor]:
         """Slices of the parameters' gradients covering flat[start : start + length] (no copy)."""
@@ -386,7 +415,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         out)`` (``out`` = this rank's piece of the average over ranks) instead of the plain reduce-scatter."""
         self._comm_hook = hook
 
-    # -- stepping ---------------------------------------------------------------------------------------------------
+    # -- stepping ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -525,7 +554,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
     def _gather_parameters(self) -> None:
         raise NotImplementedError
 
-    # -- state ------------------------------------------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------------------------
 
     def state_bytes(self, params: set[int] | None = None) -> int:
         tensors = list(self._state.values())
@@ -535,6 +564,110 @@ class _FlatShardOptimizer(ShardedOptimizer):
         if not self._master_is_view:
             tensors.append(self._master)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- checkpoints (gpudist.checkpoint's optimizer protocol) -------------------------------------------------------
+
+    def owned_canonical(self, segmap: dict[int, Segments]):
+        """The owned buffer in canonical coordinates: ``(owned position, length, parameter name, position in it)``.
+
+        The owned ranges are disjoint over this optimizer's ranks (the data-parallel replicas); copies elsewhere, as
+        tensor ranks' replicated LayerNorms, are narrowed by the model's ``checkpoint_share(name, False)``."""
+        for p, start, at, length in self.owned_ranges():
+            for pos, n, name, c in canonical(segmap[id(p)], start, start + length):
+                yield at + pos - start, n, name, c
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """The owned state (and fp32 master of low-precision parameters) as canonical pieces; each rank writes the
+        part of its owned ranges that ``share`` gives it."""
+        pieces: dict[str, torch.Tensor] = {}
+        scalars: dict[str, dict[str, float]] = {}
+        owned = written(self.owned_canonical(segmap), share, False)
+        tensors = dict(self._state)
+        if not self._master_is_view:
+            tensors["master"] = self._master
+        for pos, n, name, c in owned:
+            for key, t in tensors.items():
+                put_piece(pieces, key, name, c, t[pos : pos + n])
+        if self._inner is not None:  # generic path: per-view state of the wrapped optimizer's class
+            for view, piece in zip(self._views, self._pieces, strict=True):
+                state = self._inner.state.get(view, {})
+                for pos, n, name, c in owned:
+                    a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
+                    if a >= b:
+                        continue
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and value.shape == view.shape and key != "step":
+                            lo, hi = a - piece.owned_offset, b - piece.owned_offset
+                            put_piece(pieces, key, name, c + a - pos, value.reshape(-1)[lo:hi])
+                        elif (s := scalar_of(value)) is not None:
+                            scalars.setdefault(name, {})[key] = s
+        else:
+            for g, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    for _, _, name, _ in segmap.get(id(p), []):
+                        scalars.setdefault(name, {})["step"] = self._steps[g]
+        kind = type(self.optimizer).__name__
+        return pieces, scalars, {"class": kind, "groups": group_hyperparameters(self.param_groups)}
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """Read the state of the owned ranges (from whichever ranks' files hold it: any world size, any strategy)."""
+        saved, scalars, keys = saved_optimizer(body, reader, self.param_groups, type(self.optimizer).__name__)
+        owned = list(self.owned_canonical(segmap))
+        targets = dict(self._state)
+        if set(keys) != set(targets) and self._inner is None:
+            raise CheckpointError(
+                f"{reader.path}: the checkpoint's optimizer state has {keys or 'no tensors'}, "
+                f"this {type(self.optimizer).__name__} needs {sorted(targets)}"
+            )
+        for pos, n, name, c in owned:
+            for key, t in targets.items():
+                apply.append((t[pos : pos + n], reader.read(f"state.{key}", name, c, n, t.dtype)))
+            if not self._master_is_view and reader.has("state.master", name):  # fp32 beats a bf16 copy of it
+                master = reader.read("state.master", name, c, n, torch.float32)
+                apply.append((self._master[pos : pos + n], master))
+        inner_state = None
+        if self._inner is not None:
+            inner_state = {}
+            for i, (view, piece) in enumerate(zip(self._views, self._pieces, strict=True)):
+                entry: dict[str, Any] = {}
+                for key in keys:
+                    values = torch.zeros(piece.length, dtype=torch.float32, device="cpu")
+                    for pos, n, name, c in owned:
+                        a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
+                        if a < b:
+                            values[a - piece.owned_offset : b - piece.owned_offset] = reader.read(
+                                f"state.{key}", name, c + a - pos, b - a, torch.float32
+                            )
+                    entry[key] = values.view_as(view)
+                name = next(
+                    (
+                        nm
+                        for pos, n, nm, c in owned
+                        if pos < piece.owned_offset + piece.length and pos + n > piece.owned_offset
+                    ),
+                    None,
+                )
+                for key, value in scalars.get(name, {}).items():
+                    entry[key] = torch.tensor(float(value), device="cpu")
+                inner_state[i] = entry
+
+        def step_of(group) -> int:
+            name = next((segs[0][2] for p in group["params"] if (segs := segmap.get(id(p)))), None)
+            return int(scalars.get(name, {}).get("step", 0)) if name is not None else 0
+
+        steps = [step_of(g) for g in self.param_groups]
+
+        def finish() -> None:
+            for group, hyper in zip(self.param_groups, saved["groups"], strict=True):
+                group.update(hyper)
+            self._steps = steps
+            if not any(reader.has("state.master", name) for _, _, name, _ in owned):
+                self._refresh_master()  # no fp32 copy saved: start from the loaded parameters
+            if inner_state is not None:
+                sd = self._inner.state_dict()
+                load_keeping_identity(self._inner, {"state": inner_state, "param_groups": sd["param_groups"]})
+
+        return finish
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release)."""

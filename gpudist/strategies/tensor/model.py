@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -249,6 +250,7 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         shared = {id(x): x for x in (self.config, self.comm, self.tensor_group, self.data_group) if x is not None}
         twin = copy.deepcopy(self, shared)
         twin._install_hooks()  # deepcopy does not copy gradient hooks
+        twin._optimizers = weakref.WeakSet()
         self.config._models.add(twin)
         return twin
 
