@@ -11,6 +11,7 @@ from .layout import FlatLayout
 from .norm import squared_norm
 from .optim import adam_step, sgd_step
 from .quantize import (
+    check_block_size,
     dequantize_1bit,
     dequantize_1bit_accumulate,
     dequantize_int8,
@@ -24,6 +25,7 @@ __all__ = [
     "FlatLayout",
     "TopKResult",
     "adam_step",
+    "check_block_size",
     "dequantize_1bit",
     "dequantize_1bit_accumulate",
     "dequantize_int8",

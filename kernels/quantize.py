@@ -29,6 +29,7 @@ from ._triton import cast_rne, tl, triton
 from .dispatch import use_triton
 
 __all__ = [
+    "check_block_size",
     "dequantize_1bit",
     "dequantize_1bit_accumulate",
     "dequantize_1bit_accumulate_reference",
@@ -85,7 +86,7 @@ def check_vector(
     return tensor
 
 
-def _check_block_size(block_size: object) -> int:
+def check_block_size(block_size: object) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
     if not (32 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
@@ -101,7 +102,7 @@ def _check_grad_residual(grad: object, residual: object, block_size: object) -> 
     check_vector("grad", grad, FLOAT_DTYPES)
     if residual is not None:
         check_vector("residual", residual, FLOAT_DTYPES, numel=grad.numel(), device=grad.device)
-    _check_block_size(block_size)
+    check_block_size(block_size)
 
 
 def _check_out(out: object, n: int, device: torch.device, dtype: torch.dtype | None) -> None:
@@ -119,7 +120,7 @@ def _new_out(out: torch.Tensor | None, n: int, device: torch.device, dtype: torc
 
 def _check_int8_payload(q: object, scales: object, block_size: object) -> None:
     check_vector("q", q, (torch.int8,))
-    _check_block_size(block_size)
+    check_block_size(block_size)
     check_vector("scales", scales, (torch.float32,), numel=_num_blocks(q.numel(), block_size), device=q.device)
 
 
@@ -127,7 +128,7 @@ def _check_1bit_payload(bits: object, scales: object, n: object, block_size: obj
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n={n!r} must be a non-negative int: the number of elements that were quantized")
     check_vector("bits", bits, (torch.uint8,), numel=(n + 7) // 8)
-    _check_block_size(block_size)
+    check_block_size(block_size)
     check_vector("scales", scales, (torch.float32,), numel=_num_blocks(n, block_size), device=bits.device)
 
 

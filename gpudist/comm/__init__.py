@@ -12,6 +12,7 @@ from .base import (
     Work,
     shard_range,
     split_sizes,
+    stable_hash,
 )
 from .gloo import GlooCommunicationBackend
 from .inmemory import InMemoryCommunicationBackend
@@ -32,6 +33,7 @@ __all__ = [
     "Work",
     "shard_range",
     "split_sizes",
+    "stable_hash",
 ]
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "Work",
     "shard_range",
     "split_sizes",
+    "stable_hash",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -547,7 +548,7 @@ class CommunicationBackend(ABC):
             raise ValueError(f"new_group: ranks {ranks} contain duplicates")
         for r in ranks:
             self._check_peer("new_group", r, "ranks", allow_self=True)
-        sig = Signature("new_group", extra=_stable_hash(ranks))
+        sig = Signature("new_group", extra=stable_hash(ranks))
         self._raise_if_broken("new_group")
         with self._failures("new_group"):
             return self._new_group(sig, ranks)
@@ -684,7 +685,7 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _stable_hash(values: Sequence[int]) -> int:
+def stable_hash(values: Sequence[int]) -> int:
     h = 1469598103934665603
     for v in values:
         h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)

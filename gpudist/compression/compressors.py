@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .. import kernels
-from ..kernels.quantize import _check_block_size
+from ..kernels import check_block_size
 
 __all__ = [
     "Compressor",
@@ -125,7 +125,7 @@ class QuantizingCompressor(Compressor):
 
 def _block_size(cls: str, block_size: object) -> int:
     try:
-        return _check_block_size(block_size)  # the kernels' own rule, checked before any kernel runs
+        return check_block_size(block_size)  # the kernels' own rule, checked before any kernel runs
     except (TypeError, ValueError) as e:
         raise type(e)(f"{cls}: {e}") from None
 

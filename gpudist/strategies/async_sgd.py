@@ -39,8 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..comm import CommunicationError, CommunicationTimeoutError, shard_range
-from ..comm.base import _stable_hash
+from ..comm import CommunicationError, CommunicationTimeoutError, shard_range, stable_hash
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors, exchange_bytes
 from .model import same_on_every_rank
@@ -281,7 +280,7 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         self._group_ends = ends
         comm = self.comm
         layout = [len(g["params"]) for g in self.param_groups] + [s for p in params for s in (*p.shape, -1)]
-        if not same_on_every_rank(comm, _stable_hash(layout)):
+        if not same_on_every_rank(comm, stable_hash(layout)):
             raise ValueError(
                 f"AsyncSGDOptimizer: rank {comm.rank}'s parameter groups or shapes differ from another "
                 "rank's; every rank must build the same model and optimizer"

@@ -37,8 +37,7 @@ from ..checkpoint import (
     scalar_of,
     written,
 )
-from ..comm import ReductionOperation, Work, shard_range
-from ..comm.base import _stable_hash
+from ..comm import ReductionOperation, Work, shard_range, stable_hash
 from ..config import ShardingConfiguration
 from ..flat import BufferSpec, FlatLayout, GradientBucket, flatten_parameters, partition_buckets
 from .ddp import DDPModel, DDPOptimizer
@@ -236,7 +235,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())"
             )
         layout = [len(g["params"]) for g in self.param_groups] + [s for p in params for s in (*p.shape, -1)]
-        if self._replicated() and not same_on_every_rank(self.comm, _stable_hash(layout)):  # before any change
+        if self._replicated() and not same_on_every_rank(self.comm, stable_hash(layout)):  # before any change
             raise ValueError(
                 f"{type(self).__name__}: rank {self.comm.rank}'s parameter groups or shapes differ from another "
                 "rank's; every rank must build the same model and optimizer"
