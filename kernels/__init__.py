@@ -1,4 +1,6 @@
-"""gpudist.kernels: Triton kernels with torch references of the same signature (DESIGN.md, "Kernels").
+"""gpudist.kernels: Triton kernels with torch references of the same signature.
+
+The contract: docs/architecture.md, "The kernel contract".
 
 Every op dispatches on the tensor it writes: Triton for CUDA tensors, the torch reference
 otherwise; ``GPUDIST_KERNELS=triton|torch`` forces either (see :mod:`gpudist.kernels.dispatch`).

@@ -1,6 +1,7 @@
 """gpudist.compression: gradient compressors and the collectives that are correct for their data.
 
-Layering (DESIGN.md): built on ``gpudist.kernels`` and ``gpudist.comm``; knows nothing of models or optimizers.
+Layering (docs/architecture.md): built on ``gpudist.kernels`` and ``gpudist.comm``; knows nothing of models or
+optimizers.
 :class:`gpudist.GradientCompressionOptimizer` plugs these channels into DDP, ZeRO-1 and ZeRO-2.
 """
 
