@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from ...flat import exchange_bytes, reduce_gradients_in
 from ..layout import ParallelLayout, make_groups
 from ..model import ShardedModel, module_table, replica_share
 from ..tensor import held_segments
+from .executor import StepExecutor
 from .p2p import DTYPES, META_LEN, StageLink
 from .schedule import SCHEDULES, partition_blocks, stage_schedule
 
@@ -255,131 +255,24 @@ class PipelineParallelModel(ShardedModel):
         ``optimizer.step()`` and ``zero_grad()`` if given. Returns the global batch's mean loss (over micro-batches
         and replicas) on every rank.
 
-        Messages: receives are posted ahead, each op's and the next forward's and backward's before the op
-        computes, so they land while it runs (on Gloo a receive posted late costs a round trip: the payload waits
-        for it). Every micro-batch's activation has the shape announced by the step's shape message; the first
-        activation's receive is posted with the previous step's shape before that message arrives, and a sender
-        whose shape changed sends a dummy of the old shape first, so both ends always agree. The loss (averaged
-        over replicas on the last stage) travels back one stage at a time behind the last gradient."""
+        Messages and their order: :mod:`.executor`."""
         self.train()
-        m = self.micro_batches
         first, last = self.is_first_stage, self.is_last_stage
-        xs = self._micro(inputs, "inputs") if first else None
-        ts = self._micro(targets, "targets") if last else None
-        order = stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, m)
-        # Where p2p runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
-        # together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go
-        # out at once when the next op posts no receive.
-        ordered = self.pipeline_group.ordered_p2p
-        outbox: list | None = [] if ordered else None
-        # ahead_f[k] / ahead_b[k]: the largest micro-batch whose activation / gradient must be posted before op k
-        # runs: the next forward / backward after it (unless ordered), else op k's own.
-        ahead_f, ahead_b, next_f, next_b = [-1] * len(order), [-1] * len(order), -1, -1
-        for k in range(len(order) - 1, -1, -1):
-            kind, i = order[k]
-            ahead_f[k] = next_f if next_f >= 0 and not ordered else i if kind == "F" else -1
-            ahead_b[k] = next_b if next_b >= 0 and not ordered else i if kind == "B" else -1
-            next_f, next_b = (i, next_b) if kind == "F" else (next_f, i)
-        receives = [(kind == "F" and not first) or (kind == "B" and not last) for kind, _ in order] + [False]
-        pending: list = []
-        acts: dict[int, tuple[torch.Tensor, Any]] = {}  # posted receives: activations from stage s - 1
-        grads: dict[int, tuple[torch.Tensor, Any]] = {}  # and gradients from stage s + 1
-        posted_f = posted_b = 0
-        shape = out = loss_recv = None  # the activations' (shape, dtype) received, and sent
-        in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        losses = torch.zeros(m, dtype=torch.float64, device="cpu")  # host: read per micro-batch
-        max_in_flight = 0
-        busy = 0.0
-        started = time.perf_counter()
-        with self.pipeline_group.unchecked():  # every message's shape is agreed by the step's shape message
-            if not first:
-                meta = self.link.post_recv(torch.Size([META_LEN]), torch.int64, -1, pending, outbox)
-                if self.link.received_shape is not None and not ordered:  # speculatively, with the last step's shape
-                    acts[0], posted_f = self.link.post_recv(*self.link.received_shape, -1), 1
-            for k, (kind, i) in enumerate(order):
-                if not first:
-                    if shape is None:  # the first op, F0: learn the step's shape
-                        meta[1].wait()
-                        shape = self.link.decode_meta(meta[0])
-                        if posted_f and shape != self.link.received_shape:  # the speculative receive gets a dummy
-                            acts.pop(0)[1].wait()
-                            posted_f = 0
-                        self.link.received_shape = shape
-                    while posted_f <= ahead_f[k]:
-                        acts[posted_f], posted_f = self.link.post_recv(*shape, -1, pending, outbox), posted_f + 1
-                if out is not None:
-                    while posted_b <= ahead_b[k]:
-                        grads[posted_b], posted_b = self.link.post_recv(*out, +1, pending, outbox), posted_b + 1
-                    if posted_b == m and loss_recv is None and not ordered:
-                        loss_recv = self.link.post_recv(torch.Size([1]), torch.float64, +1)
-                if kind == "F":
-                    if first:
-                        x = xs[i]
-                    else:
-                        x, work = acts.pop(i)
-                        work.wait()
-                        x.requires_grad_(x.is_floating_point())
-                    t0 = time.perf_counter()
-                    y = self._stage_output(self.module(x))
-                    if last:
-                        y = loss_fn(y, ts[i])
-                        if not isinstance(y, torch.Tensor) or y.numel() != 1:
-                            raise ValueError(
-                                f"loss_fn must return a scalar tensor, got {type(y).__name__} "
-                                f"{tuple(getattr(y, 'shape', ()))}"
-                            )
-                        losses[i] = float(y.detach())
-                    busy += time.perf_counter() - t0
-                    if not last:
-                        if i == 0:
-                            self.link.check_sendable(y)
-                            out = (y.shape, y.dtype)
-                            self.link.send(self.link.encode_meta(y), +1, pending, outbox)
-                            if self.link.sent_shape not in (None, out) and not ordered:  # the receiver's guess
-                                self.link.send(
-                                    torch.zeros(
-                                        self.link.sent_shape[0], dtype=self.link.sent_shape[1], device=self.comm.device
-                                    ),
-                                    +1,
-                                    pending,
-                                )
-                            self.link.sent_shape = out
-                        self.link.send(y.detach(), +1, pending, outbox)
-                    in_flight[i] = (x, y)
-                    max_in_flight = max(max_in_flight, len(in_flight))
-                else:
-                    x, y = in_flight.pop(i)
-                    if not last:
-                        grad, work = grads.pop(i)
-                        work.wait()
-                    t0 = time.perf_counter()
-                    if last:
-                        (y / m).backward()
-                    else:
-                        torch.autograd.backward(y, grad)
-                    busy += time.perf_counter() - t0
-                    if not first:
-                        self.link.send(x.grad if x.grad is not None else torch.zeros_like(x), -1, pending, outbox)
-                if not receives[k + 1]:
-                    self.link.flush(pending, outbox)
-            if last:
-                loss = losses.mean().reshape(1).to(self.comm.device)
-                if self.data_parallel_size > 1:  # the replicas' batches are equal slices: their mean is the global's
-                    self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
-            else:
-                loss, work = loss_recv or self.link.post_recv(torch.Size([1]), torch.float64, +1, pending, outbox)
-                work.wait()
-            if not first:
-                self.link.send(loss, -1, pending, outbox)
-                self.link.flush(pending, outbox)
-            for work, _ in pending:
-                work.wait()
-        self.last_schedule = {
-            "order": order,
-            "max_in_flight": max_in_flight,
-            "busy_s": busy,
-            "step_s": time.perf_counter() - started,
-        }
+        executor = StepExecutor(
+            self.module,
+            self.link,
+            stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, self.micro_batches),
+            self.micro_batches,
+            first=first,
+            last=last,
+            inputs=self._micro(inputs, "inputs") if first else None,
+            targets=self._micro(targets, "targets") if last else None,
+            loss_fn=loss_fn,
+            data_group=self.data_group if self.data_parallel_size > 1 else None,
+            stage_output=self._stage_output,
+        )
+        loss = executor.run()
+        self.last_schedule = executor.report()
         self.synchronize_gradients()
         self._mark_step_bytes()
         if optimizer is not None:

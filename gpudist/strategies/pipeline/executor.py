@@ -1,0 +1,211 @@
+"""The executor: one stage's part of one pipelined training step, op by op in its schedule's order.
+
+Messages: receives are posted ahead, each op's and the next forward's and backward's before the op computes, so they
+land while it runs (on Gloo a receive posted late costs a round trip: the payload waits for it). Every micro-batch's
+activation has the shape announced by the step's shape message; the first activation's receive is posted with the
+previous step's shape before that message arrives, and a sender whose shape changed sends a dummy of the old shape
+first, so both ends always agree. The loss (averaged over replicas on the last stage) travels back one stage at a
+time behind the last gradient.
+
+Where point-to-point runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
+together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go out at once
+when the next op posts no receive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm import ReductionOperation
+from .p2p import META_LEN, StageLink
+
+__all__ = ["StepExecutor", "receive_plan"]
+
+
+def receive_plan(order: list[tuple[str, int]], first: bool, last: bool, ordered: bool):
+    """For each op ``k`` of a stage's ``order``: the largest micro-batch whose activation (``ahead_f[k]``) and
+    gradient (``ahead_b[k]``) must be posted before op ``k`` runs, which is the next forward / backward after it
+    (unless p2p is ``ordered``), else op ``k``'s own, -1 for none; and whether op ``k`` receives at all
+    (``receives[k]``, with a final False)."""
+    ahead_f, ahead_b, next_f, next_b = [-1] * len(order), [-1] * len(order), -1, -1
+    for k in range(len(order) - 1, -1, -1):
+        kind, i = order[k]
+        ahead_f[k] = next_f if next_f >= 0 and not ordered else i if kind == "F" else -1
+        ahead_b[k] = next_b if next_b >= 0 and not ordered else i if kind == "B" else -1
+        next_f, next_b = (i, next_b) if kind == "F" else (next_f, i)
+    receives = [(kind == "F" and not first) or (kind == "B" and not last) for kind, _ in order] + [False]
+    return ahead_f, ahead_b, receives
+
+
+class StepExecutor:
+    """Runs one step of stage ``link.stage``: ``order`` (from :func:`stage_schedule`) over ``micro_batches``
+    micro-batches of ``module``; the first stage reads ``inputs``, the last computes ``loss_fn`` against ``targets``
+    (lists of micro-batches, None elsewhere). :meth:`run` returns the step's loss, averaged over micro-batches and,
+    through ``data_group``, over replicas, on every stage."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        link: StageLink,
+        order: list[tuple[str, int]],
+        micro_batches: int,
+        *,
+        first: bool,
+        last: bool,
+        inputs: list[torch.Tensor] | None,
+        targets: list[Any] | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        data_group=None,
+        stage_output: Callable[[Any], torch.Tensor] = lambda y: y,
+    ):
+        self.module, self.link, self.order = module, link, order
+        self.first, self.last = first, last
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.data_group, self.stage_output = data_group, stage_output
+        self.micro_batches = micro_batches
+        self.ordered = link.group.ordered_p2p
+        self.outbox: list | None = [] if self.ordered else None
+        self.pending: list = []  # (Work, tensors it holds) of every op posted this step
+        self.acts: dict[int, tuple[torch.Tensor, Any]] = {}  # posted receives: activations from stage s - 1
+        self.grads: dict[int, tuple[torch.Tensor, Any]] = {}  # and gradients from stage s + 1
+        self.posted_f = self.posted_b = 0
+        self.shape = None  # (shape, dtype) of the activations received this step
+        self.out = None  # and of those sent
+        self.loss_recv = None
+        self.in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device="cpu")  # host: read per micro-batch
+        self.max_in_flight = 0
+        self.busy = 0.0
+
+    def run(self) -> torch.Tensor:
+        """The step; returns the loss as a 1-element float64 tensor. ``report()`` describes it afterwards."""
+        link, started = self.link, time.perf_counter()
+        ahead_f, ahead_b, receives = receive_plan(self.order, self.first, self.last, self.ordered)
+        with link.group.unchecked():  # every message's shape is agreed by the step's shape message
+            meta = None
+            if not self.first:
+                meta = link.post_recv(torch.Size([META_LEN]), torch.int64, -1, self.pending, self.outbox)
+                if link.received_shape is not None and not self.ordered:  # speculatively, with the last step's shape
+                    self.acts[0], self.posted_f = link.post_recv(*link.received_shape, -1), 1
+            for k, (kind, i) in enumerate(self.order):
+                if not self.first:
+                    if self.shape is None:  # the first op, F0: learn the step's shape
+                        self._learn_shape(meta)
+                    self._post_activations(ahead_f[k])
+                if self.out is not None:
+                    self._post_gradients(ahead_b[k])
+                if kind == "F":
+                    self._forward(i)
+                else:
+                    self._backward(i)
+                if not receives[k + 1]:
+                    link.flush(self.pending, self.outbox)
+            loss = self._loss()
+            for work, _ in self.pending:
+                work.wait()
+        self.step_seconds = time.perf_counter() - started
+        return loss
+
+    def report(self) -> dict[str, Any]:
+        """What the last :meth:`run` did: its op order, the most micro-batches in flight, seconds computing, in all."""
+        return {
+            "order": self.order,
+            "max_in_flight": self.max_in_flight,
+            "busy_s": self.busy,
+            "step_s": self.step_seconds,
+        }
+
+    # -- receives -------------------------------------------------------------------------------------------------
+
+    def _learn_shape(self, meta) -> None:
+        link = self.link
+        meta[1].wait()
+        self.shape = link.decode_meta(meta[0])
+        if self.posted_f and self.shape != link.received_shape:  # the speculative receive gets a dummy
+            self.acts.pop(0)[1].wait()
+            self.posted_f = 0
+        link.received_shape = self.shape
+
+    def _post_activations(self, upto: int) -> None:
+        while self.posted_f <= upto:
+            received = self.link.post_recv(*self.shape, -1, self.pending, self.outbox)
+            self.acts[self.posted_f], self.posted_f = received, self.posted_f + 1
+
+    def _post_gradients(self, upto: int) -> None:
+        while self.posted_b <= upto:
+            received = self.link.post_recv(*self.out, +1, self.pending, self.outbox)
+            self.grads[self.posted_b], self.posted_b = received, self.posted_b + 1
+        if self.posted_b == self.micro_batches and self.loss_recv is None and not self.ordered:
+            self.loss_recv = self.link.post_recv(torch.Size([1]), torch.float64, +1)
+
+    # -- ops ------------------------------------------------------------------------------------------------------
+
+    def _forward(self, i: int) -> None:
+        if self.first:
+            x = self.inputs[i]
+        else:
+            x, work = self.acts.pop(i)
+            work.wait()
+            x.requires_grad_(x.is_floating_point())
+        t0 = time.perf_counter()
+        y = self.stage_output(self.module(x))
+        if self.last:
+            y = self.loss_fn(y, self.targets[i])
+            if not isinstance(y, torch.Tensor) or y.numel() != 1:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got {type(y).__name__} {tuple(getattr(y, 'shape', ()))}"
+                )
+            self.losses[i] = float(y.detach())
+        self.busy += time.perf_counter() - t0
+        if not self.last:
+            if i == 0:
+                self._announce(y)
+            self.link.send(y.detach(), +1, self.pending, self.outbox)
+        self.in_flight[i] = (x, y)
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+
+    def _announce(self, y: torch.Tensor) -> None:
+        """Send the step's shape message; if the shape changed since the last step, first a dummy of the old shape
+        for the receive the next stage posted speculatively."""
+        link = self.link
+        link.check_sendable(y)
+        self.out = (y.shape, y.dtype)
+        link.send(link.encode_meta(y), +1, self.pending, self.outbox)
+        if link.sent_shape not in (None, self.out) and not self.ordered:  # the receiver's guess
+            shape, dtype = link.sent_shape
+            link.send(torch.zeros(shape, dtype=dtype, device=link.device), +1, self.pending)
+        link.sent_shape = self.out
+
+    def _backward(self, i: int) -> None:
+        x, y = self.in_flight.pop(i)
+        if not self.last:
+            grad, work = self.grads.pop(i)
+            work.wait()
+        t0 = time.perf_counter()
+        if self.last:
+            (y / self.micro_batches).backward()
+        else:
+            torch.autograd.backward(y, grad)
+        self.busy += time.perf_counter() - t0
+        if not self.first:
+            self.link.send(x.grad if x.grad is not None else torch.zeros_like(x), -1, self.pending, self.outbox)
+
+    def _loss(self) -> torch.Tensor:
+        """The step's loss: computed on the last stage (averaged over replicas), passed back stage by stage."""
+        link = self.link
+        if self.last:
+            loss = self.losses.mean().reshape(1).to(link.device)
+            if self.data_group is not None:  # the replicas' batches are equal slices: their mean is the global's
+                self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
+        else:
+            loss, work = self.loss_recv or link.post_recv(torch.Size([1]), torch.float64, +1, self.pending, self.outbox)
+            work.wait()
+        if not self.first:
+            link.send(loss, -1, self.pending, self.outbox)
+            link.flush(self.pending, self.outbox)
+        return loss
