@@ -226,7 +226,13 @@ class SyntheticCorpus:
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + MLP(LN(x))."""
+    """Pre-LN transformer block: x + attn(LN(x)), then x + MLP(LN(x)).
+
+    Tensor parallelism splits it by heads (the "heads" plan style): :meth:`head_parallel` gives the block whose
+    attention runs on this rank's heads, and ``head_parallel_plan`` the styles its children must get with it."""
+
+    head_parallel_plan = {"qkv": "colwise_qkv", "proj": "rowwise"}
+    """qkv split by heads (each rank its heads' q, k and v rows), the output projection by its input features."""
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -247,6 +253,34 @@ class Block(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def head_parallel(self, tensor_parallel_size: int) -> HeadParallelBlock:
+        return HeadParallelBlock(self, tensor_parallel_size)
+
+
+class HeadParallelBlock(nn.Module):
+    """:class:`Block` with its attention on this rank's ``n_heads / tp`` heads, once tensor parallelism converted its
+    children (``qkv`` a ``ColumnParallelLinear`` with 3 chunks: each rank's heads' q, k and v rows; ``proj`` a
+    ``RowParallelLinear``, which all-reduces; the MLP split fc colwise / out rowwise, or not). Holds the block's own
+    children under their names, so parameter names do not change."""
+
+    def __init__(self, block: Block, tensor_parallel_size: int):
+        super().__init__()
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.head_dim = block.qkv.in_features // block.n_heads
+        self.n_heads = block.n_heads // tensor_parallel_size  # local heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # (b, t, 3 local) -> 3 x (b, local heads, t, head_dim); this rank's q, k, v blocks are its heads'
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def extra_repr(self) -> str:
+        return f"local_heads={self.n_heads}, head_dim={self.head_dim}"
 
 
 class TinyLM(nn.Module):

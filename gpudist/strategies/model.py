@@ -50,6 +50,16 @@ class ShardedModel(nn.Module):
 
     Subclasses implement :meth:`initialize_sharding` (called once, collectively, from the constructor) and
     :meth:`synchronize_gradients`. Constructing a wrapper is a collective call: every rank must do it.
+
+    Args:
+        module: The ``nn.Module`` to wrap (not one that is already wrapped). Strategies may move, shard or
+            replace its parameters in place.
+        config: The settings shared with the paired optimizer; ``config.backend`` is the group this wrapper
+            communicates on.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already a ``ShardedModel``, or ``config`` is not
+            a :class:`~gpudist.ShardingConfiguration`.
     """
 
     strategy = "sharded"
@@ -86,29 +96,55 @@ class ShardedModel(nn.Module):
         raise NotImplementedError
 
     def manages(self, param: torch.Tensor) -> bool:
-        """True when this wrapper reduces ``param``'s gradient itself (so an optimizer must not)."""
+        """True when this wrapper reduces ``param``'s gradient itself (so an optimizer must not).
+
+        Args:
+            param: A parameter, e.g. one of an optimizer's.
+
+        Returns:
+            Whether this wrapper makes ``param``'s gradient global (False in the base class).
+        """
         return False
 
     # -- shared ---------------------------------------------------------------------------------------------------
 
     @property
     def comm(self):
+        """The backend this wrapper communicates on (``config.backend``)."""
         return self.config.backend
 
     @property
     def rank(self) -> int:
+        """This rank in ``comm``."""
         return self.comm.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in ``comm``."""
         return self.comm.world_size
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module.
+
+        Args:
+            *args: Positional arguments for the wrapped module.
+            **kwargs: Keyword arguments for the wrapped module.
+
+        Returns:
+            The wrapped module's output.
+        """
         return self.module(*args, **kwargs)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """Forward in eval mode without autograd; restores the previous mode."""
+        """Forward in eval mode without autograd; restores the previous mode.
+
+        Args:
+            inputs: The model's input, passed to ``forward`` as its one positional argument.
+
+        Returns:
+            The model's output.
+        """
         was_training = self.training
         self.eval()
         try:
@@ -126,7 +162,17 @@ class ShardedModel(nn.Module):
         """One step on this rank's slice of the batch: forward, loss, backward (gradients synchronized as the
         strategy does), then ``optimizer.step()`` and ``zero_grad()`` if an optimizer is given.
 
-        Returns this rank's loss as a float.
+        Args:
+            inputs: This rank's slice of the batch, passed to the model.
+            targets: The matching targets, passed to ``loss_fn``.
+            loss_fn: ``loss_fn(outputs, targets)`` returning a scalar (one-element) loss tensor.
+            optimizer: Stepped and zeroed after backward; None leaves the step to the caller.
+
+        Returns:
+            This rank's loss as a float.
+
+        Raises:
+            ValueError: When ``loss_fn`` does not return a tensor of one element.
         """
         self.train()
         loss = loss_fn(self(inputs), targets)
@@ -163,21 +209,42 @@ class ShardedModel(nn.Module):
         return list(self.module.parameters())
 
     def gather_full_parameters(self) -> torch.Tensor:
-        """All parameters of the wrapped module, flattened in ``parameters()`` order; identical on every rank."""
+        """All parameters of the wrapped module, flattened in ``parameters()`` order; identical on every rank.
+
+        Returns:
+            A 1-D tensor of :meth:`parameter_count` elements (empty for a module without parameters). Strategies
+            that shard parameters gather them (collective).
+        """
         params = self._module_params()
         if not params:
             return torch.empty(0)
         return torch.cat([p.detach().reshape(-1) for p in params])
 
     def get_parameters(self) -> torch.Tensor:
-        """A copy of :meth:`gather_full_parameters`."""
+        """A copy of :meth:`gather_full_parameters`.
+
+        Returns:
+            A new 1-D tensor holding every parameter's values, in ``parameters()`` order.
+        """
         return self.gather_full_parameters().clone()
 
     def parameter_count(self) -> int:
+        """The number of elements of the full model's parameters (a tied parameter counted once).
+
+        Returns:
+            The element count, the length of :meth:`gather_full_parameters`.
+        """
         return sum(p.numel() for p in self._module_params())
 
     def set_parameters(self, flat: torch.Tensor) -> None:
-        """Overwrite every parameter from a flat vector in ``parameters()`` order (same on every rank)."""
+        """Overwrite every parameter from a flat vector in ``parameters()`` order (same on every rank).
+
+        Args:
+            flat: A 1-D tensor of :meth:`parameter_count` elements, as :meth:`gather_full_parameters` returns.
+
+        Raises:
+            ValueError: When ``flat`` is not a 1-D tensor of :meth:`parameter_count` elements.
+        """
         params = self._module_params()
         count = sum(p.numel() for p in params)
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
@@ -192,11 +259,25 @@ class ShardedModel(nn.Module):
                 offset += p.numel()
 
     def clone(self) -> ShardedModel:
-        """A new wrapper of the same strategy around a deep copy of the module (collective: every rank calls it)."""
+        """A new wrapper of the same strategy around a deep copy of the module (collective: every rank calls it).
+
+        Returns:
+            The new wrapper, built with the same ``config``.
+        """
         return type(self)(copy.deepcopy(self.module), self.config)
 
     def with_parameters(self, flat: torch.Tensor) -> ShardedModel:
-        """A clone holding ``flat`` as its parameters; this model is unchanged (collective)."""
+        """A clone holding ``flat`` as its parameters; this model is unchanged (collective).
+
+        Args:
+            flat: The clone's parameters, as for :meth:`set_parameters`.
+
+        Returns:
+            The new wrapper (see :meth:`clone`).
+
+        Raises:
+            ValueError: When ``flat`` is not a 1-D tensor of :meth:`parameter_count` elements.
+        """
         twin = self.clone()
         twin.set_parameters(flat)
         return twin
@@ -207,47 +288,79 @@ class ShardedModel(nn.Module):
     """Whether each rank holds only part of the parameters (ZeRO-3/FSDP); otherwise they are replicated."""
 
     def parameter_table(self) -> list[dict]:
-        """Name, other names (tied parameters), shape and dtype of every full parameter, in parameters() order."""
+        """Name, other names (tied parameters), shape and dtype of every full parameter, in parameters() order.
+
+        Returns:
+            One dict per parameter: ``{"name": str, "aliases": list[str], "shape": list[int], "dtype": str}``
+            (the dtype without its ``torch.`` prefix).
+        """
         return module_table(self.module)
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Every trainable or frozen tensor this rank holds for the module's parameters, each with the pieces of
-        full parameters it stores: ``(offset in the tensor, length, parameter name, offset in that parameter)``
-        over flattened values. Replicated strategies hold whole parameters."""
+        full parameters it stores. Replicated strategies hold whole parameters.
+
+        Returns:
+            ``(tensor, pieces)`` pairs; each piece is ``(offset in the tensor, length, parameter name, offset in
+            that parameter)`` over flattened values.
+        """
         return module_segments(self.module)
 
     def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
         """Which part of the pieces of parameter ``name`` this rank holds (:meth:`checkpoint_segments`) it writes
-        into a checkpoint, so that every canonical element is written exactly once: ``(copies, index)`` says that
-        ``copies`` ranks hold the same elements and this rank writes the ``index``-th :func:`shard_range` of the
-        full parameter (intersected with what it holds); None: another rank writes them all (a parameter tied
-        across pipeline stages, written by the stage that owns it). ``across_replicas=False`` asks about state that
-        is already split over the data-parallel replicas (a ZeRO optimizer's owned ranges): replicas are then not
-        copies of each other."""
+        into a checkpoint, so that every canonical element is written exactly once.
+
+        Args:
+            name: A parameter's name in the full module (its first name, as in :meth:`parameter_table`).
+            across_replicas: False asks about state that is already split over the data-parallel replicas (a
+                ZeRO optimizer's owned ranges): replicas are then not copies of each other.
+
+        Returns:
+            ``(copies, index)``: ``copies`` ranks hold the same elements and this rank writes the ``index``-th
+            :func:`shard_range` of the full parameter (intersected with what it holds). None: another rank writes
+            them all (a parameter tied across pipeline stages, written by the stage that owns it).
+        """
         if self.shards_parameters or not across_replicas:
             return 1, 0
         return self.world_size, self.rank
 
     def buffer_table(self) -> list[dict]:
-        """Name, shape and dtype of every buffer of the full module (what a checkpoint's manifest lists)."""
+        """Name, shape and dtype of every buffer of the full module (what a checkpoint's manifest lists).
+
+        Returns:
+            One dict per buffer: ``{"name": str, "shape": list[int], "dtype": str}``.
+        """
         return [
             {"name": n, "shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
             for n, b in self.module.named_buffers()
         ]
 
     def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
-        """The buffers this rank holds: ``(name in the full module, tensor, whether this rank writes it)``; each
-        buffer is written by one rank (rank 0 when every rank holds all of them)."""
+        """The buffers this rank holds; each buffer is written by one rank (rank 0 when every rank holds all of
+        them).
+
+        Returns:
+            ``(name in the full module, tensor, whether this rank writes it)`` per buffer.
+        """
         return [(n, b, self.rank == 0) for n, b in self.module.named_buffers()]
 
     # -- serialization --------------------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's complete state (parameters and buffers), as a single process would hold it."""
+        """The wrapped module's complete state (parameters and buffers), as a single process would hold it.
+
+        Returns:
+            The unwrapped module's ``state_dict()`` keys mapped to detached full tensors. Strategies that shard
+            parameters gather them (collective).
+        """
         return {k: v.detach() for k, v in self.module.state_dict().items()}
 
     def serialize(self) -> bytes:
-        """The full model state as safetensors bytes (no pickle), with a checksum and the strategy in the header."""
+        """The full model state as safetensors bytes (no pickle), with a checksum and the strategy in the header.
+
+        Returns:
+            The payload :meth:`deserialize` reads, loadable by any strategy at any world size.
+        """
         state = {k: v.contiguous().cpu() for k, v in self.full_state_dict().items()}
         meta = {
             "format": FORMAT,
@@ -259,7 +372,15 @@ class ShardedModel(nn.Module):
 
     def deserialize(self, data: bytes) -> None:
         """Load bytes from :meth:`serialize` (any strategy, any world size). Checks everything before changing
-        anything: a damaged or mismatched payload raises and leaves the model as it was."""
+        anything: a damaged or mismatched payload raises and leaves the model as it was.
+
+        Args:
+            data: A payload from :meth:`serialize`.
+
+        Raises:
+            ValueError: When ``data`` is not a gpudist model payload (truncated, damaged or another format), its
+                checksum does not match, or its tensors' names or shapes differ from this model's.
+        """
         state, _ = _read(data)
         own = self.full_state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
@@ -274,7 +395,12 @@ class ShardedModel(nn.Module):
         self.load_full_state_dict(state)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a complete (unsharded) state into this wrapper; sharded strategies take their slice."""
+        """Copy a complete (unsharded) state into this wrapper; sharded strategies take their slice.
+
+        Args:
+            state: Every key of :meth:`full_state_dict`, mapped to a full tensor of the same shape (checked by
+                :meth:`deserialize`, not here).
+        """
         with torch.no_grad():
             for k, v in self.module.state_dict().items():
                 v.copy_(state[k])
@@ -282,9 +408,16 @@ class ShardedModel(nn.Module):
     def save_model(self, path: str | os.PathLike) -> None:
         """Save the model (collective: every rank calls it and returns once it is complete).
 
-        A path ending in ``.safetensors`` gets one file with the full state (an export, written atomically by
-        rank 0); any other path becomes a sharded checkpoint folder (:func:`gpudist.save_checkpoint`: each rank
-        writes its share, loadable by any strategy at any world size)."""
+        Args:
+            path: A path ending in ``.safetensors`` gets one file with the full state (an export, written
+                atomically by rank 0); any other path becomes a sharded checkpoint folder
+                (:func:`gpudist.save_checkpoint`: each rank writes its share, loadable by any strategy at any world
+                size). It must be on a file system every rank sees.
+
+        Raises:
+            CheckpointError: (A folder) when a rank could not write its file; a previous checkpoint at ``path``
+                is left as it was.
+        """
         if Path(path).suffix == ".safetensors":
             data = self.serialize()
             if self.rank == 0:
@@ -295,7 +428,17 @@ class ShardedModel(nn.Module):
 
     def load_model(self, path: str | os.PathLike) -> None:
         """Load what :meth:`save_model` wrote (a file or a checkpoint folder, from any strategy and world size);
-        checksums are verified and nothing changes if anything fails (collective for folders)."""
+        checksums are verified and nothing changes if anything fails (collective for folders).
+
+        Args:
+            path: A ``.safetensors`` file or a checkpoint folder.
+
+        Raises:
+            FileNotFoundError: When ``path`` is neither a file nor a folder.
+            CheckpointError: When the folder is not a complete, intact checkpoint of this model (on every rank
+                when any rank fails).
+            ValueError: When the file is damaged or holds another model (see :meth:`deserialize`).
+        """
         path = Path(path)
         if path.is_dir():
             load_checkpoint(path, self)
@@ -307,7 +450,12 @@ class ShardedModel(nn.Module):
     # -- reporting ------------------------------------------------------------------------------------------------
 
     def memory_per_rank(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, measured from live tensors."""
+        """Bytes this rank holds, by category, measured from live tensors.
+
+        Returns:
+            Bytes by category: ``"parameters"``, ``"gradients"``, ``"optimizer_state"`` (of the paired optimizers)
+            and ``"buffers"``; some strategies add their own (e.g. ``"communication_buffers"``).
+        """
         params = self._module_params()
         grads = {id(p.grad): p.grad for p in params if p.grad is not None}
         ids = {id(p) for p in params}
@@ -319,7 +467,13 @@ class ShardedModel(nn.Module):
         }
 
     def get_model_metadata(self) -> dict[str, Any]:
-        """Strategy, world size, parameter count, bytes this rank communicated in the last step, memory by category."""
+        """Strategy, world size, parameter count, bytes this rank communicated in the last step, memory by category.
+
+        Returns:
+            A dict with ``"strategy"``, ``"world_size"``, ``"rank"``, ``"parameter_count"``, ``"bytes_per_step"``,
+            ``"memory_per_rank"`` (:meth:`memory_per_rank`) and, with gradient compression, ``"compression"``;
+            some strategies add their layout.
+        """
         return {
             "strategy": self.strategy,
             "world_size": self.world_size,

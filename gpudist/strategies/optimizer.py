@@ -32,7 +32,18 @@ STATE_FORMAT = "gpudist.optimizer.v1"
 
 @dataclass
 class OptimizationResult:
-    """What :meth:`ShardedOptimizer.optimize` did."""
+    """What :meth:`ShardedOptimizer.optimize` did.
+
+    Attributes:
+        steps: Optimizer steps taken.
+        epochs: Epochs started (the last one possibly cut short by ``max_steps``).
+        losses: Each step's loss, averaged over ranks.
+        epoch_losses: Each epoch's mean step loss.
+        best_loss: The lowest epoch loss.
+        final_loss: The last step's loss (NaN when no step ran).
+        stopped_early: Whether ``patience`` ended training.
+        seconds: Wall-clock time of the whole call.
+    """
 
     steps: int
     epochs: int
@@ -51,6 +62,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     It is itself a ``torch.optim.Optimizer`` (LR schedulers and ``GradScaler`` accept it). Used with a
     plain module, the optimizer does all the communication itself; used with the matching ``ShardedModel``
     built from the same ``config``, it leaves gradient reduction to the model and never repeats it.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` to wrap (not a ``ShardedOptimizer``); its ``param_groups`` and
+            ``state`` are shared, not copied.
+        config: The :class:`~gpudist.ShardingConfiguration` the model wrapper (if any) was built from, which
+            finds that model (:meth:`ShardingConfiguration.model_for`), or the ``ShardedModel`` itself (explicit
+            pairing; its ``config`` is used).
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` or is already a ``ShardedOptimizer``, or
+            ``config`` is neither a ``ShardingConfiguration`` nor a ``ShardedModel``.
+        ValueError: When the ``ShardedModel`` passed as ``config`` does not reduce every trainable parameter of
+            ``optimizer``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ShardingConfiguration | ShardedModel):
@@ -82,7 +106,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model()  # pair now when the model exists (memory reports count this optimizer's state from then on)
 
     def state_bytes(self, params: set[int] | None = None) -> int:
-        """Bytes of optimizer state tensors this rank holds (for the parameters with ids in ``params``, or all)."""
+        """Bytes of optimizer state tensors this rank holds (for the parameters with ids in ``params``, or all).
+
+        Args:
+            params: ``id()`` of the parameters to count; None counts all.
+
+        Returns:
+            The bytes of the matching state tensors.
+        """
         return sum(
             v.numel() * v.element_size()
             for p, entry in self.state.items()
@@ -93,15 +124,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def comm(self):
+        """The backend this optimizer communicates on (``config.backend``)."""
         return self.config.backend
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
     def model(self) -> ShardedModel | None:
-        """The model wrapper that reduces all of this optimizer's gradients, if any: the one named at construction,
-        else the one built from the same config that manages every parameter (:meth:`ShardingConfiguration.model_for`).
-        None: a plain module, whose gradients this optimizer reduces itself."""
+        """The model wrapper that reduces all of this optimizer's gradients, if any.
+
+        Returns:
+            The one named at construction, else the one built from the same config that manages every parameter
+            (:meth:`ShardingConfiguration.model_for`). None: a plain module, whose gradients this optimizer
+            reduces itself.
+        """
         if self._model is None:
             named = self._named_model
             params = [p for p in self._params() if p.requires_grad]
@@ -129,7 +165,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_gradients(self) -> float | None:
-        """Clip to ``config.max_grad_norm`` (global L2 norm over every rank's gradients). Returns the norm."""
+        """Clip to ``config.max_grad_norm`` (global L2 norm over every rank's gradients).
+
+        Returns:
+            The gradient norm before clipping, or None when ``config.max_grad_norm`` is None (nothing clipped).
+        """
         if self.config.max_grad_norm is None:
             return None
         grads = [p.grad for p in self._params() if p.grad is not None]
@@ -142,6 +182,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return norm
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Reduce the gradients (unless the model wrapper did), clip them, and step the wrapped optimizer.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled), as for any torch
+                optimizer; None: use the gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -152,6 +201,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (a paired model's gradient buckets, or the wrapped optimizer's parameters').
+
+        Args:
+            set_to_none: Drop the gradients (torch's default) instead of zeroing them in place.
+        """
         model = self.model()
         if model is not None and hasattr(model, "zero_grad_buckets"):
             model.zero_grad_buckets(set_to_none)
@@ -159,12 +213,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state.
+
+        Returns:
+            The wrapped optimizer's ``state_dict()``.
+        """
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` into the wrapped optimizer, keeping its ``param_groups`` and ``state`` objects
+        (so LR schedulers and wrappers sharing them stay connected).
+
+        Args:
+            state_dict: What :meth:`state_dict` returned, for an optimizer with the same parameter groups.
+        """
         load_keeping_identity(self.optimizer, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer (as ``torch.optim.Optimizer.add_param_group``).
+
+        Args:
+            param_group: ``{"params": [...], **hyper-parameters}``.
+        """
         if hasattr(self, "optimizer"):
             self.optimizer.add_param_group(param_group)
             self._model = None
@@ -174,19 +244,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- synchronization ---------------------------------------------------------------------------------------------
 
     def synchronize_parameters(self, src: int = 0) -> None:
-        """Make every rank's parameters equal to ``src``'s (repairs drift; collective)."""
+        """Make every rank's parameters equal to ``src``'s (repairs drift; collective).
+
+        Args:
+            src: The rank whose values every rank takes.
+
+        Raises:
+            TypeError: When ``src`` is not an int.
+            ValueError: When ``src`` is not a rank of the group.
+        """
         broadcast_tensors(self.comm, [p.data for p in self._params()], src)
 
     def synchronize_optimizer_state(self, src: int = 0) -> None:
         """Make every rank's optimizer state equal to ``src``'s (replicated state; collective).
 
-        Every rank must already hold state of the same structure (e.g. after the same number of steps)."""
+        Every rank must already hold state of the same structure (e.g. after the same number of steps).
+
+        Args:
+            src: The rank whose state every rank takes.
+
+        Raises:
+            TypeError: When ``src`` is not an int.
+            ValueError: When ``src`` is not a rank of the group.
+        """
         tensors = [v for p in self._params() for v in self.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         broadcast_tensors(self.comm, tensors, src)
 
     def should_early_stop(self, local_flag: bool, require: str = "all") -> bool:
-        """Consensus on stopping: ``require="all"`` stops only when every rank votes to stop, ``"any"`` when one
-        does. Every rank gets the same answer (collective)."""
+        """Consensus on stopping. Every rank gets the same answer (collective).
+
+        Args:
+            local_flag: This rank's vote: True to stop.
+            require: ``"all"`` stops only when every rank votes to stop, ``"any"`` when one does.
+
+        Returns:
+            Whether to stop, the same on every rank.
+
+        Raises:
+            ValueError: When ``require`` is neither ``"all"`` nor ``"any"``.
+        """
         if require not in ("all", "any"):
             raise ValueError(f"require={require!r} must be 'all' or 'any'")
         vote = torch.tensor([1 if local_flag else 0], dtype=torch.int64, device=self.comm.device)
@@ -206,11 +302,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         patience: int | None = None,
         min_delta: float = 0.0,
     ) -> OptimizationResult:
-        """Train ``model`` for up to ``epochs`` passes over ``batches`` (this rank's (inputs, targets) pairs; a
-        callable ``batches(epoch)`` gives a fresh iterable per epoch) or ``max_steps`` steps.
+        """Train ``model`` for up to ``epochs`` passes over ``batches`` or ``max_steps`` steps.
 
         Each step's loss is averaged over ranks. With ``patience``, training stops when the epoch loss has not
         improved by ``min_delta`` for that many epochs (every rank decides alike). Collective.
+
+        Args:
+            model: The model this optimizer steps: a ``ShardedModel`` (trained with its ``train_step``) or a plain
+                module.
+            batches: This rank's ``(inputs, targets)`` pairs: an iterable, or a callable ``batches(epoch)`` that
+                gives a fresh iterable per epoch.
+            loss_fn: ``loss_fn(outputs, targets)`` returning a scalar loss tensor.
+            epochs: The most passes over ``batches``.
+            max_steps: Stop after this many steps in all; None: no limit.
+            patience: Stop after this many epochs without improvement; None: never stop early.
+            min_delta: The smallest decrease of the epoch loss that counts as an improvement.
+
+        Returns:
+            What the training did (:class:`OptimizationResult`).
+
+        Raises:
+            ValueError: When ``epochs``, ``max_steps`` or ``patience`` is below 1, or (with a ``ShardedModel``)
+                ``loss_fn`` does not return a one-element tensor.
         """
         if epochs < 1 or (max_steps is not None and max_steps < 1) or (patience is not None and patience < 1):
             raise ValueError(f"epochs={epochs}, max_steps={max_steps}, patience={patience}: each must be >= 1")
@@ -255,18 +368,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
         """This rank's optimizer state as checkpoint pieces (:class:`gpudist.checkpoint.CheckpointableOptimizer`).
         Here: the wrapped optimizer's per-parameter state, written once across the ranks holding copies of it.
-        Strategies whose state is sharded or held elsewhere override it."""
+        Strategies whose state is sharded or held elsewhere override it.
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)``: the state pieces this rank writes, the per-parameter scalars (such
+            as Adam's ``step``) and ``{"class": ..., "groups": ...}``.
+        """
         return torch_optimizer_pieces(self.optimizer, segmap, share)
 
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
         """Read the state this rank needs from a checkpoint; return what installs it
-        (:class:`gpudist.checkpoint.CheckpointableOptimizer`)."""
+        (:class:`gpudist.checkpoint.CheckpointableOptimizer`).
+
+        Args:
+            body: The checkpoint's verified manifest (:func:`gpudist.read_manifest`).
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the state read; nothing changes before it is called.
+
+        Raises:
+            CheckpointError: When the checkpoint holds no optimizer state, state of another optimizer class or
+                number of parameter groups, or lacks data this rank needs (or a file holding it is damaged).
+        """
         return stage_torch_optimizer(self.optimizer, body, reader, segmap, apply)
 
     # -- bytes -------------------------------------------------------------------------------------------------------
 
     def serialize(self) -> bytes:
-        """The optimizer state as safetensors bytes: tensors by parameter index, the rest as JSON in the header."""
+        """The optimizer state as safetensors bytes: tensors by parameter index, the rest as JSON in the header.
+
+        Returns:
+            The payload :meth:`deserialize` reads.
+        """
         sd = self.optimizer.state_dict()
         tensors, plain = {}, {}
         for pid, entry in sd["state"].items():
@@ -279,7 +421,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return st_save(tensors, metadata=meta)
 
     def deserialize(self, data: bytes) -> None:
-        """Load bytes from :meth:`serialize` into the wrapped optimizer (which must hold the same parameters)."""
+        """Load bytes from :meth:`serialize` into the wrapped optimizer (which must hold the same parameters).
+
+        Args:
+            data: A payload from :meth:`serialize`.
+
+        Raises:
+            ValueError: When ``data`` is not a gpudist optimizer payload (truncated, damaged or another format), or
+                (torch's ``load_state_dict``) its parameter groups do not match the wrapped optimizer's.
+        """
         try:
             header_len = int.from_bytes(data[:8], "little")
             meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})

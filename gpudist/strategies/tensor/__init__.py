@@ -20,7 +20,6 @@ initialization, and runs data parallel over the ranks left over.
 
 from .layers import (
     ColumnParallelLinear,
-    HeadParallelBlock,
     RowParallelLinear,
     VocabParallelEmbedding,
     held_segments,
@@ -38,7 +37,6 @@ from .plans import PLAN_STYLES, Plan, apply_plan, validate_plan
 __all__ = [
     "PLAN_STYLES",
     "ColumnParallelLinear",
-    "HeadParallelBlock",
     "Plan",
     "RowParallelLinear",
     "TensorParallelModel",

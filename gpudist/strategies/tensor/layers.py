@@ -318,37 +318,6 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, comm, vocab_start, ignore_index)
 
 
-BLOCK_PARTS = ("ln1", "qkv", "proj", "ln2", "fc", "out")
-
-
-class HeadParallelBlock(nn.Module):
-    """A pre-LN transformer block laid out as examples/lm.py's ``Block`` (``x + proj(attn(ln1 x))``, then
-    ``x + out(gelu(fc(ln2 x)))``) whose attention runs on this rank's ``n_heads / tp`` heads.
-
-    Holds the block's own submodules under their names (the parameter names do not change); its ``qkv`` must be a
-    :class:`ColumnParallelLinear` with 3 chunks (each rank's heads' q, k and v rows) and its ``proj`` a
-    :class:`RowParallelLinear`; the MLP may be split (fc colwise, out rowwise) or not.
-    """
-
-    def __init__(self, block: nn.Module, tensor_parallel_size: int):
-        super().__init__()
-        for name, child in block.named_children():
-            self.add_module(name, child)
-        self.head_dim = block.qkv.in_features // block.n_heads
-        self.n_heads = block.n_heads // tensor_parallel_size  # local heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # (b, t, 3 local) -> 3 x (b, local heads, t, head_dim); this rank's q, k, v blocks are its heads'
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    def extra_repr(self) -> str:
-        return f"local_heads={self.n_heads}, head_dim={self.head_dim}"
-
-
 def check_type(module: nn.Module, cls: type, what: str) -> None:
     if type(module) is not cls:
         raise TypeError(f"{what} converts an nn.{cls.__name__}, got {type(module).__name__}")

@@ -8,9 +8,7 @@ from torch import nn
 
 from ...comm import CommunicationBackend
 from .layers import (
-    BLOCK_PARTS,
     ColumnParallelLinear,
-    HeadParallelBlock,
     RowParallelLinear,
     Split,
     VocabParallelEmbedding,
@@ -30,8 +28,8 @@ PLAN_STYLES: dict[str, str] = {
     "vocab": "nn.Embedding -> VocabParallelEmbedding (table split by vocabulary rows)",
     "vocab_output": "the output nn.Linear over the vocabulary -> ColumnParallelLinear; the model's output is then "
     "logits split by vocabulary, for vocab_parallel_cross_entropy",
-    "heads": "a block like examples/lm.py's Block -> HeadParallelBlock (n_heads / tp local heads; give its qkv "
-    "'colwise_qkv' and its proj 'rowwise')",
+    "heads": "a block with n_heads and head_parallel(tp) -> block.head_parallel(tp), its attention on n_heads / tp "
+    "local heads (the plan must also give its children the styles its head_parallel_plan names)",
 }
 """The styles a tensor-parallel plan maps module names to, with what each does."""
 
@@ -49,7 +47,7 @@ def _style_split(style: str | None, attr: str) -> Split | None:
 
 def _convert(module: nn.Module, style: str, comm: CommunicationBackend) -> nn.Module:
     if style == "heads":
-        return HeadParallelBlock(module, comm.world_size)
+        return module.head_parallel(comm.world_size)
     if style == "vocab":
         return VocabParallelEmbedding.from_embedding(module, comm)
     if style == "rowwise":
@@ -76,15 +74,16 @@ def validate_plan(module: nn.Module, plan: Mapping[str, str], tp: int) -> list[t
             )
         sub, what = modules[name], f"plan entry {name!r} ({style})"
         if style == "heads":
-            absent = [p for p in (*BLOCK_PARTS, "n_heads") if not hasattr(sub, p)]
+            absent = [a for a in ("n_heads", "head_parallel") if not hasattr(sub, a)]
             if absent or any(True for _ in sub.parameters(recurse=False)):
                 raise TypeError(
-                    f"{what}: needs a block laid out as examples/lm.py's Block (n_heads, "
-                    f"{', '.join(BLOCK_PARTS)}, no parameters of its own); {type(sub).__name__} lacks "
+                    f"{what}: needs a block that says how its attention runs on local heads (an n_heads attribute, "
+                    "a head_parallel(tensor_parallel_size) method returning the converted block, and no parameters "
+                    f"of its own; see examples/lm.py's Block); {type(sub).__name__} lacks "
                     f"{absent or 'none, but has parameters of its own'}"
                 )
             require_divisible(f"{what}: n_heads", sub.n_heads, tp)
-            for part, needed in (("qkv", "colwise_qkv"), ("proj", "rowwise")):
+            for part, needed in getattr(sub, "head_parallel_plan", {}).items():
                 if plan.get(f"{name}.{part}") != needed:
                     raise ValueError(
                         f"{what}: its attention runs on local heads, so the plan must also map "
