@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,7 +18,6 @@ from .kernels import FlatLayout, pack, unpack
 from .kernels.bucket import FLOAT_DTYPES
 
 __all__ = [
-    "BucketPartition",
     "BufferSpec",
     "FlatBuffer",
     "GradientBucket",
@@ -25,7 +25,6 @@ __all__ = [
     "broadcast_tensors",
     "exchange_bytes",
     "flatten_parameters",
-    "partition_buckets",
     "shard_range",
 ]
 
@@ -93,8 +92,9 @@ class GradientBucket:
     grads: FlatBuffer | None = None
     wire: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
-    part: BucketPartition | None = None
-    """ZeRO-2: where the bucket sits in the flat order and which piece of it this rank keeps."""
+    part: Any = None
+    """ZeRO-2: where the bucket sits in the flat order and which piece of it this rank keeps (a
+    ``gpudist.strategies.zero.BucketPartition``)."""
     in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
     """ZeRO-2: (sent, received) buffers of a reduce-scatter in progress."""
 
@@ -159,45 +159,6 @@ class BufferSpec:
             if a < b:
                 spans.append((a - lo, b - a, p, a - offset))
         return cls(hi - lo, op, tuple(spans))
-
-
-@dataclass(frozen=True)
-class BucketPartition:
-    """A bucket as a range of the flat parameter order, and the piece of it one rank owns (ZeRO-2)."""
-
-    flat_offset: int
-    numel: int
-    owned_start: int
-    """Start of the owned piece inside the bucket (``shard_range(numel, world, rank)``)."""
-    owned_numel: int
-    owned_at: int
-    """Where the owned piece sits in the rank's owned buffer (pieces in ascending flat order)."""
-
-    @property
-    def segment(self) -> tuple[int, int]:
-        return self.flat_offset + self.owned_start, self.owned_numel
-
-
-def partition_buckets(
-    params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int, rank: int
-) -> list[BucketPartition]:
-    """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly over the ranks.
-
-    A ZeRO-2 model and a ZeRO-2 optimizer both derive their partition from this one function, so they agree
-    on who owns what whichever of them is built first.
-    """
-    layout = FlatLayout.of(list(params))
-    spans = []
-    for indices in assign_buckets(params, cap_bytes, first_cap_bytes):
-        first = min(indices)
-        numel = sum(layout.numels[i] for i in indices)
-        start, end = shard_range(numel, world_size, rank)
-        spans.append((layout.offsets[first], numel, start, end - start))
-    owned_at, at = {}, 0
-    for offset, _, _, owned in sorted(spans):
-        owned_at[offset] = at
-        at += owned
-    return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]
 
 
 def flatten_parameters(params: Sequence[torch.nn.Parameter]) -> FlatBuffer | None:

@@ -17,6 +17,7 @@ does the model's part itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from ..checkpoint import (
 )
 from ..comm import ReductionOperation, Work, shard_range, stable_hash
 from ..config import ShardingConfiguration
-from ..flat import BufferSpec, FlatLayout, GradientBucket, flatten_parameters, partition_buckets
+from ..flat import BufferSpec, FlatLayout, GradientBucket, assign_buckets, flatten_parameters
 from .ddp import DDPModel, DDPOptimizer
 from .model import ShardedModel, same_on_every_rank
 from .optimizer import ShardedOptimizer
@@ -47,11 +48,66 @@ from .optimizer import ShardedOptimizer
 __all__ = ["ZeRO1Model", "ZeRO1Optimizer", "ZeRO2Model", "ZeRO2Optimizer", "data_parallel_optimizer"]
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# ZeRO-2's partition: every gradient bucket split evenly over the ranks
+
+
+@dataclass(frozen=True)
+class BucketPartition:
+    """A bucket as a range of the flat parameter order, and the piece of it one rank owns (ZeRO-2)."""
+
+    flat_offset: int
+    numel: int
+    owned_start: int
+    """Start of the owned piece inside the bucket (``shard_range(numel, world, rank)``)."""
+    owned_numel: int
+    owned_at: int
+    """Where the owned piece sits in the rank's owned buffer (pieces in ascending flat order)."""
+
+    @property
+    def segment(self) -> tuple[int, int]:
+        return self.flat_offset + self.owned_start, self.owned_numel
+
+
+def partition_buckets(
+    params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int, rank: int
+) -> list[BucketPartition]:
+    """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly over the ranks.
+
+    ZeRO2Model and ZeRO2Optimizer both derive their partition from this one function, so they agree on who owns
+    what whichever of them is built first.
+    """
+    layout = FlatLayout.of(list(params))
+    spans = []
+    for indices in assign_buckets(params, cap_bytes, first_cap_bytes):
+        first = min(indices)
+        numel = sum(layout.numels[i] for i in indices)
+        start, end = shard_range(numel, world_size, rank)
+        spans.append((layout.offsets[first], numel, start, end - start))
+    owned_at, at = {}, 0
+    for offset, _, _, owned in sorted(spans):
+        owned_at[offset] = at
+        at += owned
+    return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]
+
+
 class ZeRO1Model(DDPModel):
     """ZeRO stage 1, model side: parameters and gradients replicated, gradients averaged in buckets during
     backward exactly as :class:`DDPModel` does. The sharding is the optimizer's: pair it with
     :class:`gpudist.ZeRO1Optimizer` built from the same configuration, which keeps 1/N of the optimizer state
-    and all-gathers the updated parameters."""
+    and all-gathers the updated parameters.
+
+    Args:
+        module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters and buffers
+            take rank 0's values, and its trainable parameters move into one flat buffer (which the optimizer
+            adopts).
+        config: The settings shared with the paired optimizer; ``config.backend`` is the data-parallel group.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`.
+        ValueError: When ranks wrap modules whose parameter names, shapes or dtypes differ.
+    """
 
     strategy = "zero1"
     _flat_parameters = True
@@ -64,6 +120,18 @@ class ZeRO2Model(DDPModel):
     A bucket's full gradients live only until its reduce-scatter starts; then ``param.grad`` is released.
     Communicates ``(N-1)/N x P`` per step for the gradients (the optimizer's all-gather adds the same again).
     Pair it with :class:`gpudist.ZeRO2Optimizer` built from the same configuration; it steps the owned pieces.
+
+    Args:
+        module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters and buffers
+            take rank 0's values, and its trainable parameters move into one flat buffer (which the optimizer
+            adopts).
+        config: The settings shared with the paired optimizer; ``config.backend`` is the data-parallel group.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`.
+        ValueError: When ranks wrap modules whose parameter names, shapes or dtypes differ, or the trainable
+            parameters are not all of one dtype and device.
     """
 
     strategy = "zero2"
@@ -108,7 +176,11 @@ class ZeRO2Model(DDPModel):
         return GradientBucket(index, params, names)
 
     def owned_segments(self) -> list[tuple[int, int]]:
-        """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order)."""
+        """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order).
+
+        Returns:
+            ``(offset in the flat parameter order, length)`` per bucket.
+        """
         return sorted(b.part.segment for b in self._buckets)
 
     def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
@@ -170,7 +242,11 @@ class ZeRO2Model(DDPModel):
         self._filling.clear()
 
     def owned_gradients(self) -> torch.Tensor:
-        """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``."""
+        """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``.
+
+        Returns:
+            ``owned_grads`` itself (1-D, in :meth:`owned_segments` order), not a copy.
+        """
         for bucket in self._buckets:
             if bucket.index in self._stale:
                 part = bucket.part
@@ -180,7 +256,11 @@ class ZeRO2Model(DDPModel):
 
     def zero_grad_buckets(self, set_to_none: bool = True) -> None:
         """Clear the gradients. The owned pieces are not zeroed here but overwritten by the next backward
-        (``set_to_none``, torch's default: no pass over P/N), or zeroed now (``set_to_none=False``)."""
+        (``set_to_none``, torch's default: no pass over P/N), or zeroed now (``set_to_none=False``).
+
+        Args:
+            set_to_none: Leave the owned pieces to be overwritten (True) or zero them now (False).
+        """
         if set_to_none:
             self._stale = {b.index for b in self._buckets}
         else:
@@ -309,12 +389,20 @@ class _FlatShardOptimizer(ShardedOptimizer):
     # -- partition ---------------------------------------------------------------------------------------------------
 
     def owned_segments(self) -> list[tuple[int, int]]:
-        """(flat offset, length) ranges of the flat parameter buffer this rank updates, ascending."""
+        """(flat offset, length) ranges of the flat parameter buffer this rank updates, ascending.
+
+        Returns:
+            ``(offset in the flat parameter buffer, length)`` per owned range.
+        """
         raise NotImplementedError
 
     def owned_ranges(self):
-        """Where the owned buffer lies in the parameters: ``(parameter, start in its flattened values, offset in the
-        owned buffer, length)`` for every piece of a parameter this rank owns, in owned-buffer order."""
+        """Where the owned buffer lies in the parameters, in owned-buffer order.
+
+        Yields:
+            ``(parameter, start in its flattened values, offset in the owned buffer, length)`` for every piece of
+            a parameter this rank owns.
+        """
         layout = self._flat.layout
         for start, length, at in self._segment_spans():
             for p, offset, numel in zip(self._flat_params, layout.offsets, layout.numels, strict=True):
@@ -406,18 +494,37 @@ class _FlatShardOptimizer(ShardedOptimizer):
         raise NotImplementedError
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
-        """What this optimizer reduce-scatters itself when used with a plain module, by buffer index."""
+        """What this optimizer reduce-scatters itself when used with a plain module, by buffer index.
+
+        Returns:
+            Buffer index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans).
+        """
         raise NotImplementedError
 
     def register_comm_hook(self, hook) -> None:
         """Used with a plain module: reduce-scatter every gradient buffer through ``hook.reduce_scatter(index, inp,
-        out)`` (``out`` = this rank's piece of the average over ranks) instead of the plain reduce-scatter."""
+        out)`` (``out`` = this rank's piece of the average over ranks) instead of the plain reduce-scatter.
+
+        Args:
+            hook: An object with that ``reduce_scatter`` method, e.g. a gradient compression hook.
+        """
         self._comm_hook = hook
 
     # -- stepping ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Reduce the gradients, take the global gradient norm (one all-reduce; collective), and, unless it is not
+        finite (then every rank skips the step and ``last_step_skipped`` is True), clip to
+        ``config.max_grad_norm``, update the owned values and all-gather the updated parameters.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled); None: use the
+                gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -567,17 +674,34 @@ class _FlatShardOptimizer(ShardedOptimizer):
     # -- checkpoints (gpudist.checkpoint's optimizer protocol) -------------------------------------------------------
 
     def owned_canonical(self, segmap: dict[int, Segments]):
-        """The owned buffer in canonical coordinates: ``(owned position, length, parameter name, position in it)``.
+        """The owned buffer in canonical coordinates.
 
         The owned ranges are disjoint over this optimizer's ranks (the data-parallel replicas); copies elsewhere, as
-        tensor ranks' replicated LayerNorms, are narrowed by the model's ``checkpoint_share(name, False)``."""
+        tensor ranks' replicated LayerNorms, are narrowed by the model's ``checkpoint_share(name, False)``.
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+
+        Yields:
+            ``(owned position, length, parameter name, position in it)``.
+        """
         for p, start, at, length in self.owned_ranges():
             for pos, n, name, c in canonical(segmap[id(p)], start, start + length):
                 yield at + pos - start, n, name, c
 
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
         """The owned state (and fp32 master of low-precision parameters) as canonical pieces; each rank writes the
-        part of its owned ranges that ``share`` gives it."""
+        part of its owned ranges that ``share`` gives it.
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`.
+        """
         pieces: dict[str, torch.Tensor] = {}
         scalars: dict[str, dict[str, float]] = {}
         owned = written(self.owned_canonical(segmap), share, False)
@@ -609,7 +733,22 @@ class _FlatShardOptimizer(ShardedOptimizer):
         return pieces, scalars, {"class": kind, "groups": group_hyperparameters(self.param_groups)}
 
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
-        """Read the state of the owned ranges (from whichever ranks' files hold it: any world size, any strategy)."""
+        """Read the state of the owned ranges (from whichever ranks' files hold it: any world size, any strategy).
+
+        Args:
+            body: The checkpoint's verified manifest.
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the rest (steps, hyper-parameters, the wrapped optimizer's state).
+
+        Raises:
+            CheckpointError: When the checkpoint holds no optimizer state, state of another optimizer class,
+                another number of parameter groups or other state tensors than this optimizer needs, or lacks
+                data this rank needs (or a file holding it is damaged).
+        """
         saved, scalars, keys = saved_optimizer(body, reader, self.param_groups, type(self.optimizer).__name__)
         owned = list(self.owned_canonical(segmap))
         targets = dict(self._state)
@@ -669,7 +808,13 @@ class _FlatShardOptimizer(ShardedOptimizer):
         return finish
 
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release)."""
+        """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release).
+
+        Returns:
+            The strategy, world size, rank, owned segments, step counts, state tensors (copies), the wrapped
+            optimizer's state (generic path) and the groups' hyper-parameters. Loads back only at the same world
+            size (:meth:`load_state_dict`).
+        """
         return {
             "strategy": self.strategy,
             "world_size": self.comm.world_size,
@@ -682,6 +827,15 @@ class _FlatShardOptimizer(ShardedOptimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned on this rank, at the same world size.
+
+        Args:
+            state_dict: This rank's :meth:`state_dict`, saved by the same strategy and world size.
+
+        Raises:
+            ValueError: When it was saved at another world size or for other owned segments (load across world
+                sizes through a gpudist checkpoint).
+        """
         if state_dict.get("world_size") != self.comm.world_size or state_dict.get("segments") != list(self._segments):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the state was saved at world size "
@@ -706,6 +860,18 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
     all-gather of the updated parameters: 2(N-1)/N x P per rank on a ring, as DDP. Adam, AdamW and SGD step
     the owned range in one fused kernel launch per parameter group; any other torch optimizer steps views of it.
     Use it when the optimizer state is what does not fit.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` whose algorithm and hyper-parameters to use; its trainable
+            parameters move into one flat buffer (adopted as it is when the model already put them there).
+        config: The configuration the model wrapper (if any) was built from, or that model itself.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), or ``config`` is
+            neither a ``ShardingConfiguration`` nor a ``ShardedModel``.
+        ValueError: When the optimizer has no parameter that requires grad, its trainable parameters differ in
+            dtype or device, another rank's parameter groups or shapes differ, or the model passed as ``config``
+            does not reduce every trainable parameter.
     """
 
     strategy = "zero1"
@@ -750,6 +916,18 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
     one fused launch per parameter group, and all-gathers each bucket's updated parameters:
     ``2 (N-1)/N x P`` per rank per step, as DDP, with (2 + K) P / N less memory for gradients and state.
     The optimizer's parameters must be the model's trainable parameters in the model's order.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` whose algorithm and hyper-parameters to use; its trainable
+            parameters move into one flat buffer (adopted as it is when the model already put them there).
+        config: The configuration the model wrapper (if any) was built from, or that model itself.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), or ``config`` is
+            neither a ``ShardingConfiguration`` nor a ``ShardedModel``.
+        ValueError: When the optimizer has no parameter that requires grad, its trainable parameters differ in
+            dtype or device, another rank's parameter groups or shapes differ, or the model passed as ``config``
+            does not reduce every trainable parameter.
     """
 
     strategy = "zero2"
@@ -765,6 +943,13 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         return sorted(part.segment for part in self._parts)
 
     def reduce_gradients(self) -> None:
+        """Fill the owned gradient buffer: the paired ZeRO2Model's reduce-scattered pieces (stepped in place), or,
+        with a plain module, reduce-scatter the gradients here.
+
+        Raises:
+            ValueError: When the paired model is not a ``ZeRO2Model`` whose trainable parameters are this
+                optimizer's, in the model's ``parameters()`` order.
+        """
         model = self.model()
         if model is None:
             self._reduce_scatter_gradients()
