@@ -97,7 +97,15 @@ class CheckpointError(ValueError):
 
 @dataclass
 class CheckpointInfo:
-    """What :func:`load_checkpoint` restored besides tensors."""
+    """What :func:`load_checkpoint` restored besides tensors.
+
+    Attributes:
+        path: The checkpoint folder.
+        step: The ``step`` it was saved with.
+        world_size: The world size that wrote it.
+        strategy: The strategy of the model that wrote it (``"module"`` for a plain ``nn.Module``).
+        extra: The ``extra`` JSON it was saved with.
+    """
 
     path: Path
     step: int
@@ -400,7 +408,24 @@ def save_checkpoint(
 ) -> Path:
     """Write ``model`` (and ``optimizer``'s state) as a checkpoint folder at ``path`` (collective: every rank calls
     it; ``path`` must be on a file system every rank sees). Replaces an existing checkpoint at ``path`` only once
-    the new one is complete. ``extra`` (JSON) travels in the manifest, e.g. the data position."""
+    the new one is complete. ``extra`` (JSON) travels in the manifest, e.g. the data position.
+
+    Args:
+        path: The checkpoint folder to write (replaced if it exists).
+        model: A gpudist ``ShardedModel``, or a plain ``nn.Module`` (whole on every rank of the optimizer's
+            group, if any).
+        optimizer: A gpudist or torch optimizer over ``model``'s parameters; None saves no optimizer state.
+        step: The training step, recorded in the manifest (:func:`latest_checkpoint` picks the highest).
+        extra: A JSON-serializable dict saved in the manifest and returned by :func:`load_checkpoint`.
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Raises:
+        TypeError: When ``extra`` is not JSON-serializable, or ``model`` is not an ``nn.Module``.
+        CheckpointError: When a rank could not write its file (raised on every rank; the previous checkpoints
+            are untouched).
+    """
     return CheckpointWrite(path, model, optimizer, step=step, extra=extra, background=False).wait()
 
 
@@ -412,6 +437,17 @@ class CheckpointWrite:
     on. :meth:`wait` (collective) joins the writer, and rank 0 writes the manifest and renames the folder into place
     only if every rank's file was written: a crash at any point leaves the previous checkpoints as they were and at
     most a hidden ``.NAME.tmp-*`` folder that is never read (:func:`remove_stale_staging` clears them).
+
+    Args:
+        path: The checkpoint folder to write (replaced if it exists, once the new one is complete).
+        model: A gpudist ``ShardedModel``, or a plain ``nn.Module``.
+        optimizer: A gpudist or torch optimizer over ``model``'s parameters; None saves no optimizer state.
+        step: The training step, recorded in the manifest.
+        extra: A JSON-serializable dict saved in the manifest.
+        background: Serialize and write the files in a background thread (True) or before returning (False).
+
+    Raises:
+        TypeError: When ``extra`` is not JSON-serializable, or ``model`` is not an ``nn.Module``.
     """
 
     def __init__(
@@ -490,11 +526,25 @@ class CheckpointWrite:
             self.error = e
 
     def done(self) -> bool:
-        """Whether this rank's file is written (``wait`` will not block on the writer)."""
+        """Whether this rank's file is written (``wait`` will not block on the writer).
+
+        Returns:
+            True once the writer finished (successfully or not), or when writing was not in the background.
+        """
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Path:
-        """Finish (collective): every rank's file written, then the manifest and the rename by rank 0."""
+        """Finish (collective): every rank's file written, then the manifest and the rename by rank 0.
+
+        Calling it again returns at once.
+
+        Returns:
+            The checkpoint's path.
+
+        Raises:
+            CheckpointError: When a rank could not write its file (raised on every rank; the staging folder is
+                removed and the previous checkpoints are untouched).
+        """
         if self._done:
             return self.path
         if self._thread is not None:
@@ -564,7 +614,14 @@ def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
     """Delete the hidden folders that interrupted saves left under ``root`` (``.NAME.tmp-*``, ``.NAME.old-*``).
-    Call it only when no save is in progress (e.g. on rank 0 when a job starts). Returns what it removed."""
+    Call it only when no save is in progress (e.g. on rank 0 when a job starts).
+
+    Args:
+        root: The folder holding checkpoint folders (nothing happens if it does not exist).
+
+    Returns:
+        The folders it removed.
+    """
     root = Path(root)
     removed = []
     if root.is_dir():
@@ -584,7 +641,19 @@ def _body_digest(body: dict) -> str:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The verified manifest of the checkpoint folder at ``path`` (raises CheckpointError when it is not one)."""
+    """The verified manifest of the checkpoint folder at ``path``.
+
+    Args:
+        path: A checkpoint folder.
+
+    Returns:
+        The manifest's body: format, strategy, world size, step, extra, parameter and buffer tables, optimizer
+        description and the files with their checksums and pieces.
+
+    Raises:
+        CheckpointError: When ``path`` is not a checkpoint folder: no manifest (e.g. an interrupted save), a
+            damaged one (unreadable or its checksum does not match), or a format this gpudist cannot read.
+    """
     path = Path(path)
     file = path / MANIFEST
     if not file.is_file():
@@ -605,7 +674,16 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint folder under ``root`` with the highest step (None if there is none)."""
+    """The complete checkpoint folder under ``root`` with the highest step.
+
+    Hidden folders (interrupted saves) and folders without a valid manifest are skipped.
+
+    Args:
+        root: The folder holding checkpoint folders.
+
+    Returns:
+        That folder, or None if there is none (or ``root`` does not exist).
+    """
     best, best_step = None, None
     root = Path(root)
     if not root.is_dir():
@@ -710,7 +788,22 @@ def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> CheckpointInfo:
     """Load a folder from :func:`save_checkpoint` into ``model`` (and ``optimizer``), whatever strategy and world
-    size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs."""
+    size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs.
+
+    Args:
+        path: A checkpoint folder.
+        model: The gpudist ``ShardedModel`` or plain ``nn.Module`` to load into.
+        optimizer: The optimizer to load the saved state into; None loads the model only.
+
+    Returns:
+        The checkpoint's step, world size, strategy and ``extra``.
+
+    Raises:
+        TypeError: When ``model`` is not an ``nn.Module``.
+        CheckpointError: When the checkpoint is missing, damaged or incomplete, does not match the model
+            (parameter names or shapes, buffers) or the optimizer (no optimizer state, another class or number of
+            parameter groups), or another rank could not load it.
+    """
     path = Path(path)
     comm = _comm_of(model, optimizer)
     parts = _model_parts(model, comm)

@@ -23,6 +23,25 @@ class ShardingConfiguration:
     (explicit), or ``ZeRO2Optimizer(inner, config)`` with the config the model was built from, which finds the model
     that reduces the optimizer's parameters (:meth:`model_for`). Either way the optimizer learns that the model
     already reduces gradients, and never reduces them twice.
+
+    Each field is described in full at its attribute below.
+
+    Args:
+        backend: The group every collective runs on (required).
+        bucket_cap_mb: Gradient bucket size in MiB (> 0).
+        first_bucket_mb: Size of the first bucket in MiB (> 0).
+        communication_dtype: None, ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+        find_unused_parameters: Allow parameters that get no gradient in some steps.
+        gradient_as_bucket_view: Make ``param.grad`` views into the gradient buckets.
+        broadcast_buffers: Broadcast module buffers from rank 0 before each training forward.
+        overlap_communication: Start each bucket's collective during backward.
+        max_grad_norm: Clip gradients to this global L2 norm (> 0); None: no clipping.
+
+    Raises:
+        TypeError: When ``backend`` is not a gpudist ``CommunicationBackend``.
+        ValueError: When ``bucket_cap_mb`` or ``first_bucket_mb`` is not a positive finite number,
+            ``communication_dtype`` is not one of the dtypes above, or ``max_grad_norm`` is neither None nor a
+            positive number.
     """
 
     backend: CommunicationBackend
@@ -86,16 +105,33 @@ class ShardingConfiguration:
 
     @property
     def world_size(self) -> int:
+        """The number of ranks of ``backend``."""
         return self.backend.world_size
 
     @property
     def rank(self) -> int:
+        """This rank in ``backend``."""
         return self.backend.rank
 
     def model_for(self, params: list[torch.Tensor]):
         """The model wrapper built with this configuration that reduces the gradients of every one of ``params``
-        (its :meth:`~gpudist.ShardedModel.manages`), or None: how ``Optimizer(inner, config)`` finds its model."""
+        (its :meth:`~gpudist.ShardedModel.manages`): how ``Optimizer(inner, config)`` finds its model.
+
+        Args:
+            params: The parameters an optimizer steps (those that require grad).
+
+        Returns:
+            That ``ShardedModel``, or None when no wrapper built with this configuration manages them all.
+        """
         return next((m for m in list(self._models) if all(m.manages(p) for p in params)), None)
 
     def bucket_cap_bytes(self, first: bool = False) -> int:
+        """A gradient bucket's capacity in bytes.
+
+        Args:
+            first: The first bucket's (``first_bucket_mb``) rather than the others' (``bucket_cap_mb``).
+
+        Returns:
+            The capacity, ``MiB * 2**20`` rounded down.
+        """
         return int((self.first_bucket_mb if first else self.bucket_cap_mb) * (1 << 20))

@@ -64,6 +64,31 @@ class ElasticOptimizer(ShardedOptimizer):
     ``samples_seen``, ``extra`` (a JSON dict of your own saved with every checkpoint, e.g. an epoch or a
     sampler's state), ``restored`` (the :class:`~gpudist.CheckpointInfo` loaded, or None) and ``history``
     (``[step, world_size]`` at each start). Call :meth:`finish` after the last step to commit the last checkpoint.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` over the model's parameters.
+        config: The configuration the model wrapper (if any) was built from; ``config.backend`` is the
+            data-parallel group.
+        checkpoint_dir: The folder of the ``step-NNNNNNNNN`` checkpoints, on a file system every rank sees
+            (created if missing).
+        checkpoint_every: Steps between checkpoints (>= 1); a failure redoes at most that many steps.
+        model: The module or ``ShardedModel`` to checkpoint; None: the wrapper built with ``config``.
+        zero_stage: 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2).
+        batch_size: Samples per rank per step, to count ``samples_seen``; None: not counted.
+        lr_scaling: None, ``"linear"`` or ``"sqrt"``, as described in the module doc.
+        base_world_size: The world size the groups' base learning rates are meant for; None: this run's (or the
+            restored one's).
+        keep: Committed checkpoints to keep (>= 1).
+        resume: Load the newest complete checkpoint under ``checkpoint_dir`` now.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), ``config`` is
+            neither a ``ShardingConfiguration`` nor a ``ShardedModel``, or there is no model (no ``model`` and no
+            wrapper built with ``config``).
+        ValueError: When ``checkpoint_every``, ``zero_stage``, ``lr_scaling``, ``batch_size``, ``keep`` or
+            ``base_world_size`` is invalid, or the data-parallel optimizer refuses the parameters (ZeRO: no
+            trainable parameter, mixed dtypes or devices, layouts that differ between ranks).
+        CheckpointError: When ``resume`` finds a checkpoint that cannot be loaded into the model and optimizer.
     """
 
     strategy = "elastic"
@@ -145,7 +170,14 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def restore(self):
         """Load the newest complete checkpoint under ``checkpoint_dir`` (collective; every rank loads the same one,
-        chosen by rank 0). Returns its :class:`~gpudist.CheckpointInfo`, or None when there is none."""
+        chosen by rank 0), and the step, samples seen, history and ``extra`` saved with it.
+
+        Returns:
+            Its :class:`~gpudist.CheckpointInfo`, or None when there is none.
+
+        Raises:
+            CheckpointError: When the checkpoint cannot be loaded into the model and optimizer (nothing changes).
+        """
 
         comm = self.comm
         choice = b""
@@ -175,7 +207,16 @@ class ElasticOptimizer(ShardedOptimizer):
 
     def checkpoint(self, background: bool = True):
         """Start a checkpoint of the current step now (collective); it is committed by the next :meth:`step`,
-        :meth:`checkpoint` or :meth:`finish` (or right away when ``background=False``)."""
+        :meth:`checkpoint` or :meth:`finish` (or right away when ``background=False``).
+
+        Args:
+            background: Write the files in a background thread (True) or now, committing at once (False).
+
+        Raises:
+            CheckpointError: When the pending (or, with ``background=False``, this) checkpoint could not be
+                written on some rank; the committed ones are untouched.
+            TypeError: When ``extra`` is not JSON-serializable.
+        """
 
         self._commit()
         extra = {
@@ -214,6 +255,19 @@ class ElasticOptimizer(ShardedOptimizer):
         self.inner.reduce_gradients()
 
     def step(self, closure=None):
+        """Commit the pending checkpoint, step the data-parallel optimizer (collective), count the step and the
+        samples, and start a checkpoint every ``checkpoint_every`` steps.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss; None: use the gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            CheckpointError: When the pending checkpoint could not be written on some rank.
+            TypeError: When a checkpoint is due and ``extra`` is not JSON-serializable.
+        """
         self._commit()  # the previous checkpoint's files were written while this step's forward/backward ran
         loss = self.inner.step(closure)
         self.step_count += 1
@@ -224,7 +278,11 @@ class ElasticOptimizer(ShardedOptimizer):
         return loss
 
     def finish(self) -> None:
-        """Commit the pending checkpoint (collective). Call after the last step."""
+        """Commit the pending checkpoint (collective). Call after the last step.
+
+        Raises:
+            CheckpointError: When the pending checkpoint could not be written on some rank.
+        """
         self._commit()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -233,13 +291,52 @@ class ElasticOptimizer(ShardedOptimizer):
     # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
 
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """The data-parallel optimizer's checkpoint pieces (:meth:`ShardedOptimizer.checkpoint_pieces`).
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)`` of the data-parallel optimizer.
+        """
         return optimizer_pieces(self.inner, segmap, share, rank, world)
 
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """Read the data-parallel optimizer's state from a checkpoint (:meth:`ShardedOptimizer.stage_checkpoint`).
+
+        Args:
+            body: The checkpoint's verified manifest.
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the state read.
+
+        Raises:
+            CheckpointError: When the checkpoint's optimizer state does not fit the data-parallel optimizer or
+                lacks data this rank needs (see :meth:`ShardedOptimizer.stage_checkpoint`).
+        """
         return stage_optimizer(self.inner, body, reader, segmap, apply)
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state.
+
+        Returns:
+            The data-parallel optimizer's ``state_dict()`` (ZeRO: this rank's shard, for the same world size).
+        """
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` into the data-parallel optimizer.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned (ZeRO: on this rank, at the same world size).
+
+        Raises:
+            ValueError: (ZeRO) When it was saved at another world size or for other owned segments.
+        """
         self.inner.load_state_dict(state_dict)

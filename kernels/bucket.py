@@ -185,7 +185,22 @@ def pack(
     """Write ``tensors`` (any shapes, empty ones allowed) into the flat buffer ``out``, times ``scale``.
 
     Casts to ``out.dtype`` in the same pass (fp32 <-> bf16/fp16, rounding to nearest even). Offsets
-    come from ``layout`` (default: ``FlatLayout.of(tensors)``, packed back to back). Returns ``out``.
+    come from ``layout`` (default: ``FlatLayout.of(tensors)``, packed back to back).
+
+    Args:
+        tensors: A list of float32, bfloat16 or float16 tensors on ``out``'s device (not a single tensor).
+        out: A 1-D contiguous float32, bfloat16 or float16 buffer of at least ``layout.total`` elements.
+        scale: A Python number every value is multiplied by (in fp32) on the way.
+        layout: Where each tensor goes in ``out``; it must describe ``tensors`` one for one.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: When ``tensors`` is a single tensor, ``layout`` is not a ``FlatLayout``, ``out`` is not a
+            tensor, a dtype is not float32, bfloat16 or float16, or ``scale`` is not a Python number.
+        ValueError: When ``out`` is not 1-D and contiguous or is too small, ``tensors`` do not match ``layout``
+            in number or element counts, or a tensor is on another device than ``out``.
     """
     tensors, layout = _validate(tensors, out, scale, layout, "out")
     tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -198,7 +213,23 @@ def unpack(
 ) -> list[torch.Tensor]:
     """Write the flat buffer ``flat``, times ``scale``, back into ``tensors`` in place (casting to each one's dtype).
 
-    The reverse of :func:`pack` with the same layout. Returns ``tensors``.
+    The reverse of :func:`pack` with the same layout.
+
+    Args:
+        flat: A 1-D contiguous float32, bfloat16 or float16 buffer of at least ``layout.total`` elements.
+        tensors: A list of float32, bfloat16 or float16 tensors on ``flat``'s device (not a single tensor),
+            overwritten in place.
+        scale: A Python number every value is multiplied by (in fp32) on the way.
+        layout: Where each tensor's values are in ``flat``; it must describe ``tensors`` one for one.
+
+    Returns:
+        ``tensors``, as a list.
+
+    Raises:
+        TypeError: When ``tensors`` is a single tensor, ``layout`` is not a ``FlatLayout``, ``flat`` is not a
+            tensor, a dtype is not float32, bfloat16 or float16, or ``scale`` is not a Python number.
+        ValueError: When ``flat`` is not 1-D and contiguous or is too small, ``tensors`` do not match ``layout``
+            in number or element counts, or a tensor is on another device than ``flat``.
     """
     tensors, layout = _validate(tensors, flat, scale, layout, "flat")
     targets = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]

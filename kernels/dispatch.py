@@ -21,7 +21,14 @@ _CHOICES = ("auto", "triton", "torch")
 
 
 def implementation() -> str:
-    """The forced choice from ``GPUDIST_KERNELS``: ``"auto"``, ``"triton"`` or ``"torch"``."""
+    """The forced choice from ``GPUDIST_KERNELS``: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        The choice, lower-cased (``"auto"`` when the variable is unset or empty).
+
+    Raises:
+        ValueError: When ``GPUDIST_KERNELS`` holds anything else.
+    """
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r} is not one of {', '.join(_CHOICES)}; unset it to let gpudist choose")
@@ -29,7 +36,19 @@ def implementation() -> str:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """True when the op on ``tensor`` (the buffer it writes) should run as a Triton kernel."""
+    """True when the op on ``tensor`` (the buffer it writes) should run as a Triton kernel.
+
+    Args:
+        tensor: The buffer the op writes.
+
+    Returns:
+        Whether to launch the Triton kernel (else the torch reference runs).
+
+    Raises:
+        ValueError: When ``GPUDIST_KERNELS`` is not ``auto``, ``triton`` or ``torch``.
+        RuntimeError: When ``GPUDIST_KERNELS=triton`` but Triton is not installed, or ``tensor`` is not on CUDA
+            and Triton's interpreter is off.
+    """
     choice = implementation()
     if choice == "torch":
         return False

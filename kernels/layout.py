@@ -22,6 +22,13 @@ class FlatLayout:
     Immutable after construction. The kernels' per-chunk index tables are built once per
     (chunk size, device, tensor selection) and cached here, so a layout reused every step (a
     gradient bucket) costs no host work or host-to-device copy after the first call.
+
+    Args:
+        shapes: The tensors' shapes, in buffer order.
+        align: Every tensor starts at a multiple of this many elements (1: back to back).
+
+    Raises:
+        ValueError: When ``align`` is not a positive int.
     """
 
     def __init__(self, shapes: Iterable[Sequence[int]], align: int = 1):
@@ -43,7 +50,18 @@ class FlatLayout:
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], align: int = 1) -> FlatLayout:
-        """The layout of ``tensors`` in list order; cached by shapes, so calling it every step is cheap."""
+        """The layout of ``tensors`` in list order; cached by shapes, so calling it every step is cheap.
+
+        Args:
+            tensors: The tensors (only their shapes matter).
+            align: Every tensor starts at a multiple of this many elements.
+
+        Returns:
+            The (shared, cached) layout.
+
+        Raises:
+            ValueError: When ``align`` is not a positive int.
+        """
         return _cached_layout(tuple(tuple(t.shape) for t in tensors), align)
 
     def __len__(self) -> int:
@@ -59,7 +77,14 @@ class FlatLayout:
         return f"FlatLayout({len(self)} tensors, total={self.total}, align={self.align})"
 
     def slice(self, index: int) -> slice:
-        """The range tensor ``index`` occupies in the flat buffer."""
+        """The range tensor ``index`` occupies in the flat buffer.
+
+        Args:
+            index: The tensor's position in the layout.
+
+        Returns:
+            ``slice(offset, offset + numel)``.
+        """
         return slice(self.offsets[index], self.offsets[index] + self.numels[index])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -69,12 +94,31 @@ class FlatLayout:
         object, so no weak reference to the buffer ever dies), so a cache of views in a layout shared by every
         buffer of that shape held the last buffers it saw, a full copy of the model among them. An owner that views
         its buffer every step keeps the views beside the buffer (:class:`gpudist.flat.FlatBuffer` does).
+
+        Args:
+            flat: A 1-D contiguous buffer of at least :attr:`total` elements.
+
+        Returns:
+            One view per tensor, in layout order.
+
+        Raises:
+            TypeError: When ``flat`` is not a tensor.
+            ValueError: When ``flat`` is not 1-D and contiguous, or is too small.
         """
         self.check_buffer(flat)
         return [flat[self.slice(i)].view(shape) for i, shape in enumerate(self.shapes)]
 
     def check_buffer(self, flat: torch.Tensor, name: str = "flat buffer") -> None:
-        """Raise a clear error unless ``flat`` is a 1-D contiguous tensor large enough for this layout."""
+        """Raise a clear error unless ``flat`` is a 1-D contiguous tensor large enough for this layout.
+
+        Args:
+            flat: The buffer to check.
+            name: How the error names it.
+
+        Raises:
+            TypeError: When ``flat`` is not a tensor.
+            ValueError: When ``flat`` is not 1-D and contiguous, or has fewer than :attr:`total` elements.
+        """
         if not isinstance(flat, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(flat).__name__}")
         if flat.dim() != 1 or not flat.is_contiguous():
@@ -86,7 +130,15 @@ class FlatLayout:
             raise ValueError(f"{name} holds {flat.numel()} elements but the layout needs {self.total}")
 
     def check_tensors(self, tensors: Sequence[torch.Tensor], name: str = "tensors") -> None:
-        """Raise a clear error unless ``tensors`` match this layout one for one in number of elements."""
+        """Raise a clear error unless ``tensors`` match this layout one for one in number of elements.
+
+        Args:
+            tensors: The tensors to check.
+            name: How the error names them.
+
+        Raises:
+            ValueError: When their number, or one's element count, differs from the layout's.
+        """
         if len(tensors) != len(self):
             raise ValueError(f"{name} has {len(tensors)} tensors but the layout describes {len(self)}")
         for i, (t, numel) in enumerate(zip(tensors, self.numels, strict=True)):
@@ -103,6 +155,14 @@ class FlatLayout:
         elements ``chunk_start[p] : chunk_start[p] + block`` of tensor ``chunk_tensor[p]`` (an index
         into ``select``, or into the whole layout), which lives at ``offsets[...]`` in the buffer.
         Empty tensors get no chunk. Cached per (block, device, select).
+
+        Args:
+            block: Elements per program.
+            device: Where the tables live (the kernel's device).
+            select: Indices of the tensors to cover, in table order; None: all of them.
+
+        Returns:
+            ``(chunk_tensor, chunk_start, offsets, numels)``, int64 tensors on ``device``.
         """
         key = (block, str(device), select)
         table = self._tables.get(key)

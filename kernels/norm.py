@@ -50,7 +50,19 @@ def squared_norm_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def squared_norm(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a 1-D contiguous float buffer, as an fp32 0-dim tensor on its device."""
+    """Sum of squares of a 1-D contiguous float buffer, as an fp32 0-dim tensor on its device.
+
+    Args:
+        x: A 1-D contiguous floating-point tensor.
+
+    Returns:
+        ``sum(x * x)`` accumulated in fp32, a 0-dim tensor (0 for an empty buffer; non-finite if ``x`` holds a
+        NaN or Inf).
+
+    Raises:
+        TypeError: When ``x`` is not a tensor or not floating point.
+        ValueError: When ``x`` is not 1-D and contiguous.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"squared_norm takes a tensor, got {type(x).__name__}")
     if x.dim() != 1 or not x.is_contiguous():

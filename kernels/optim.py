@@ -491,6 +491,40 @@ def adam_step(
 
     ``step`` is the 1-based number of this step (bias correction). Returns the skip flag (see the
     module docstring). Matches ``torch.optim.Adam``/``AdamW`` (amsgrad off) stepping the same values.
+
+    Args:
+        param: The flat shard of parameters (1-D, contiguous, floating point), updated in place.
+        grad: Its gradient, same shape and device.
+        exp_avg: Adam's first moment, same shape and device; updated in place.
+        exp_avg_sq: Adam's second moment, same shape and device; updated in place.
+        step: The 1-based number of this step; the caller increments it only for steps that were applied.
+        lr: The learning rate (>= 0).
+        beta1: The first moment's decay, in [0, 1).
+        beta2: The second moment's decay, in [0, 1).
+        eps: Added to the denominator (>= 0).
+        weight_decay: L2 penalty (Adam) or decoupled decay (AdamW) (>= 0).
+        decoupled_weight_decay: AdamW's decoupled weight decay instead of Adam's L2 penalty.
+        maximize: Maximize the objective (step along the gradient).
+        grad_scale: A number the gradient is multiplied by before use (1/world, an inverse loss scale, a clip
+            coefficient).
+        grad_scale_tensor: An optional 1-element tensor on ``param``'s device the gradient is also multiplied by
+            (a coefficient computed on the device, with no host sync).
+        found_inf: An optional 1-element tensor on ``param``'s device; nonzero skips the step (nothing is
+            written).
+        check_finite: With ``found_inf`` None, skip the step when ``grad`` holds a NaN or Inf (one extra read of
+            the gradient).
+        param_out: Also receives the new parameters, cast to its dtype (e.g. a bf16 copy for the next
+            all-gather); None: not written.
+
+    Returns:
+        The skip flag, an fp32 0-dim tensor on ``param``'s device: 1.0 when the step was skipped, else 0.0.
+
+    Raises:
+        TypeError: When ``param`` or a buffer is not floating point.
+        ValueError: When ``param`` is not a 1-D contiguous tensor, a buffer differs from it in shape or device or
+            is not contiguous, ``grad_scale_tensor`` or ``found_inf`` is not a 1-element tensor on its device,
+            ``step`` is not an int >= 1, ``lr``, ``eps``, ``weight_decay`` or ``grad_scale`` is not a finite
+            number >= 0, or ``beta1`` or ``beta2`` is not in [0, 1).
     """
     _check_buffers(
         param,
@@ -553,6 +587,40 @@ def sgd_step(
 
     ``first_step`` initializes the momentum buffer from the gradient, as torch.optim.SGD does when
     a parameter has no buffer yet. Returns the skip flag (see the module docstring).
+
+    Args:
+        param: The flat shard of parameters (1-D, contiguous, floating point), updated in place.
+        grad: Its gradient, same shape and device.
+        momentum_buffer: The momentum, same shape and device, updated in place; needed when ``momentum`` is
+            not 0.
+        lr: The learning rate (>= 0).
+        momentum: The momentum factor (>= 0; 0: plain SGD).
+        dampening: Dampening of the momentum (>= 0).
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        weight_decay: L2 penalty (>= 0).
+        maximize: Maximize the objective (step along the gradient).
+        first_step: Initialize ``momentum_buffer`` from the gradient, as described above.
+        grad_scale: A number the gradient is multiplied by before use (1/world, an inverse loss scale, a clip
+            coefficient).
+        grad_scale_tensor: An optional 1-element tensor on ``param``'s device the gradient is also multiplied by
+            (a coefficient computed on the device, with no host sync).
+        found_inf: An optional 1-element tensor on ``param``'s device; nonzero skips the step (nothing is
+            written).
+        check_finite: With ``found_inf`` None, skip the step when ``grad`` holds a NaN or Inf (one extra read of
+            the gradient).
+        param_out: Also receives the new parameters, cast to its dtype (e.g. a bf16 copy for the next
+            all-gather); None: not written.
+
+    Returns:
+        The skip flag, an fp32 0-dim tensor on ``param``'s device: 1.0 when the step was skipped, else 0.0.
+
+    Raises:
+        TypeError: When ``param`` or a buffer is not floating point.
+        ValueError: When ``param`` is not a 1-D contiguous tensor, a buffer differs from it in shape or device or
+            is not contiguous, ``grad_scale_tensor`` or ``found_inf`` is not a 1-element tensor on its device,
+            ``lr``, ``momentum``, ``dampening``, ``weight_decay`` or ``grad_scale`` is not a finite number >= 0,
+            ``momentum`` is not 0 without a ``momentum_buffer``, or ``nesterov`` is set without ``momentum > 0``
+            and ``dampening == 0``.
     """
     _check_buffers(
         param,

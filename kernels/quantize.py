@@ -87,6 +87,18 @@ def check_vector(
 
 
 def check_block_size(block_size: object) -> int:
+    """Validate a quantization block size (elements per scale), the rule every quantize/dequantize op applies.
+
+    Args:
+        block_size: The candidate block size.
+
+    Returns:
+        ``block_size``, unchanged.
+
+    Raises:
+        TypeError: When ``block_size`` is not an int (a bool is not one).
+        ValueError: When ``block_size`` is not a power of two from 32 to 4096.
+    """
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
     if not (32 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
@@ -343,6 +355,23 @@ def quantize_int8(
     Returns ``(q, scales)``; ``residual`` (if given) becomes ``acc - q * scale`` in place. ``stochastic``
     rounds up with probability equal to the fractional part (unbiased); vary ``seed`` between steps,
     otherwise every step draws the same uniforms.
+
+    Args:
+        grad: The 1-D contiguous float32, bfloat16 or float16 values to send.
+        residual: Error feedback, ``grad``'s size and device (float32, bfloat16 or float16); None: none.
+        block_size: Elements per scale: a power of two from 32 to 4096.
+        stochastic: Round stochastically instead of to nearest even.
+        seed: Seeds the stochastic rounding, an int in ``[0, 2**31)``.
+
+    Returns:
+        ``(q, scales)``: int8 codes of ``grad``'s size and one float32 scale per block.
+
+    Raises:
+        TypeError: When ``grad`` or ``residual`` is not a tensor or not float32, bfloat16 or float16, or
+            ``block_size`` is not an int.
+        ValueError: When ``grad`` or ``residual`` is not 1-D and contiguous, ``residual`` differs from ``grad`` in
+            size or device, or ``block_size`` is not a power of two from 32 to 4096, or ``seed`` is not an
+            int in ``[0, 2**31)``.
     """
     _check_grad_residual(grad, residual, block_size)
     seed = _check_seed(seed)
@@ -439,7 +468,23 @@ def dequantize_int8(
     block_size: int = 256,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``q * scale`` per block, into ``out`` or a new tensor of ``dtype`` (default float32)."""
+    """``q * scale`` per block, into ``out`` or a new tensor of ``dtype`` (default float32).
+
+    Args:
+        q: The 1-D contiguous int8 codes.
+        scales: One float32 scale per block of ``q``, on ``q``'s device.
+        out: Receives the values (float32, bfloat16 or float16, ``q``'s size and device); None: a new tensor.
+        block_size: Elements per scale, as used when quantizing.
+        dtype: The new tensor's dtype (None: float32); with ``out``, it must be ``out``'s dtype.
+
+    Returns:
+        ``out``, or the new tensor.
+
+    Raises:
+        TypeError: When a tensor is not one or has the wrong dtype, or ``block_size`` is not an int.
+        ValueError: When a tensor is not 1-D and contiguous or has the wrong size or device, ``block_size`` is not
+            a power of two from 32 to 4096, or ``out`` and ``dtype`` disagree.
+    """
     _check_int8_payload(q, scales, block_size)
     if out is not None:
         _check_out(out, q.numel(), q.device, dtype)
@@ -473,7 +518,22 @@ def dequantize_int8_accumulate_reference(
 def dequantize_int8_accumulate(
     q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block_size: int = 256
 ) -> torch.Tensor:
-    """``out += q * scale`` in one pass (receiving side of an int8 all-gather)."""
+    """``out += q * scale`` in one pass (receiving side of an int8 all-gather).
+
+    Args:
+        q: The 1-D contiguous int8 codes.
+        scales: One float32 scale per block of ``q``, on ``q``'s device.
+        out: The float32, bfloat16 or float16 running sum, ``q``'s size and device; added to in place.
+        block_size: Elements per scale, as used when quantizing.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: When a tensor is not one or has the wrong dtype, or ``block_size`` is not an int.
+        ValueError: When a tensor is not 1-D and contiguous or has the wrong size or device, or ``block_size`` is
+            not a power of two from 32 to 4096.
+    """
     _check_int8_payload(q, scales, block_size)
     _check_out(out, q.numel(), q.device, None)
     impl = dequantize_int8_accumulate_triton if use_triton(out) else dequantize_int8_accumulate_reference
@@ -627,7 +687,21 @@ def quantize_1bit(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``grad + residual`` to signs (8 per byte) and one fp32 scale, ``mean(|acc|)``, per block.
 
-    Returns ``(bits, scales)``; ``residual`` (if given) becomes ``acc - dequant`` in place.
+    ``residual`` (if given) becomes ``acc - dequant`` in place.
+
+    Args:
+        grad: The 1-D contiguous float32, bfloat16 or float16 values to send.
+        residual: Error feedback, ``grad``'s size and device (float32, bfloat16 or float16); None: none.
+        block_size: Elements per scale: a power of two from 32 to 4096.
+
+    Returns:
+        ``(bits, scales)``: uint8 signs, 8 per byte (``ceil(n / 8)`` bytes), and one float32 scale per block.
+
+    Raises:
+        TypeError: When ``grad`` or ``residual`` is not a tensor or not float32, bfloat16 or float16, or
+            ``block_size`` is not an int.
+        ValueError: When ``grad`` or ``residual`` is not 1-D and contiguous, ``residual`` differs from ``grad`` in
+            size or device, or ``block_size`` is not a power of two from 32 to 4096.
     """
     _check_grad_residual(grad, residual, block_size)
     impl = quantize_1bit_triton if use_triton(grad) else quantize_1bit_reference
@@ -699,7 +773,25 @@ def dequantize_1bit(
     block_size: int = 256,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``scale * (1 - 2 * bit)`` for the first ``n`` signs, into ``out`` or a new tensor of ``dtype`` (float32)."""
+    """``scale * (1 - 2 * bit)`` for the first ``n`` signs, into ``out`` or a new tensor of ``dtype`` (float32).
+
+    Args:
+        bits: The 1-D contiguous uint8 signs, ``ceil(n / 8)`` bytes.
+        scales: One float32 scale per block of ``n`` elements, on ``bits``' device.
+        n: The number of elements that were quantized (>= 0).
+        out: Receives the values (float32, bfloat16 or float16, ``n`` elements on ``bits``' device); None: a new
+            tensor.
+        block_size: Elements per scale, as used when quantizing.
+        dtype: The new tensor's dtype (None: float32); with ``out``, it must be ``out``'s dtype.
+
+    Returns:
+        ``out``, or the new tensor.
+
+    Raises:
+        TypeError: When a tensor is not one or has the wrong dtype, or ``block_size`` is not an int.
+        ValueError: When ``n`` is not an int >= 0, a tensor is not 1-D and contiguous or has the wrong size or
+            device, ``block_size`` is not a power of two from 32 to 4096, or ``out`` and ``dtype`` disagree.
+    """
     _check_1bit_payload(bits, scales, n, block_size)
     if out is not None:
         _check_out(out, n, bits.device, dtype)
@@ -730,7 +822,22 @@ def dequantize_1bit_accumulate_reference(
 def dequantize_1bit_accumulate(
     bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block_size: int = 256
 ) -> torch.Tensor:
-    """``out += scale * (1 - 2 * bit)`` in one pass; ``out.numel()`` is the number of quantized elements."""
+    """``out += scale * (1 - 2 * bit)`` in one pass; ``out.numel()`` is the number of quantized elements.
+
+    Args:
+        bits: The 1-D contiguous uint8 signs, ``ceil(out.numel() / 8)`` bytes.
+        scales: One float32 scale per block, on ``bits``' device.
+        out: The float32, bfloat16 or float16 running sum, on ``bits``' device; added to in place.
+        block_size: Elements per scale, as used when quantizing.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: When a tensor is not one or has the wrong dtype, or ``block_size`` is not an int.
+        ValueError: When a tensor is not 1-D and contiguous or has the wrong size or device, or ``block_size`` is
+            not a power of two from 32 to 4096.
+    """
     check_vector("out", out, FLOAT_DTYPES)
     _check_1bit_payload(bits, scales, out.numel(), block_size)
     _check_out(out, out.numel(), bits.device, None)

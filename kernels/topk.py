@@ -300,6 +300,25 @@ def topk_compress(
     ``residual=None`` means no error feedback (``acc = grad``, nothing is written). ``mode="threshold"`` is the
     fast path (see the module docstring); ``generator`` drives its sampling. Values come back in
     ``grad.dtype``; if ``residual`` is wider, the rounding of that cast stays in the residual.
+
+    Args:
+        grad: The 1-D contiguous float32, bfloat16 or float16 values.
+        residual: Error feedback, ``grad``'s size and device (float32, bfloat16 or float16); None: none.
+        k: How many entries to select, ``0..grad.numel()``.
+        mode: ``"exact"`` or ``"threshold"``.
+        generator: A ``torch.Generator`` on ``grad``'s device type for the threshold's sampling; None: torch's
+            default generator.
+        index_dtype: ``torch.int64`` or ``torch.int32`` (enough for fewer than ``2**31`` elements).
+
+    Returns:
+        The selected values and their ascending indices, with the threshold used and the candidate count.
+
+    Raises:
+        TypeError: When ``grad`` or ``residual`` is not a tensor or not float32, bfloat16 or float16, ``k`` is not
+            an int, or ``generator`` is not a ``torch.Generator``.
+        ValueError: When ``grad`` or ``residual`` is not 1-D and contiguous, ``residual`` differs from ``grad`` in
+            size or device, ``k`` is out of range, ``mode`` is unknown, ``generator`` is on another device type,
+            or ``index_dtype`` is not int64 or int32 or is int32 for too many elements.
     """
     check_vector("grad", grad, FLOAT_DTYPES)
     n = grad.numel()
@@ -332,6 +351,14 @@ def topk_recall(acc: torch.Tensor, indices: torch.Tensor, k: int) -> float:
 
     An index counts when its magnitude reaches the true k-th largest, so a different pick among tied
     magnitudes does not lower the recall. ``k = 0`` gives 1.0.
+
+    Args:
+        acc: The values the selection was made from.
+        indices: The selected positions.
+        k: The number of entries selected.
+
+    Returns:
+        The recall, in [0, 1].
     """
     if k == 0:
         return 1.0

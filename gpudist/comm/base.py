@@ -43,7 +43,14 @@ DEFAULT_TIMEOUT = 300.0
 
 
 class CommunicationError(RuntimeError):
-    """A collective or point-to-point op could not complete. Names the op, the group and the rank."""
+    """A collective or point-to-point op could not complete. Names the op, the group and the rank.
+
+    Args:
+        message: What failed and what to do about it.
+        op: The op that failed (``"all_reduce"``, ``"init"``, ...), kept as ``self.op``.
+        group: The group's name, kept as ``self.group``.
+        rank: The rank that raised (-1: unknown), kept as ``self.rank``.
+    """
 
     def __init__(self, message: str, *, op: str = "", group: str = "", rank: int = -1):
         super().__init__(message)
@@ -70,6 +77,18 @@ class ReductionOperation(enum.Enum):
 
     @classmethod
     def parse(cls, op: ReductionOperation | str) -> ReductionOperation:
+        """The reduction ``op`` names.
+
+        Args:
+            op: A ``ReductionOperation``, or a name: ``"sum"``, ``"average"`` (``"avg"``, ``"mean"``), ``"max"``,
+                ``"min"`` or ``"product"`` (``"prod"``), in any case.
+
+        Returns:
+            The ``ReductionOperation``.
+
+        Raises:
+            ValueError: When ``op`` is neither a ``ReductionOperation`` nor one of those names.
+        """
         if isinstance(op, cls):
             return op
         if isinstance(op, str):
@@ -81,7 +100,18 @@ class ReductionOperation(enum.Enum):
 
 
 def split_sizes(numel: int, world_size: int) -> list[int]:
-    """Element counts of each rank's contiguous range when ``numel`` elements are split over ``world_size``."""
+    """Element counts of each rank's contiguous range when ``numel`` elements are split over ``world_size``.
+
+    Args:
+        numel: Elements of the flat buffer (>= 0).
+        world_size: Ranks it is split over (>= 1).
+
+    Returns:
+        ``world_size`` counts in rank order: the first ``numel % world_size`` get ``numel // world_size + 1``.
+
+    Raises:
+        ValueError: When ``world_size < 1`` or ``numel < 0``.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if numel < 0:
@@ -91,7 +121,19 @@ def split_sizes(numel: int, world_size: int) -> list[int]:
 
 
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(start, end)`` of ``rank``'s range of a flat buffer of ``numel`` elements (see :func:`split_sizes`)."""
+    """``(start, end)`` of ``rank``'s range of a flat buffer of ``numel`` elements (see :func:`split_sizes`).
+
+    Args:
+        numel: Elements of the flat buffer.
+        world_size: Ranks it is split over.
+        rank: The rank whose range to return.
+
+    Returns:
+        ``(start, end)``, end exclusive.
+
+    Raises:
+        ValueError: When ``rank`` is not in ``0..world_size-1``.
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
     base, extra = divmod(numel, world_size)
@@ -165,7 +207,12 @@ class CommStats:
 
 
 class Work:
-    """Handle of an op started with ``async_op=True``: ``wait()`` blocks until it completes (or raises its error)."""
+    """Handle of an op started with ``async_op=True``: ``wait()`` blocks until it completes (or raises its error).
+
+    Args:
+        wait_fn: Blocks until the op completes, raising its error; None: the op is already complete.
+        done_fn: Whether the op has completed, without blocking; None: unknown until ``wait`` returns.
+    """
 
     def __init__(self, wait_fn: Callable[[], None] | None = None, done_fn: Callable[[], bool] | None = None):
         self._wait_fn = wait_fn
@@ -174,6 +221,12 @@ class Work:
         self._error: BaseException | None = None
 
     def wait(self) -> None:
+        """Block until the op completes; later calls return (or raise) at once.
+
+        Raises:
+            CommunicationError: The op's error (or its subclasses :class:`CommunicationTimeoutError` and
+                :class:`CollectiveMismatchError`), raised again by every later call.
+        """
         if self._error is not None:
             raise self._error
         if self._finished:
@@ -187,6 +240,11 @@ class Work:
             self._finished = True
 
     def is_completed(self) -> bool:
+        """Whether the op has completed, without blocking.
+
+        Returns:
+            True once :meth:`wait` returned or raised, or when the transport reports the op done.
+        """
         if self._finished:
             return True
         return bool(self._done_fn()) if self._done_fn is not None else False
@@ -319,6 +377,16 @@ class CommunicationBackend(ABC):
     checks this and raises :class:`CommunicationError` on every rank, naming the rank that differed, before
     anything is sent. With ``async_op=True`` an op returns a :class:`Work` whose ``wait()`` completes it; the
     input must not be changed and the output not read before then. Without it, ops return ``None`` once done.
+    An async op's errors that arise after it started (a timeout, a transport failure) are raised by ``wait()``.
+
+    Args:
+        rank: This rank in the group, ``0..world_size-1``.
+        world_size: The number of ranks in the group (>= 1).
+        group: The group's name, used in error messages.
+        timeout: Seconds an op may wait for its peers (> 0).
+
+    Raises:
+        ValueError: When ``world_size < 1``, ``rank`` is out of range, or ``timeout`` is not positive.
     """
 
     #: Name of the transport ("inmemory", "gloo", "nccl", "mpi").
@@ -410,7 +478,26 @@ class CommunicationBackend(ABC):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReductionOperation | str = ReductionOperation.SUM, *, async_op: bool = False
     ) -> Work | None:
-        """Combine ``tensor`` over all ranks with ``op``, in place, on every rank."""
+        """Combine ``tensor`` over all ranks with ``op``, in place, on every rank.
+
+        Args:
+            tensor: A contiguous tensor on the backend's device, overwritten with the result.
+            op: The reduction (a name is parsed by :meth:`ReductionOperation.parse`); AVERAGE needs a floating-point
+                tensor.
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``tensor`` is not a tensor, its dtype is not supported, or ``op`` is AVERAGE of an
+                integer dtype.
+            ValueError: When ``tensor`` is on another device or not contiguous, or ``op`` is not a reduction.
+            CollectiveMismatchError: When the ranks' calls differ in shape, dtype or reduction (checked while
+                :attr:`validate` is on; raised on every rank before anything is sent).
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         op = ReductionOperation.parse(op)
         self._check_tensor("all_reduce", tensor)
         self._check_reduction("all_reduce", op, tensor.dtype)
@@ -432,6 +519,28 @@ class CommunicationBackend(ABC):
         ``out`` may be ``inp``'s own range r (the in-place form, as NCCL defines it). ``scratch_input=True`` says the
         caller has no further use for ``inp``: a transport whose reduce-scatter is an all-reduce (Gloo) then reduces
         ``inp`` in place instead of a copy of it, and ``inp`` holds garbage after (but for ``out``).
+
+        Args:
+            inp: This rank's contribution, a contiguous tensor on the backend's device (read as flat).
+            out: Receives this rank's range of the result: ``split_sizes(inp.numel(), world_size)[rank]`` elements
+                of ``inp``'s dtype, on ``inp``'s device.
+            op: The reduction (a name is parsed by :meth:`ReductionOperation.parse`); AVERAGE needs a floating-point
+                dtype.
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+            scratch_input: The caller has no further use for ``inp``, as described above.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``inp`` or ``out`` is not a tensor, their dtypes differ or are not supported, or
+                ``op`` is AVERAGE of an integer dtype.
+            ValueError: When a tensor is on another device (or they are on different ones) or not contiguous,
+                ``out`` does not have this rank's share of elements, or ``op`` is not a reduction.
+            CollectiveMismatchError: When the ranks' calls differ in shape, dtype or reduction (checked while
+                :attr:`validate` is on; raised on every rank before anything is sent).
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
         """
         op = ReductionOperation.parse(op)
         self._check_pair("reduce_scatter", inp, out)
@@ -448,7 +557,26 @@ class CommunicationBackend(ABC):
         return self._run(sig, nbytes, async_op, lambda: self._reduce_scatter(sig, inp, out, op, scratch_input))
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
-        """Concatenate every rank's ``inp`` in rank order into ``out`` (flat; uneven shares per :func:`split_sizes`)."""
+        """Concatenate every rank's ``inp`` in rank order into ``out`` (flat; uneven shares per :func:`split_sizes`).
+
+        Args:
+            inp: This rank's share: ``split_sizes(out.numel(), world_size)[rank]`` elements, contiguous, on the
+                backend's device.
+            out: Receives every rank's share in rank order (read as flat), of ``inp``'s dtype and device.
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``inp`` or ``out`` is not a tensor, or their dtypes differ or are not supported.
+            ValueError: When a tensor is on another device (or they are on different ones) or not contiguous, or
+                ``inp`` does not have this rank's share of ``out``'s elements.
+            CollectiveMismatchError: When the ranks' calls differ in shape, dtype (checked while
+                :attr:`validate` is on; raised on every rank before anything is sent).
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         self._check_pair("all_gather", inp, out)
         expected = split_sizes(out.numel(), self.world_size)[self.rank]
         if inp.numel() != expected:
@@ -462,7 +590,25 @@ class CommunicationBackend(ABC):
         return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
-        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank.
+
+        Args:
+            tensor: A contiguous tensor on the backend's device: the data on ``src``, overwritten elsewhere.
+            src: The rank whose tensor every rank receives.
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``tensor`` is not a tensor or its dtype is not supported, or ``src`` is not an int.
+            ValueError: When ``tensor`` is on another device or not contiguous, or ``src`` is not a rank of the
+                group.
+            CollectiveMismatchError: When the ranks' calls differ in shape, dtype or root (checked while
+                :attr:`validate` is on; raised on every rank before anything is sent).
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         self._check_tensor("broadcast", tensor)
         self._check_peer("broadcast", src, "src", allow_self=True)
         sig = Signature("broadcast", tensor.dtype, tuple(tensor.shape), root=src)
@@ -470,14 +616,53 @@ class CommunicationBackend(ABC):
         return self._run(sig, nbytes, async_op, lambda: self._broadcast(sig, tensor, src))
 
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Work | None:
-        """Send ``tensor`` to rank ``dst``, which must post a ``recv`` of the same shape and dtype."""
+        """Send ``tensor`` to rank ``dst``, which must post a ``recv`` of the same shape and dtype.
+
+        Not collective: only ``dst`` takes part.
+
+        Args:
+            tensor: A contiguous tensor on the backend's device; not to be changed before the send completes.
+            dst: The receiving rank (not this one).
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``tensor`` is not a tensor or its dtype is not supported, or ``dst`` is not an int.
+            ValueError: When ``tensor`` is on another device or not contiguous, or ``dst`` is not a rank of the
+                group or is this rank.
+            CollectiveMismatchError: When ``dst`` posted a receive of another shape or dtype (the payload is not
+                delivered).
+            CommunicationTimeoutError: When ``dst`` did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         self._check_tensor("send", tensor)
         self._check_peer("send", dst, "dst")
         sig = Signature("send", tensor.dtype, tuple(tensor.shape), root=dst)
         return self._run(sig, tensor.numel() * tensor.element_size(), async_op, lambda: self._send(sig, tensor, dst))
 
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Work | None:
-        """Receive into ``tensor`` what rank ``src`` sends; a shape or dtype that differs from the send raises here."""
+        """Receive into ``tensor`` what rank ``src`` sends; a shape or dtype that differs from the send raises here.
+
+        Not collective: only ``src`` takes part.
+
+        Args:
+            tensor: A contiguous tensor on the backend's device, shaped like the sent one; overwritten.
+            src: The sending rank (not this one).
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``tensor`` is not a tensor or its dtype is not supported, or ``src`` is not an int.
+            ValueError: When ``tensor`` is on another device or not contiguous, or ``src`` is not a rank of the
+                group or is this rank.
+            CollectiveMismatchError: When ``src`` sent a tensor of another shape or dtype.
+            CommunicationTimeoutError: When ``src`` did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         self._check_tensor("recv", tensor)
         self._check_peer("recv", src, "src")
         # The signature is the one the matching send carries, so the two compare directly.
@@ -497,7 +682,21 @@ class CommunicationBackend(ABC):
         for all of them (wait on it before reading a received tensor or changing a sent one). They progress
         concurrently (on NCCL: one group call), so two ranks that each send to the other and receive from it in
         one batch cannot deadlock, as they can with separate blocking ops where p2p runs in issue order
-        (:attr:`ordered_p2p`). Every tensor and peer is checked before anything is posted."""
+        (:attr:`ordered_p2p`). Every tensor and peer is checked before anything is posted.
+
+        Args:
+            sends: ``(tensor, dst)`` pairs, as for :meth:`send`.
+            recvs: ``(tensor, src)`` pairs, as for :meth:`recv`.
+
+        Returns:
+            One :class:`Work` for all of them; its ``wait()`` raises what :meth:`send` and :meth:`recv` raise once
+            started (a mismatch, a timeout, a transport failure).
+
+        Raises:
+            TypeError: When a tensor is not a tensor or its dtype is not supported, or a peer is not an int.
+            ValueError: When a tensor is on another device or not contiguous, or a peer is not a rank of the group
+                or is this rank.
+        """
         sends, recvs = [(t, int(d)) for t, d in sends], [(t, int(s)) for t, s in recvs]
         for tensor, dst in sends:
             self._check_tensor("send", tensor)
@@ -519,7 +718,25 @@ class CommunicationBackend(ABC):
         return Work(wait, lambda: all(w.is_completed() for w in works))
 
     def all_to_all(self, inp: torch.Tensor, out: torch.Tensor, *, async_op: bool = False) -> Work | None:
-        """Split ``inp`` into ``world_size`` equal parts; part j goes to rank j; ``out``'s part i comes from rank i."""
+        """Split ``inp`` into ``world_size`` equal parts; part j goes to rank j; ``out``'s part i comes from rank i.
+
+        Args:
+            inp: A contiguous tensor on the backend's device (read as flat), its size a multiple of ``world_size``.
+            out: Receives the parts; same size, dtype and device as ``inp``.
+            async_op: Return a :class:`Work` at once instead of waiting for completion.
+
+        Returns:
+            A :class:`Work` with ``async_op=True``, else None once done.
+
+        Raises:
+            TypeError: When ``inp`` or ``out`` is not a tensor, or their dtypes differ or are not supported.
+            ValueError: When a tensor is on another device (or they are on different ones) or not contiguous, or
+                ``inp`` and ``out`` differ in size or their size is not a multiple of ``world_size``.
+            CollectiveMismatchError: When the ranks' calls differ in shape, dtype (checked while
+                :attr:`validate` is on; raised on every rank before anything is sent).
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         self._check_pair("all_to_all", inp, out)
         if inp.numel() != out.numel() or inp.numel() % self.world_size:
             raise ValueError(
@@ -531,7 +748,13 @@ class CommunicationBackend(ABC):
         return self._run(sig, nbytes, async_op, lambda: self._all_to_all(sig, inp, out))
 
     def barrier(self) -> None:
-        """Return once every rank of the group has entered the barrier."""
+        """Return once every rank of the group has entered the barrier.
+
+        Raises:
+            CollectiveMismatchError: When another rank called a different op at this point.
+            CommunicationTimeoutError: When a rank did not enter within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
+        """
         sig = Signature("barrier")
         self._run(sig, 0, False, lambda: self._barrier(sig))
 
@@ -540,6 +763,19 @@ class CommunicationBackend(ABC):
 
         Collective: every rank of this group calls it with the same list. Members get the sub-group's backend,
         the other ranks ``None``.
+
+        Args:
+            ranks: Distinct ranks of this group, in the new group's rank order.
+
+        Returns:
+            The sub-group's backend on its members (same transport, timeout and validation), else None.
+
+        Raises:
+            ValueError: When ``ranks`` is empty, has duplicates, or holds a rank outside this group.
+            CollectiveMismatchError: When the ranks of this group passed different lists.
+            CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
+            CommunicationError: When the transport failed, or the group is unusable after an earlier failure (or,
+                Gloo, the backend wraps a process group whose store it does not know).
         """
         ranks = [int(r) for r in ranks]
         if not ranks:
@@ -565,6 +801,9 @@ class CommunicationBackend(ABC):
 
         For code whose shapes agree on every rank by construction (gradient buckets laid out from the same model
         and checked once): saves one small-message round trip per op. A mismatch inside the block is not caught.
+
+        Yields:
+            This backend.
         """
         previous, self.validate = self.validate, False
         try:
@@ -686,6 +925,15 @@ def first_line(error: BaseException) -> str:
 
 
 def stable_hash(values: Sequence[int]) -> int:
+    """A 62-bit FNV-style hash of a sequence of ints, the same in every process and run (for comparing a rank list
+    or a parameter layout across ranks).
+
+    Args:
+        values: The ints to hash, in order.
+
+    Returns:
+        A non-negative int below ``2**62``.
+    """
     h = 1469598103934665603
     for v in values:
         h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)

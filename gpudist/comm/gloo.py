@@ -173,6 +173,17 @@ class GlooCommunicationBackend(CommunicationBackend):
     Wraps an existing ``torch.distributed`` process group (default: the initialized default group), or joins
     one from the environment with :meth:`from_env` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE``, as torchrun sets them). Every op is given ``timeout`` seconds.
+
+    Args:
+        process_group: An initialized ``torch.distributed`` process group with a Gloo backend for CPU tensors;
+            None: the default (world) group.
+        timeout: Seconds every op may take (> 0).
+        validate: Check across ranks, before each collective, that all called the same op with the same shape,
+            dtype and root (one small round trip per op).
+
+    Raises:
+        CommunicationError: When ``process_group`` is None and ``torch.distributed`` is not initialized.
+        ValueError: When the process group has no Gloo backend for CPU tensors, or ``timeout`` is not positive.
     """
 
     name = "gloo"
@@ -225,7 +236,21 @@ class GlooCommunicationBackend(CommunicationBackend):
     def from_env(
         cls, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, connect_timeout: float | None = None
     ) -> GlooCommunicationBackend:
-        """Join (and initialize ``torch.distributed`` with) the Gloo group described by torchrun's variables."""
+        """Join (and initialize ``torch.distributed`` with) the Gloo group described by torchrun's variables.
+
+        Args:
+            timeout: Seconds every op may take.
+            validate: Check every collective's call signature across ranks.
+            connect_timeout: Seconds to wait for every rank to join (see :meth:`create`).
+
+        Returns:
+            This rank's backend of the world group.
+
+        Raises:
+            CommunicationError: When ``RANK`` or ``WORLD_SIZE`` is not set, or as :meth:`create` raises.
+            CommunicationTimeoutError: When the group did not form within ``connect_timeout``.
+            ValueError: As :meth:`create` raises.
+        """
         missing = [k for k in ("RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
             raise CommunicationError(
@@ -262,6 +287,26 @@ class GlooCommunicationBackend(CommunicationBackend):
         the first rank waits for the last one to start. It defaults to ``max(timeout, DEFAULT_TIMEOUT)``, so a
         short per-op ``timeout`` (fast failure detection) does not also fail a job whose ranks take a while to
         import torch on a loaded machine. Every op afterwards gets ``timeout``.
+
+        Args:
+            rank: This process's rank.
+            world_size: The number of processes.
+            master_addr: The address rank 0 hosts the rendezvous store on.
+            master_port: That store's port.
+            timeout: Seconds every op may take.
+            validate: Check every collective's call signature across ranks.
+            store: An existing ``torch.distributed`` store to rendezvous through; None: create one.
+            connect_timeout: Seconds to wait for every rank to join, as described above.
+
+        Returns:
+            This rank's backend of the new default (world) group.
+
+        Raises:
+            CommunicationError: When ``torch.distributed`` is already initialized, or the rendezvous store could
+                not be opened (e.g. the port is taken).
+            CommunicationTimeoutError: When the other ranks did not join within ``connect_timeout``.
+            ValueError: When ``rank`` is not in ``0..world_size-1``, or ``connect_timeout`` or ``timeout`` is not
+                positive.
         """
         if dist.is_initialized():
             raise CommunicationError(

@@ -119,6 +119,17 @@ class InMemoryCommunicationBackend(CommunicationBackend):
     op with the same shape, dtype and root, and otherwise raises on every rank naming the rank that differed.
     A rank that does not arrive within ``timeout`` seconds makes the waiting ranks raise
     :class:`CommunicationTimeoutError` naming it, and the group becomes unusable.
+
+    Args:
+        rank: This thread's rank, ``0..world_size-1``.
+        world_size: The number of ranks (threads) in the group.
+        group: The name the ranks meet by; concurrent worlds need distinct names.
+        timeout: Seconds an op waits for the other ranks (> 0).
+        device: Where the group's tensors live (``"cpu"`` or a CUDA device).
+
+    Raises:
+        ValueError: When ``world_size < 1``, ``rank`` is out of range or ``timeout`` is not positive, another
+            rank of the forming group passed another ``world_size``, or this rank already joined it.
     """
 
     name = "inmemory"
@@ -296,7 +307,11 @@ class InMemoryCommunicationBackend(CommunicationBackend):
         return Work(wait, lambda: other in slot)
 
     def abort(self, reason: str) -> None:
-        """Fail the whole group now: every rank waiting in (or later entering) an op raises CommunicationError."""
+        """Fail the whole group now: every rank waiting in (or later entering) an op raises CommunicationError.
+
+        Args:
+            reason: Why, quoted in the other ranks' errors.
+        """
         state = self._state
         with state.cond:
             if state.broken is None:

@@ -82,6 +82,17 @@ class MPICommunicationBackend(CommunicationBackend):
 
     Start the processes with ``mpirun -np N python train.py`` and build the backend with ``gpudist.init("mpi")``
     or ``MPICommunicationBackend()``. Every op is given ``timeout`` seconds.
+
+    Args:
+        comm: An mpi4py communicator; None: ``MPI.COMM_WORLD``.
+        timeout: Seconds every op may take (> 0).
+        validate: Check across ranks, before each collective, that all called the same op with the same shape,
+            dtype and root.
+        group: The group's name, used in error messages.
+
+    Raises:
+        CommunicationError: When mpi4py (or an MPI library) is not installed.
+        ValueError: When ``timeout`` is not positive.
     """
 
     name = "mpi"
@@ -329,7 +340,11 @@ class MPICommunicationBackend(CommunicationBackend):
         return MPICommunicationBackend(split[0], timeout=self.timeout, validate=self.validate, group=name)
 
     def abort(self, code: int = 1) -> None:
-        """End the whole MPI job now (``MPI_Abort``): the way out after a timeout left a rank stuck inside MPI."""
+        """End the whole MPI job now (``MPI_Abort``): the way out after a timeout left a rank stuck inside MPI.
+
+        Args:
+            code: The exit code MPI gives the job.
+        """
         self._comm.Abort(code)
 
     def shutdown(self) -> None:

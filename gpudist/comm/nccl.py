@@ -157,7 +157,24 @@ class _InFlight:
 
 class NCCLCommunicationBackend(CommunicationBackend):
     """One rank of an NCCL communicator on one CUDA device; build it with :meth:`create`, :meth:`from_bootstrap`
-    or ``gpudist.init("nccl")``."""
+    or ``gpudist.init("nccl")``.
+
+    Args:
+        rank: This rank, ``0..world_size-1``.
+        world_size: The number of ranks.
+        unique_id: The id from :meth:`unique_id` on rank 0, the same on every rank (128 bytes, or 128 ints).
+        device: This rank's CUDA device; None: the current one.
+        timeout: Seconds every op may take (> 0).
+        validate: Check across ranks, before each collective, that all called the same op with the same shape,
+            dtype and root.
+        group: The group's name, used in error messages.
+
+    Raises:
+        ValueError: When ``world_size < 1``, ``rank`` is out of range, ``timeout`` is not positive, or
+            ``unique_id`` is not 128 bytes.
+        CommunicationError: When there is no CUDA device, CuPy or libnccl is missing, or ``ncclCommInitRank``
+            failed.
+    """
 
     name = "nccl"
     ordered_p2p = True  # sends and receives run in issue order on torch's current stream
@@ -214,7 +231,14 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     @staticmethod
     def unique_id() -> bytes:
-        """A fresh NCCL unique id (128 bytes): rank 0 makes it, every rank passes it to ``__init__``."""
+        """A fresh NCCL unique id (128 bytes): rank 0 makes it, every rank passes it to ``__init__``.
+
+        Returns:
+            The id's 128 bytes.
+
+        Raises:
+            CommunicationError: When CuPy or libnccl is missing.
+        """
         return _id_bytes(_nccl().get_unique_id())
 
     @classmethod
@@ -226,7 +250,22 @@ class NCCLCommunicationBackend(CommunicationBackend):
         timeout: float | None = None,
         validate: bool = True,
     ) -> NCCLCommunicationBackend:
-        """The NCCL group of the same ranks as ``bootstrap`` (a CPU backend), whose rank 0 broadcasts the id."""
+        """The NCCL group of the same ranks as ``bootstrap`` (a CPU backend), whose rank 0 broadcasts the id.
+
+        Collective on ``bootstrap``.
+
+        Args:
+            bootstrap: A backend of the same ranks, e.g. Gloo's.
+            device: This rank's CUDA device; None: the current one.
+            timeout: Seconds every op may take; None: ``bootstrap``'s timeout.
+            validate: Check every collective's call signature across ranks.
+
+        Returns:
+            This rank's NCCL backend.
+
+        Raises:
+            CommunicationError: As the constructor raises, or when the broadcast of the id fails.
+        """
         ident = torch.zeros(_ID_BYTES, dtype=torch.int64)
         if bootstrap.rank == 0:
             ident.copy_(torch.tensor(list(cls.unique_id()), dtype=torch.int64))
@@ -255,7 +294,28 @@ class NCCLCommunicationBackend(CommunicationBackend):
         connect_timeout: float | None = None,
     ) -> NCCLCommunicationBackend:
         """Join through torch's TCPStore at ``master_addr:master_port`` (rank 0 hosts it and publishes the id).
-        ``connect_timeout`` bounds the join as in :meth:`GlooCommunicationBackend.create`."""
+        ``connect_timeout`` bounds the join as in :meth:`GlooCommunicationBackend.create`.
+
+        Args:
+            rank: This process's rank.
+            world_size: The number of processes.
+            master_addr: The address rank 0 hosts the store on.
+            master_port: The store's port.
+            device: This rank's CUDA device; None: the current one.
+            timeout: Seconds every op may take.
+            validate: Check every collective's call signature across ranks.
+            store: An existing ``torch.distributed`` store to rendezvous through; None: create one.
+            connect_timeout: Seconds to wait for every rank to join.
+
+        Returns:
+            This rank's NCCL backend.
+
+        Raises:
+            CommunicationError: When the store could not be opened, there is no CUDA device, CuPy or libnccl is
+                missing, or ``ncclCommInitRank`` failed.
+            CommunicationTimeoutError: When the other ranks did not join within ``connect_timeout``.
+            ValueError: When ``rank`` is out of range, or ``connect_timeout`` or ``timeout`` is not positive.
+        """
         from .gloo import create_store, join_timeout
 
         join = join_timeout(timeout, connect_timeout)

@@ -38,7 +38,16 @@ _SEED_MOD = 2**31
 
 
 def dense_bytes(op: str, nbytes: int, world_size: int) -> int:
-    """Per-rank send volume of an uncompressed ``op`` over ``nbytes`` (``"all_reduce"`` or ``"reduce_scatter"``)."""
+    """Per-rank send volume of an uncompressed ``op`` over ``nbytes`` (``"all_reduce"`` or ``"reduce_scatter"``).
+
+    Args:
+        op: ``"all_reduce"``; any other name counts as a reduce-scatter.
+        nbytes: The buffer's size in bytes.
+        world_size: The number of ranks.
+
+    Returns:
+        ``2 (N-1)/N x nbytes`` for an all-reduce, ``(N-1)/N x nbytes`` for a reduce-scatter, rounded.
+    """
     n = world_size
     factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
     return round(factor * nbytes)
@@ -49,6 +58,14 @@ class CompressedChannel:
 
     ``error_feedback=False`` drops what compression loses (for comparison: training is then measurably worse).
     ``scatter=True`` serves reduce-scatters (ZeRO-2): no second phase, so no server residual.
+
+    Args:
+        comm: The group every call averages over.
+        compressor: A :class:`TopKCompressor` or a :class:`QuantizingCompressor`.
+        numel: Elements of the buffer this channel serves.
+        device: Where the buffer and the residuals live.
+        scatter: Serve reduce-scatters instead of all-reduces.
+        error_feedback: Keep what compression loses in residuals (ignored for a lossless compressor).
     """
 
     def __init__(
@@ -89,7 +106,18 @@ class CompressedChannel:
     # -- public ops ----------------------------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, compress: bool = True) -> None:
-        """Average ``tensor`` (flat, ``numel`` elements) over ranks, in place."""
+        """Average ``tensor`` (flat, ``numel`` elements) over ranks, in place.
+
+        Collective: every rank of ``comm`` calls it.
+
+        Args:
+            tensor: The 1-D floating-point buffer of ``numel`` elements; overwritten with the average.
+            compress: False sends it uncompressed (a plain all-reduce, as during warm-up).
+
+        Raises:
+            ValueError: When ``tensor`` is not a 1-D tensor of ``numel`` elements.
+            TypeError: When ``tensor`` is not floating point.
+        """
         self._check(tensor, "tensor", self.numel)
         self.calls += 1
         self.dense_bytes += dense_bytes("all_reduce", self.numel * tensor.element_size(), self.comm.world_size)
@@ -105,7 +133,19 @@ class CompressedChannel:
         tensor.copy_(result)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, compress: bool = True) -> None:
-        """``out`` = this rank's range (:func:`split_sizes`) of the average of every rank's ``inp``."""
+        """``out`` = this rank's range (:func:`split_sizes`) of the average of every rank's ``inp``.
+
+        Collective: every rank of ``comm`` calls it.
+
+        Args:
+            inp: This rank's 1-D floating-point buffer of ``numel`` elements.
+            out: Receives this rank's range of the average: ``split_sizes(numel, world_size)[rank]`` elements.
+            compress: False sends it uncompressed (a plain reduce-scatter, as during warm-up).
+
+        Raises:
+            ValueError: When ``inp`` or ``out`` is not a 1-D tensor of the expected size.
+            TypeError: When ``inp`` or ``out`` is not floating point.
+        """
         self._check(inp, "inp", self.numel)
         self._check(out, "out", self.sizes[self.comm.rank])
         world = self.comm.world_size
@@ -133,20 +173,33 @@ class CompressedChannel:
     # -- residuals in the buffer's natural order (checkpoints) --------------------------------------------------
 
     def worker_residual(self) -> torch.Tensor | None:
-        """This rank's worker residual, ``numel`` elements in buffer order (None without error feedback)."""
+        """This rank's worker residual, ``numel`` elements in buffer order (None without error feedback).
+
+        Returns:
+            The residual (the live tensor for top-k, a copy without the chunks' padding otherwise), or None.
+        """
         if self.worker is None or self.sparse:
             return self.worker
         return torch.cat([self.worker[r * self.chunk : r * self.chunk + s] for r, s in enumerate(self.sizes)])
 
     def server_residual(self) -> tuple[int, torch.Tensor] | None:
-        """(start, values) of the server residual this rank holds: its range of the buffer (None if it has none)."""
+        """(start, values) of the server residual this rank holds: its range of the buffer (None if it has none).
+
+        Returns:
+            ``(offset in the buffer, values)``, or None for top-k, reduce-scatter channels and no error feedback.
+        """
         if self.server is None:
             return None
         rank = self.comm.rank
         return self.starts[rank], self.server[: self.sizes[rank]]
 
     def load_residuals(self, worker: torch.Tensor | None, server: torch.Tensor | None) -> None:
-        """Set the residuals from natural-order values (as :meth:`worker_residual` / :meth:`server_residual`)."""
+        """Set the residuals from natural-order values (as :meth:`worker_residual` / :meth:`server_residual`).
+
+        Args:
+            worker: ``numel`` values in buffer order; None (or a channel without one) leaves it as it is.
+            server: This rank's range of the server residual; None (or a channel without one) leaves it as it is.
+        """
         if worker is not None and self.worker is not None:
             if self.sparse:
                 self.worker.copy_(worker)
@@ -157,6 +210,11 @@ class CompressedChannel:
             self.server[: server.numel()].copy_(server)
 
     def residual_norm(self) -> float:
+        """The L2 norm of this rank's residuals, worker and server together (0.0 without error feedback).
+
+        Returns:
+            The norm, as a Python float.
+        """
         return sum(float(t.norm()) ** 2 for t in (self.worker, self.server) if t is not None) ** 0.5
 
     # -- algorithms ------------------------------------------------------------------------------------------------

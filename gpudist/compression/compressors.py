@@ -42,17 +42,40 @@ class Compressor(ABC):
 
     @abstractmethod
     def wire_format(self) -> str:
-        """What travels for ``n`` elements, in words (for reports and the README)."""
+        """What travels for ``n`` elements, in words (for reports and the README).
+
+        Returns:
+            A one-line description of the payload's tensors.
+        """
 
     @abstractmethod
     def payload_bytes(self, n: int) -> int:
-        """Bytes of one rank's compressed payload for ``n`` fp32 elements, scales and indices included."""
+        """Bytes of one rank's compressed payload for ``n`` fp32 elements, scales and indices included.
+
+        Args:
+            n: Elements of the buffer compressed.
+
+        Returns:
+            The payload's size in bytes.
+        """
 
     def bytes_per_element(self, n: int = 1 << 20) -> float:
-        """``payload_bytes(n) / n`` (4.0 for uncompressed fp32)."""
+        """``payload_bytes(n) / n`` (4.0 for uncompressed fp32).
+
+        Args:
+            n: Elements of the buffer compressed (1 Mi by default, where per-block overheads have settled).
+
+        Returns:
+            The average payload bytes per element.
+        """
         return self.payload_bytes(n) / max(n, 1)
 
     def describe(self) -> dict:
+        """A summary for reports.
+
+        Returns:
+            ``{"name": ..., "wire_format": ..., "bytes_per_element": ...}``.
+        """
         return {"name": self.name, "wire_format": self.wire_format(), "bytes_per_element": self.bytes_per_element()}
 
     def __repr__(self) -> str:
@@ -68,6 +91,14 @@ class TopKCompressor(Compressor):
     Wire: fp32 values and int32 indices, ``8 k`` bytes (top-k 1%: 2% of dense fp32). ``mode="threshold"`` selects
     the same set with a sampled threshold and one compaction pass (fast on a GPU); ``"exact"`` runs ``torch.topk``
     over all ``n`` magnitudes.
+
+    Args:
+        ratio: The fraction of entries sent, in (0, 1] (1.0 is lossless).
+        mode: ``"exact"`` or ``"threshold"``.
+
+    Raises:
+        ValueError: When ``ratio`` is not a number in (0, 1], or ``mode`` is neither ``"exact"`` nor
+            ``"threshold"``.
     """
 
     name = "topk"
@@ -81,7 +112,14 @@ class TopKCompressor(Compressor):
         self.lossless = self.ratio == 1.0
 
     def k(self, n: int) -> int:
-        """Entries sent for an ``n``-element buffer: ``ceil(ratio x n)``, at least 1 when ``n > 0``."""
+        """Entries sent for an ``n``-element buffer: ``ceil(ratio x n)``, at least 1 when ``n > 0``.
+
+        Args:
+            n: Elements of the buffer.
+
+        Returns:
+            ``k``, at most ``n`` (0 for an empty buffer).
+        """
         return min(n, max(1, math.ceil(self.ratio * n))) if n else 0
 
     def wire_format(self) -> str:
@@ -102,15 +140,38 @@ class QuantizingCompressor(Compressor):
 
     @abstractmethod
     def payload_numels(self, n: int) -> tuple[int, ...]:
-        """Sizes of the payload tensors for ``n`` elements (``n`` a multiple of ``block_size``)."""
+        """Sizes of the payload tensors for ``n`` elements (``n`` a multiple of ``block_size``).
+
+        Args:
+            n: Elements encoded, a multiple of ``block_size``.
+
+        Returns:
+            The element count of each payload tensor, in ``payload_dtypes`` order.
+        """
 
     @abstractmethod
     def encode(self, acc: torch.Tensor, residual: torch.Tensor | None, seed: int) -> tuple[torch.Tensor, ...]:
-        """Payload of ``acc + residual`` (``acc.numel()`` a multiple of ``block_size``); updates ``residual``."""
+        """Payload of ``acc + residual`` (``acc.numel()`` a multiple of ``block_size``); updates ``residual``.
+
+        Args:
+            acc: The flat values to encode.
+            residual: Error feedback, ``acc``'s size: added before encoding and set to what the encoding lost, in
+                place; None: no error feedback.
+            seed: Seeds stochastic rounding (vary it per step and rank).
+
+        Returns:
+            The payload tensors, in ``payload_dtypes`` order.
+        """
 
     @abstractmethod
     def decode(self, payload: tuple[torch.Tensor, ...], out: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add, with ``accumulate``) the values of ``payload`` into ``out``."""
+        """Write (or add, with ``accumulate``) the values of ``payload`` into ``out``.
+
+        Args:
+            payload: Tensors from :meth:`encode`.
+            out: The flat buffer to write into, as many elements as were encoded.
+            accumulate: Add into ``out`` instead of overwriting it.
+        """
 
     def payload_bytes(self, n: int) -> int:
         padded = -(-n // self.block_size) * self.block_size
@@ -132,7 +193,16 @@ def _block_size(cls: str, block_size: object) -> int:
 
 class Int8Compressor(QuantizingCompressor):
     """int8 codes with one fp32 scale (``absmax / 127``) per block: ``1 + 4 / block_size`` bytes per element
-    (25.4% of fp32 at 256). Round to nearest even, or ``stochastic`` (unbiased; seeded per step and rank)."""
+    (25.4% of fp32 at 256). Round to nearest even, or ``stochastic`` (unbiased; seeded per step and rank).
+
+    Args:
+        block_size: Elements per scale: a power of two from 32 to 4096.
+        stochastic: Round stochastically instead of to nearest even.
+
+    Raises:
+        TypeError: When ``block_size`` is not an int.
+        ValueError: When ``block_size`` is not a power of two from 32 to 4096.
+    """
 
     name = "int8"
     payload_dtypes = (torch.int8, torch.float32)
@@ -164,7 +234,15 @@ class Int8Compressor(QuantizingCompressor):
 
 class OneBitCompressor(QuantizingCompressor):
     """Signs, 8 per byte, with one fp32 scale (``mean |acc|``) per block: ``1/8 + 4 / block_size`` bytes per
-    element (3.5% of fp32 at 256). Needs error feedback to converge: the sign alone is a biased estimate."""
+    element (3.5% of fp32 at 256). Needs error feedback to converge: the sign alone is a biased estimate.
+
+    Args:
+        block_size: Elements per scale: a power of two from 32 to 4096.
+
+    Raises:
+        TypeError: When ``block_size`` is not an int.
+        ValueError: When ``block_size`` is not a power of two from 32 to 4096.
+    """
 
     name = "1bit"
     payload_dtypes = (torch.uint8, torch.float32)
@@ -219,7 +297,19 @@ class IdentityCompressor(QuantizingCompressor):
 
 def parse_compressor(spec: str | Compressor) -> Compressor:
     """``"topk:0.01"``, ``"topk:0.01:threshold"``, ``"int8"``, ``"int8:128"``, ``"1bit"``, ``"1bit:512"``,
-    ``"none"`` -> a compressor (the command-line form used by ``examples/train.py --compression``)."""
+    ``"none"`` -> a compressor (the command-line form used by ``examples/train.py --compression``).
+
+    Args:
+        spec: A spec string (case-insensitive), or a compressor, returned as it is.
+
+    Returns:
+        The compressor.
+
+    Raises:
+        TypeError: When ``spec`` is neither a string nor a ``Compressor``.
+        ValueError: When the spec is not one of those forms or its numbers are invalid (a ratio outside (0, 1], a
+            block size that is not a power of two from 32 to 4096, an unknown top-k mode).
+    """
     if isinstance(spec, Compressor):
         return spec
     if not isinstance(spec, str):

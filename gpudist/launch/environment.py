@@ -27,7 +27,16 @@ BACKENDS = ("inmemory", "gloo", "nccl", "mpi")
 
 @dataclass(frozen=True)
 class LaunchEnvironment:
-    """Where this process sits in the job, as its launcher described it."""
+    """Where this process sits in the job, as its launcher described it.
+
+    Attributes:
+        rank: This process's rank in the job.
+        world_size: The number of processes in the job.
+        local_rank: Its rank on this machine (picks its GPU).
+        master_addr: The rendezvous address (``MASTER_ADDR``, else 127.0.0.1).
+        master_port: The rendezvous port (``MASTER_PORT``, else 29500).
+        launcher: ``"torchrun"``, ``"openmpi"``, ``"mpich"``, ``"slurm"`` or ``"none"``.
+    """
 
     rank: int
     world_size: int
@@ -48,7 +57,18 @@ def _int_env(env: dict[str, str], *names: str) -> int | None:
 
 
 def detect_environment(environ: dict[str, str] | None = None) -> LaunchEnvironment:
-    """Rank, world size and rendezvous address from torchrun's, mpirun's or Slurm's variables (rank 0 of 1 if none)."""
+    """Rank, world size and rendezvous address from torchrun's, mpirun's or Slurm's variables (rank 0 of 1 if none).
+
+    Args:
+        environ: The variables to read; None: ``os.environ``.
+
+    Returns:
+        Where this process sits, and which launcher said so (``"none"`` without one).
+
+    Raises:
+        ValueError: When a variable that should hold an integer does not, or the rank is not in
+            ``0..world_size-1``.
+    """
     env = dict(os.environ if environ is None else environ)
     launchers = [
         ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",)),
@@ -73,7 +93,11 @@ def detect_environment(environ: dict[str, str] | None = None) -> LaunchEnvironme
 
 
 def available_backends() -> dict[str, str]:
-    """Each backend name mapped to "available" or the reason it is not."""
+    """Each backend name mapped to "available" or the reason it is not.
+
+    Returns:
+        ``{"inmemory": ..., "gloo": ..., "nccl": ..., "mpi": ...}``.
+    """
     gloo = "available" if torch.distributed.is_available() else "torch.distributed is not built in this torch"
     out = {"inmemory": "available", "gloo": gloo}
     if importlib.util.find_spec("gpudist.comm.nccl") is None:
@@ -109,6 +133,23 @@ def init(
     ``timeout`` bounds every op in seconds; ``connect_timeout`` bounds the join, how long the first rank waits for
     the last to start (default: the longer of ``timeout`` and 300 s); ``validate`` turns on the cross-rank
     consistency check.
+
+    Args:
+        backend: ``"auto"``, ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"inmemory"`` (a single process only).
+        timeout: Seconds every op may take.
+        validate: Check every collective's call signature across ranks.
+        connect_timeout: Seconds to wait for every rank to join; None: the default above.
+
+    Returns:
+        This rank's backend of the world group (Gloo: a wrapper of ``torch.distributed``'s default group when one
+        is already initialized).
+
+    Raises:
+        ValueError: When ``backend`` is unknown, the launcher's variables are not integers or give a rank outside
+            the world, or ``"inmemory"`` is asked for in a job of several processes.
+        CommunicationError: When the chosen backend is unavailable here (no CUDA device, CuPy or mpi4py missing,
+            ...), or joining the group failed (e.g. the rendezvous port is taken).
+        CommunicationTimeoutError: When the other ranks did not join within ``connect_timeout``.
     """
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")

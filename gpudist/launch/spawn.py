@@ -28,7 +28,12 @@ __all__ = ["RanksFailedError", "WorkerPool", "shared_pool", "spawn"]
 
 class RanksFailedError(RuntimeError):
     """One or more ranks raised, died or hung. ``failures`` maps rank -> traceback/reason; ``results`` holds
-    the return values of the ranks that finished (None elsewhere)."""
+    the return values of the ranks that finished (None elsewhere).
+
+    Args:
+        failures: Rank -> its traceback or what happened to it.
+        results: Every rank's return value, None where it failed.
+    """
 
     def __init__(self, failures: dict[int, str], results: list[Any]):
         self.failures = dict(sorted(failures.items()))
@@ -105,6 +110,17 @@ class WorkerPool:
     pickle: define it at module level) and returns the results in rank order. A rank that raises, dies or does
     not return within ``call_timeout`` makes ``run`` raise :class:`RanksFailedError` with every rank's story; the
     pool then closes itself (its group may be inconsistent), and ``broken`` tells callers to make a new one.
+
+    Args:
+        world_size: The number of processes (ranks) to spawn.
+        timeout: Seconds every communication op of the ranks may take.
+        validate: Check every collective's call signature across ranks.
+        start_timeout: Seconds to wait for the processes to start and join, and for every rank to receive each
+            call's function.
+
+    Raises:
+        ValueError: When ``world_size < 1``.
+        RanksFailedError: When a rank failed to start or to join the group (the pool is closed).
     """
 
     def __init__(
@@ -144,6 +160,21 @@ class WorkerPool:
             raise RanksFailedError(failures, [None] * world_size)
 
     def run(self, fn: Callable[..., Any], *args: Any, call_timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``fn(comm, *args, **kwargs)`` on every rank, ``comm`` being that rank's Gloo backend.
+
+        Args:
+            fn: A picklable function (defined at module level).
+            *args: Positional arguments after ``comm``; they must pickle.
+            call_timeout: Seconds to wait for every rank's result; None: the pool's ``timeout`` plus 60.
+            **kwargs: Keyword arguments; they must pickle.
+
+        Returns:
+            Every rank's return value, in rank order.
+
+        Raises:
+            RuntimeError: When the pool was closed (after a failure, or by :meth:`close`).
+            RanksFailedError: When a rank raised, died or did not return in time (the pool is closed).
+        """
         if self.broken:
             raise RuntimeError("this WorkerPool was closed after a failure; create a new one")
         payload = pickle.dumps((fn, args, kwargs))
@@ -213,6 +244,7 @@ class WorkerPool:
         return f"rank {rank} (pid {proc.pid}) died ({how}) without returning a result"
 
     def close(self) -> None:
+        """Stop the processes (those that do not exit are killed); the pool cannot run anything afterwards."""
         self.broken = True
         for conn in self._conns:
             try:
@@ -243,7 +275,23 @@ def spawn(
     validate: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` fresh Gloo processes; results in rank order."""
+    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` fresh Gloo processes; results in rank order.
+
+    Args:
+        fn: A picklable function (defined at module level), called with each rank's backend first.
+        world_size: The number of processes.
+        *args: Positional arguments after ``comm``; they must pickle.
+        timeout: Seconds every communication op may take.
+        validate: Check every collective's call signature across ranks.
+        **kwargs: Keyword arguments; they must pickle.
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        ValueError: When ``world_size < 1``.
+        RanksFailedError: When a rank failed to start, raised, died or did not return in time.
+    """
     with WorkerPool(world_size, timeout=timeout, validate=validate) as pool:
         return pool.run(fn, *args, **kwargs)
 
@@ -254,7 +302,21 @@ _POOLS: dict[tuple, WorkerPool] = {}
 def shared_pool(
     world_size: int, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, max_pools: int = 6
 ) -> WorkerPool:
-    """A process-wide pool for these settings, reused across calls (respawned after a failure)."""
+    """A process-wide pool for these settings, reused across calls (respawned after a failure).
+
+    Args:
+        world_size: The number of processes.
+        timeout: Seconds every communication op may take.
+        validate: Check every collective's call signature across ranks.
+        max_pools: The most pools kept alive; the least recently used is closed to make room.
+
+    Returns:
+        The pool for ``(world_size, timeout, validate)``.
+
+    Raises:
+        ValueError: When ``world_size < 1``.
+        RanksFailedError: When a new pool's ranks failed to start.
+    """
     key = (world_size, float(timeout), validate)
     pool = _POOLS.get(key)
     if pool is not None and not pool.broken:

@@ -240,6 +240,20 @@ class AsyncSGDOptimizer(ShardedOptimizer):
 
     ``stats`` (this rank's shard and worker): rounds applied, gradients accepted and dropped, the largest
     staleness accepted, and the seconds this worker spent waiting in pulls.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` over a plain module's fp32 parameters; each shard runs its
+            algorithm (and reads its ``param_groups``' hyper-parameters) on the shard's values.
+        config: The configuration (its ``backend`` exchanges the shard addresses; ``max_grad_norm`` must be
+            None).
+        max_staleness: The staleness bound (>= 0; 0 is synchronous SGD), as described in the module doc.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), ``config`` is
+            not a ``ShardingConfiguration``, or a model wrapper built from ``config`` reduces the parameters.
+        ValueError: When ``max_staleness`` is not an int >= 0, ``config.max_grad_norm`` is set, the optimizer has
+            no parameter that requires grad or has parameters that are not fp32, or another rank's parameter
+            groups or shapes differ.
     """
 
     strategy = "async"
@@ -369,7 +383,19 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         """Nothing to reduce: gradients go to the parameter-server shards as they are (see :meth:`step`)."""
 
     def step(self, closure=None):
-        """Push this rank's gradients to every shard and pull newer parameters (waits only as the bound says)."""
+        """Push this rank's gradients to every shard and pull newer parameters (waits only as the bound says).
+
+        Args:
+            closure: Re-evaluates the model and returns the loss; None: use the gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: When called after :meth:`finish` (or :meth:`close`).
+            CommunicationTimeoutError: When a pull waited longer than the backend's timeout for a newer version.
+            CommunicationError: When a shard's rank went away (died).
+        """
         if self._finished:
             raise RuntimeError("AsyncSGDOptimizer.step() after finish(); build a new optimizer to train again")
         loss = None
@@ -393,7 +419,12 @@ class AsyncSGDOptimizer(ShardedOptimizer):
 
     def finish(self) -> None:
         """Leave the quorum, wait until every worker has finished and the last rounds are applied, and load the final
-        parameters (the same on every rank). Call it on every rank after the last step; then the shards stop."""
+        parameters (the same on every rank). Call it on every rank after the last step; then the shards stop.
+
+        Raises:
+            CommunicationTimeoutError: When the other workers did not all finish within the backend's timeout.
+            CommunicationError: When a shard's rank went away (died).
+        """
         if self._finished:
             return
         for conn in self._conns:
@@ -415,6 +446,8 @@ class AsyncSGDOptimizer(ShardedOptimizer):
 
     @property
     def stats(self) -> dict[str, float]:
+        """This rank's shard (``rounds``, ``accepted``, ``dropped``, ``max_staleness_seen``, ``version``) and worker
+        (``steps``, ``wait_seconds``, ``bytes_moved``) counters."""
         with self._server.cond:
             out = dict(self._server.stats)
         out["version"] = self._server.version
@@ -424,6 +457,11 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """Not supported: the optimizer state lives on the parameter-server shards.
+
+        Raises:
+            NotImplementedError: Always; save the model after :meth:`finish` instead.
+        """
         raise NotImplementedError(
             "AsyncSGDOptimizer keeps its optimizer state on the parameter-server shards and "
             "has no checkpoint format yet; save the model after finish()"

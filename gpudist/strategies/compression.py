@@ -131,6 +131,26 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     Residuals (worker and server) are part of :meth:`state_dict` and of gpudist checkpoints, saved per rank and
     resharded when loaded at another world size. ``communication_report()`` and the model's
     ``get_model_metadata()["compression"]`` give the bytes sent against the dense equivalent.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer``, or a ``DDPOptimizer``, ``ZeRO1Optimizer`` or ``ZeRO2Optimizer``
+            built from the same ``config``.
+        config: The configuration the model wrapper (if any) and the wrapped optimizer were built from.
+        compressor: A :mod:`gpudist.compression` compressor, or its spec string.
+        warmup_steps: Optimizer steps that communicate uncompressed first (>= 0).
+        error_feedback: Keep what compression loses in residuals and send it later; False drops it.
+        compress: ``"gradients"`` or ``"momentum"``, as described above.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` or is another gpudist optimizer than
+            those above (a ``ZeRO3Optimizer`` too), ``config`` is neither a ``ShardingConfiguration`` nor a
+            ``ShardedModel``, ``compressor`` is neither a compressor nor a string, the paired model is not a
+            ``DDPModel``, ``ZeRO1Model`` or ``ZeRO2Model`` or does not match the wrapped optimizer (a
+            ``ZeRO2Model`` needs a ``ZeRO2Optimizer`` and only it), or ``compress="momentum"`` gets a sharding
+            optimizer or one that is not ``torch.optim.SGD``.
+        ValueError: When ``compress`` or ``warmup_steps`` is invalid, the compressor spec is not understood, the
+            wrapped optimizer was built from another configuration, or (``compress="momentum"``) a parameter group
+            does not have momentum > 0, dampening 0, no Nesterov and no ``maximize``.
     """
 
     strategy = "compression"
@@ -209,6 +229,11 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     # -- the own path: a plain module and a torch optimizer ----------------------------------------------------------
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
+        """What this optimizer all-reduces itself (a plain module and a torch optimizer or ``DDPOptimizer``).
+
+        Returns:
+            Bucket index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans).
+        """
         return {i: BufferSpec.of(bucket, "all_reduce") for i, bucket in enumerate(self._buckets)}
 
     @torch.no_grad()
@@ -228,6 +253,17 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     # -- stepping ----------------------------------------------------------------------------------------------------
 
     def step(self, closure=None):
+        """One optimizer step with compressed communication (collective), then count it for warm-up and reports.
+
+        With ``compress="momentum"`` after warm-up the averaged, compressed momentum is the update; otherwise the
+        wrapped optimizer steps (its communication compressed through the hook).
+
+        Args:
+            closure: Re-evaluates the model and returns the loss; None: use the gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+        """
         if self.compress == "momentum" and self.hook.compressing:
             loss = None
             if closure is not None:
@@ -272,7 +308,12 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             super().zero_grad(set_to_none)
 
     def communication_report(self) -> dict[str, Any]:
-        """Bytes sent in the last step and in all, against the dense equivalent (see :class:`CompressionHook`)."""
+        """Bytes sent in the last step and in all, against the dense equivalent (see :class:`CompressionHook`).
+
+        Returns:
+            The compressor, error feedback, mode, warm-up and step counts, ``"last_step"`` and ``"total"`` (each
+            ``sent_bytes``, ``dense_bytes`` and their ``ratio``) and the residuals' norm.
+        """
         return self.hook.report()
 
     # -- state -------------------------------------------------------------------------------------------------------
@@ -296,7 +337,18 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
         """The wrapped optimizer's pieces, then the error-feedback residuals. A worker residual is per rank
         (``residual.worker.<rank>``, the whole buffer); server residuals are one canonical tensor split over the ranks
-        (``residual.server``)."""
+        (``residual.server``).
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`; the description
+            carries the compression settings and step count under ``"compression"``.
+        """
         pieces, scalars, desc = optimizer_pieces(self._target(), segmap, share, rank, world)
         for channel, spans in self._residual_spans(segmap):
             worker, server = channel.worker_residual(), channel.server_residual()
@@ -321,7 +373,22 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
         """The wrapped optimizer's state, then the residuals. Saved at the same world size, each rank takes its own
         worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
-        pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters."""
+        pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters.
+
+        Args:
+            body: The checkpoint's verified manifest.
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the wrapped optimizer's state, the residuals and the step count.
+
+        Raises:
+            ValueError: When the checkpoint was saved with another ``compress`` mode.
+            CheckpointError: When the wrapped optimizer's state cannot be read (see
+                :meth:`ShardedOptimizer.stage_checkpoint`).
+        """
         meta = (body.get("optimizer") or {}).get("compression")
         if meta is not None:
             check_compress_mode(self, meta)
@@ -363,7 +430,12 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         return finish
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus this rank's residuals (per buffer, in buffer order) and step count."""
+        """The wrapped optimizer's state plus this rank's residuals (per buffer, in buffer order) and step count.
+
+        Returns:
+            ``{"inner": the wrapped optimizer's state_dict, "compression": {steps, world size, rank, mode,
+            residuals}}``; it loads back only at the same world size (:meth:`load_state_dict`).
+        """
         inner = self.inner.state_dict() if self.inner is not None else self.optimizer.state_dict()
         residuals = {}
         for key, channel in self.hook.channels.items():
@@ -385,6 +457,15 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned: the wrapped optimizer's state, the residuals and the step count.
+
+        Args:
+            state_dict: A :meth:`state_dict` saved at the same world size, with the same buffers and mode.
+
+        Raises:
+            ValueError: When ``state_dict`` is not from :meth:`state_dict`, was saved at another world size, with
+                other gradient buffers or with another ``compress`` mode.
+        """
         meta = state_dict.get("compression") if isinstance(state_dict, dict) else None
         if meta is None or "inner" not in state_dict:
             raise ValueError(

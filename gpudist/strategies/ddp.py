@@ -37,6 +37,17 @@ class DDPModel(ShardedModel):
     each bucket's gradients are ready (the last layers' first), so communication overlaps the rest of
     backward. ``param.grad`` are views into the flat buckets (no copy); ``no_sync()`` accumulates locally.
     Use it when the model, its gradients and its optimizer state fit on one device.
+
+    Args:
+        module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters and buffers
+            take rank 0's values.
+        config: The settings shared with the paired optimizer (bucket sizes, ``communication_dtype``, overlap,
+            ...); ``config.backend`` is the data-parallel group.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`.
+        ValueError: When ranks wrap modules whose parameter names, shapes or dtypes differ.
     """
 
     strategy = "ddp"
@@ -111,7 +122,11 @@ class DDPModel(ShardedModel):
     """The collective a comm hook replaces for each bucket (ZeRO-2: ``"reduce_scatter"``)."""
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
-        """What each bucket communicates, by bucket index (for a communication hook and its checkpoints)."""
+        """What each bucket communicates, by bucket index (for a communication hook and its checkpoints).
+
+        Returns:
+            Bucket index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans).
+        """
         return {b.index: BufferSpec.of(b.params, self._hook_op) for b in self._buckets}
 
     def register_comm_hook(self, hook) -> None:
@@ -119,7 +134,15 @@ class DDPModel(ShardedModel):
         flat_grads)`` must average the bucket over ranks in place (ZeRO-2: ``hook.reduce_scatter(bucket_index,
         flat_grads, out)`` puts this rank's piece of the average, per :func:`gpudist.comm.split_sizes`, in ``out``).
         :class:`gpudist.GradientCompressionOptimizer` installs one. The hook runs when the bucket is ready, in bucket
-        order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels."""
+        order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels.
+
+        Args:
+            hook: An object with the ``all_reduce`` (ZeRO-2: ``reduce_scatter``) method described above.
+
+        Raises:
+            TypeError: When ``hook`` lacks that method.
+            ValueError: When another hook is already registered.
+        """
         if not callable(getattr(hook, self._hook_op, None)):
             raise TypeError(
                 f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
@@ -305,7 +328,11 @@ class DDPModel(ShardedModel):
         """Clear the gradients. ``set_to_none`` (torch's default) drops ``param.grad`` and leaves the buckets as they
         are: the next backward copies each fresh gradient into its bucket view (no zeroing pass over P, about 12 ms
         per step at 20M parameters on the benchmark VM). ``set_to_none=False`` zeroes the buckets in place and keeps
-        ``param.grad`` as views into them."""
+        ``param.grad`` as views into them.
+
+        Args:
+            set_to_none: Drop ``param.grad`` (True) or zero the buckets in place (False), as described above.
+        """
         for bucket in self._buckets:
             if set_to_none:
                 for p in bucket.params:
@@ -321,7 +348,11 @@ class DDPModel(ShardedModel):
                         p.grad.zero_()
 
     def bucket_sizes(self) -> list[int]:
-        """Bytes on the wire per bucket, in launch order (for tests and reports)."""
+        """Bytes on the wire per bucket, in launch order (for tests and reports).
+
+        Returns:
+            One byte count per bucket.
+        """
         return [b.nbytes for b in self._buckets]
 
     def memory_per_rank(self) -> dict[str, int]:
@@ -343,6 +374,16 @@ class DDPOptimizer(ShardedOptimizer):
     them during backward) and ``step`` only waits for that. With a plain module, ``step`` averages the
     gradients itself first: flattened into ``bucket_cap_mb`` buckets (one all-reduce each, 2(N-1)/N x P
     bytes per rank in all). Parameters that got no gradient on a rank count as zeros, so ranks always agree.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` to wrap; its ``param_groups`` and ``state`` are shared.
+        config: The configuration the ``DDPModel`` (if any) was built from, or that model itself.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), or ``config`` is
+            neither a ``ShardingConfiguration`` nor a ``ShardedModel``.
+        ValueError: When the model passed as ``config`` does not reduce every trainable parameter of
+            ``optimizer``.
     """
 
     def reduce_gradients(self) -> None:

@@ -104,6 +104,21 @@ class ZeRO3Model(ShardedModel):
     torch optimizer directly (then clip with :meth:`clip_grad_norm_`). Outside forward the module's parameter
     attributes are empty; :meth:`gather_full_parameters` and :meth:`full_state_dict` give the full values.
     Every rank must run the same units in the same order (as for FSDP).
+
+    Args:
+        module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters take rank
+            0's values and are replaced by this rank's shards.
+        config: The settings shared with the paired optimizer; ``config.backend`` is the group the parameters
+            are sharded over.
+        units: The gathering units, as described above: module names or objects, module classes (a class or a
+            tuple of them), or a predicate ``(name, module) -> bool``; None: every submodule that holds
+            parameters itself.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`.
+        ValueError: When a unit named in ``units`` is not a submodule of ``module``, or ranks wrap modules whose
+            parameter names, shapes or dtypes differ.
     """
 
     strategy = "zero3"
@@ -489,7 +504,13 @@ class ZeRO3Model(ShardedModel):
             v.copy_(state[k])
 
     def clone(self) -> ZeRO3Model:
-        """A new wrapper (same class and units) around a copy of the module holding the current full values."""
+        """A new wrapper (same class and units) around a copy of the module holding the current full values.
+
+        Collective: every rank calls it (the full values are gathered).
+
+        Returns:
+            The new wrapper, built with the same ``config``.
+        """
         twin = copy.deepcopy(self.module)
         for sub in twin.modules():  # the copy must not call this wrapper's gathering hooks
             for handle in self._hooks:
@@ -534,8 +555,15 @@ class ZeRO3Model(ShardedModel):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale every shard's gradient so the global L2 norm (over all ranks) is at most ``max_norm``; returns the
-        norm before clipping (collective). For plain torch optimizers; ZeRO3Optimizer clips by itself."""
+        """Scale every shard's gradient so the global L2 norm (over all ranks) is at most ``max_norm`` (collective).
+        For plain torch optimizers; ZeRO3Optimizer clips by itself.
+
+        Args:
+            max_norm: The largest global L2 norm the gradients may have.
+
+        Returns:
+            The global norm before clipping.
+        """
         grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for grad in grads:
@@ -555,7 +583,11 @@ class ZeRO3Model(ShardedModel):
         return mem
 
     def units(self) -> list[str]:
-        """Names of the gathering units ("" is the root), in construction order."""
+        """Names of the gathering units ("" is the root), in construction order.
+
+        Returns:
+            A new list of the units' module names, the root's ``""`` first.
+        """
         return list(self._units)
 
     def extra_repr(self) -> str:
@@ -568,6 +600,19 @@ class FSDPModel(ZeRO3Model):
     ``auto_wrap_policy`` picks the units as in FSDP: a set of module classes (e.g. ``{Block}``), a predicate
     ``(name, module) -> bool``, or None for each entry of every ``nn.ModuleList`` (torchtitan's choice:
     ``fully_shard`` per transformer block, the root for the rest). Pair it with :class:`gpudist.ZeRO3Optimizer`.
+
+    Args:
+        module: The ``nn.Module`` to wrap; every rank must build the same architecture.
+        config: The settings shared with the paired optimizer; ``config.backend`` is the group the parameters
+            are sharded over.
+        auto_wrap_policy: The units, as described above (a set or list of module classes, a predicate, or None);
+            anything else :class:`ZeRO3Model`'s ``units`` takes is accepted too.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`.
+        ValueError: When a unit named in ``auto_wrap_policy`` is not a submodule of ``module``, or ranks wrap
+            modules whose parameter names, shapes or dtypes differ.
     """
 
     strategy = "fsdp"
@@ -592,6 +637,18 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
     torch optimizer over views), an fp32 master copy when the shards are bf16/fp16, global-norm clipping and the
     non-finite skip agreed over all ranks by one 8-byte all-reduce. Used with parameters no ZeRO-3 wrapper
     shards (a plain module), it does ZeRO-2's job: reduce-scatter, update the owned pieces, all-gather.
+
+    Args:
+        optimizer: The ``torch.optim.Optimizer`` over ``model.parameters()`` whose algorithm and
+            hyper-parameters to use.
+        config: The configuration the ``ZeRO3Model`` was built from, or that model itself.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), or ``config`` is
+            neither a ``ShardingConfiguration`` nor a ``ShardedModel``.
+        ValueError: When the optimizer has no parameter that requires grad, its trainable parameters differ in
+            dtype or device, the model passed as ``config`` does not reduce every trainable parameter, or (a
+            plain module) another rank's parameter groups or shapes differ.
     """
 
     strategy = "zero3"
@@ -609,6 +666,13 @@ class ZeRO3Optimizer(ZeRO2Optimizer):
         return super().owned_segments()
 
     def reduce_gradients(self) -> None:
+        """Take the shards' gradients, which the ZeRO-3 model already reduce-scattered, as the owned gradients;
+        without a ZeRO-3 model, reduce them as :class:`ZeRO2Optimizer` does.
+
+        Raises:
+            ValueError: When the paired model is neither a ZeRO-3 model nor a ``ZeRO2Model`` whose trainable
+                parameters are this optimizer's, in order.
+        """
         if not self._sharded():
             super().reduce_gradients()
             return

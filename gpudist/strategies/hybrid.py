@@ -51,6 +51,34 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
     further split over replicas with ZeRO), plus the 1F1B activations in flight. Communication: activation
     all-reduces in the tensor group per layer, activations and their gradients between stages per micro-batch, one
     gradient all-reduce (or ZeRO reduce-scatter + all-gather) per step in the data group.
+
+    Args:
+        module: The full model (every rank builds the same one): an ``nn.Sequential`` (or list of blocks) to
+            pipeline, or any module with ``blocks``.
+        config: The settings shared with the paired optimizer; ``config.backend`` is the world group the layout
+            divides.
+        pipeline_parallel_size: Pipeline stages.
+        tensor_parallel_size: Ranks each planned layer is split over.
+        data_parallel_size: Replicas of the pipeline; -1: the ranks left over.
+        plan: Module name -> style (``PLAN_STYLES``), or a function of the module returning one; needed when
+            ``tensor_parallel_size > 1``.
+        blocks: A function of the converted module returning its blocks in order (an ``nn.Sequential`` or a
+            sequence of modules); needed when ``pipeline_parallel_size > 1`` and ``module`` is not a sequence.
+        micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        balance: How blocks are split into stages: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
+
+    Raises:
+        TypeError: When ``config`` is not a :class:`~gpudist.ShardingConfiguration`, ``module`` is not an
+            ``nn.Module`` or is already wrapped, ``pipeline_parallel_size > 1`` without ``blocks`` for a module
+            that is not an ``nn.Sequential``, or ``plan`` is not a non-empty mapping (or a function returning one)
+            or maps a submodule to a style that does not convert its type.
+        ValueError: When a size is not an int >= 1 (``data_parallel_size``: or -1) or the sizes do not multiply to
+            the world size, ``tensor_parallel_size > 1`` without a plan, ``schedule`` or ``micro_batches`` is
+            invalid, ``balance`` does not fit the blocks (or there are more stages than blocks), a plan entry is
+            invalid (unknown style, no such submodule, a size ``tensor_parallel_size`` does not divide, a tied
+            parameter split two ways), the blocks hold parameters the module does not name, or ranks wrap
+            modules whose parameter names, shapes or dtypes differ.
     """
 
     strategy = "hybrid"
@@ -128,6 +156,22 @@ class HybridShardedOptimizer(ShardedOptimizer):
     owns (its tensor shards of split parameters, tensor rank 0 the unsplit ones, the first holding stage a tied
     parameter; with ZeRO its range of the replicas' average, with DDP replica 0), and one 8-byte all-reduce over
     all ranks gives the norm. With ZeRO a non-finite norm skips the step on every rank, as ZeRO does.
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer`` over the ``HybridShardedModel``'s ``parameters()``.
+        config: The configuration the model was built from.
+        pipeline_parallel_size: The model's pipeline stages.
+        tensor_parallel_size: The model's tensor-parallel size.
+        data_parallel_size: The model's replicas; -1: the ranks left over.
+        zero_stage: 0, 1 or 2, as described above.
+
+    Raises:
+        TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already wrapped), ``config`` is
+            not a ``ShardingConfiguration``, or no ``HybridShardedModel`` built from ``config`` manages the
+            optimizer's parameters.
+        ValueError: When ``zero_stage`` is not 0, 1 or 2, the sizes are invalid or differ from the model's
+            layout, or (ZeRO) the data-parallel optimizer refuses the parameters (no trainable parameter, mixed
+            dtypes or devices, or layouts that differ between replicas).
     """
 
     strategy = "hybrid"
@@ -195,21 +239,74 @@ class HybridShardedOptimizer(ShardedOptimizer):
         return self.last_grad_norm
 
     def step(self, closure=None):
+        """Step the data-parallel optimizer (collective): average or reduce-scatter over the replicas, clip by the
+        whole model's norm when ``config.max_grad_norm`` is set, update, and (ZeRO) all-gather the parameters.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss; None: use the gradients already computed.
+
+        Returns:
+            The closure's loss, or None without a closure.
+        """
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients through the data-parallel optimizer.
+
+        Args:
+            set_to_none: Drop the gradients (torch's default) instead of zeroing them in place.
+        """
         self.inner.zero_grad(set_to_none)
 
     # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
 
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """The data-parallel optimizer's checkpoint pieces (:meth:`ShardedOptimizer.checkpoint_pieces`).
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)`` of the data-parallel optimizer.
+        """
         return optimizer_pieces(self.inner, segmap, share, rank, world)
 
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """Read the data-parallel optimizer's state from a checkpoint (:meth:`ShardedOptimizer.stage_checkpoint`).
+
+        Args:
+            body: The checkpoint's verified manifest.
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the state read.
+
+        Raises:
+            CheckpointError: When the checkpoint's optimizer state does not fit the data-parallel optimizer or
+                lacks data this rank needs (see :meth:`ShardedOptimizer.stage_checkpoint`).
+        """
         return stage_optimizer(self.inner, body, reader, segmap, apply)
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state.
+
+        Returns:
+            The data-parallel optimizer's ``state_dict()`` (ZeRO: this rank's shard, for the same world size).
+        """
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` into the data-parallel optimizer.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned (ZeRO: on this rank, at the same world size).
+
+        Raises:
+            ValueError: (ZeRO) When it was saved at another world size or for other owned segments.
+        """
         self.inner.load_state_dict(state_dict)

@@ -48,6 +48,25 @@ def run_ranks(
     the call (same pickling rule; see :func:`mpi_launcher`). ``timeout`` bounds every communication op in seconds.
     An exception, death or hang on any rank raises :class:`RanksFailedError` carrying that rank's traceback
     (root causes listed first).
+
+    Args:
+        fn: Called as ``fn(comm, **kwargs)`` on every rank, ``comm`` being that rank's backend.
+        world_size: The number of ranks (>= 1).
+        backend: ``"inmemory"``, ``"gloo"`` or ``"mpi"``.
+        timeout: Seconds every communication op may take.
+        device: Where the tensors live: ``"cpu"``, or (in-memory backend only) a CUDA device.
+        validate: Check every collective's call signature across ranks (Gloo and MPI; the in-memory backend
+            always checks).
+        **kwargs: Passed to ``fn``.
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        ValueError: When ``world_size < 1``, ``backend`` is unknown, or ``device`` is not ``"cpu"`` for Gloo or
+            MPI.
+        RanksFailedError: When a rank raised, died or hung.
+        RuntimeError: (MPI) When there is no ``mpirun``/``mpiexec`` on the PATH or mpi4py is not installed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -44,6 +44,21 @@ class PipelineParallelModel(ShardedModel):
     (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
     optimizer over ``model.parameters()``) hold each element once under the full module's names, a tied parameter
     written by the first stage holding it, and load into any strategy and stage count.
+
+    Args:
+        module: The full model, an ``nn.Sequential`` or a list (or ``nn.ModuleList``) of blocks; every rank builds
+            the same one and keeps only its stage's blocks.
+        config: The settings shared with the optimizer; ``config.backend`` is the world group.
+        num_stages: Pipeline stages; it must divide the world size (None: the world size, no replicas).
+        micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        balance: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
+
+    Raises:
+        TypeError: When ``module`` is neither an ``nn.Sequential`` nor a list of blocks.
+        ValueError: When ``schedule`` is unknown, ``micro_batches`` is not an int >= 1, ``num_stages`` does not
+            divide the world size, there are more stages than blocks or ``balance`` does not fit them, or ranks
+            wrap modules whose parameter names, shapes or dtypes differ.
     """
 
     strategy = "pipeline"
@@ -182,26 +197,32 @@ class PipelineParallelModel(ShardedModel):
 
     @property
     def pipeline_parallel_size(self) -> int:
+        """The number of pipeline stages."""
         return self.layout.pipeline_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
+        """The number of replicas of the pipeline."""
         return self.layout.data_parallel_size
 
     @property
     def tensor_parallel_size(self) -> int:
+        """The number of ranks each split layer is split over (1 without tensor parallelism)."""
         return self.layout.tensor_parallel_size
 
     @property
     def num_stages(self) -> int:
+        """The number of pipeline stages (:attr:`pipeline_parallel_size`)."""
         return self.layout.pipeline_parallel_size
 
     @property
     def is_first_stage(self) -> bool:
+        """Whether this rank runs the first stage (the one that reads the inputs)."""
         return self.pipeline_parallel_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (the one that computes the loss)."""
         return self.pipeline_parallel_rank == self.num_stages - 1
 
     def _bytes_total(self) -> int:
@@ -214,7 +235,15 @@ class PipelineParallelModel(ShardedModel):
         """Whether this rank counts ``param``'s gradient in the full model's gradient norm: only the stage that
         owns it counts it (the first of the stages sharing a tied parameter; their gradients are summed, hence
         equal), and a parameter tensor parallelism did not split only on tensor rank 0 (its copies on the other
-        tensor ranks are equal); a split one everywhere (each rank its shard). Replicas are the optimizer's."""
+        tensor ranks are equal); a split one everywhere (each rank its shard). Replicas are the optimizer's.
+
+        Args:
+            param: A parameter of this stage.
+
+        Returns:
+            Whether this rank adds ``param``'s squared gradient to the norm (False for a tensor this stage does
+            not hold).
+        """
         name = self._name_of.get(id(param))
         if name is None or name not in self._stage_names[self.pipeline_parallel_rank]:
             return False
@@ -255,7 +284,24 @@ class PipelineParallelModel(ShardedModel):
         ``optimizer.step()`` and ``zero_grad()`` if given. Returns the global batch's mean loss (over micro-batches
         and replicas) on every rank.
 
-        Messages and their order: :mod:`.executor`."""
+        Messages and their order: :mod:`.executor`.
+
+        Args:
+            inputs: This replica's input batch (a tensor; read on the first stage only).
+            targets: This replica's targets (a tensor; read on the last stage only).
+            loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, returning a scalar loss averaged over it.
+            optimizer: Stepped and zeroed after the gradients are complete; None leaves the step to the caller.
+
+        Returns:
+            The global batch's mean loss, the same on every rank.
+
+        Raises:
+            TypeError: When ``inputs`` (first stage) or ``targets`` (last stage) is not a tensor, or a stage's
+                blocks return something other than one tensor.
+            ValueError: When the batch size is not a multiple of ``micro_batches``, ``loss_fn`` does not return a
+                one-element tensor, or a stage's output cannot be sent (too many dimensions or an unsupported
+                dtype).
+        """
         self.train()
         first, last = self.is_first_stage, self.is_last_stage
         executor = StepExecutor(
@@ -291,7 +337,20 @@ class PipelineParallelModel(ShardedModel):
     # -- inference ---------------------------------------------------------------------------------------------------
 
     def forward(self, inputs: Any) -> torch.Tensor:
-        """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step."""
+        """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step.
+
+        Args:
+            inputs: The input batch (read on the first stage only).
+
+        Returns:
+            The last stage's output, broadcast to every rank.
+
+        Raises:
+            RuntimeError: When called in training mode with gradients enabled (use :meth:`train_step`,
+                :meth:`predict` or ``torch.no_grad()``).
+            TypeError: When a stage's blocks return something other than one tensor.
+            ValueError: When a stage's output cannot be sent (too many dimensions or an unsupported dtype).
+        """
         if torch.is_grad_enabled() and self.training:
             raise RuntimeError(
                 "PipelineParallelModel: call train_step(inputs, targets, loss_fn, optimizer) to train "
@@ -334,7 +393,11 @@ class PipelineParallelModel(ShardedModel):
         return local if split is None else split.gather(local, self.tensor_group)
 
     def gather_full_parameters(self) -> torch.Tensor:
-        """The full model's parameters in its ``parameters()`` order, identical on every rank (collective)."""
+        """The full model's parameters in its ``parameters()`` order, identical on every rank (collective).
+
+        Returns:
+            A 1-D float32 tensor of :meth:`parameter_count` elements on the backend's device.
+        """
         width = max(self._stage_numel)
         mine = torch.zeros(width, dtype=torch.float32, device=self.comm.device)
         names = self._stage_names[self.pipeline_parallel_rank]
@@ -353,7 +416,14 @@ class PipelineParallelModel(ShardedModel):
         return out
 
     def set_parameters(self, flat: torch.Tensor) -> None:
-        """Overwrite this stage's parameters (shared ones included) from the full vector (same on every rank)."""
+        """Overwrite this stage's parameters (shared ones included) from the full vector (same on every rank).
+
+        Args:
+            flat: The full model's parameters, as :meth:`gather_full_parameters` returns them.
+
+        Raises:
+            ValueError: When ``flat`` is not a 1-D tensor of the full model's parameter count.
+        """
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self._full_numel:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
             raise ValueError(
@@ -372,6 +442,11 @@ class PipelineParallelModel(ShardedModel):
         local.copy_(full if split is None else split.shard(full, tp.rank, tp.world_size))
 
     def clone(self) -> ShardedModel:
+        """Not supported: each rank holds only its stage.
+
+        Raises:
+            NotImplementedError: Always; build a new ``PipelineParallelModel`` from the full module instead.
+        """
         raise NotImplementedError(
             "PipelineParallelModel holds one stage per rank; build a new one from the full module to copy it"
         )
@@ -379,7 +454,15 @@ class PipelineParallelModel(ShardedModel):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module's state (parameters under every name, buffers), as a single process would hold it, on
         every rank (collective): each stage contributes the parameters and buffers it owns, gathered over its
-        tensor group when split, and the stages exchange them over the pipeline group."""
+        tensor group when split, and the stages exchange them over the pipeline group.
+
+        Returns:
+            The full module's ``state_dict()`` keys mapped to full tensors on the backend's device.
+
+        Raises:
+            RuntimeError: When the module holds parameters or buffers outside the blocks the pipeline was built
+                from.
+        """
         mine = {name: self._full_value(name).cpu().clone() for name in self._stage_names[self.pipeline_parallel_rank]}
         mine |= {name: buf.detach().cpu().clone() for name, buf, owned in self._buffers if owned}
         full: dict[str, torch.Tensor] = {}
@@ -397,7 +480,12 @@ class PipelineParallelModel(ShardedModel):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a full (unsplit) state into this stage: its parameters (this rank's shard when split) and buffers."""
+        """Copy a full (unsplit) state into this stage: its parameters (this rank's shard when split) and buffers.
+
+        Args:
+            state: The full module's state, as :meth:`full_state_dict` returns it (at least every parameter and
+                buffer of this stage, under its full-model name).
+        """
         for name in self._local_names:
             self._write_full(name, state[name])
         for name, buf, _ in self._buffers:
@@ -407,7 +495,11 @@ class PipelineParallelModel(ShardedModel):
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Every parameter of this stage (tied ones too, so that loading fills them) under its full-model name:
-        whole, or its runs in the full parameter when tensor parallelism split it."""
+        whole, or its runs in the full parameter when tensor parallelism split it.
+
+        Returns:
+            ``(tensor, pieces)`` pairs, as :meth:`ShardedModel.checkpoint_segments`.
+        """
         return [
             (
                 p := self.module.get_parameter(local_name),
@@ -418,7 +510,15 @@ class PipelineParallelModel(ShardedModel):
 
     def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
         """Only the stage owning a parameter writes it (a tied one: the first stage holding it), its copies over the
-        replicas and unsplit tensor ranks taking turns (:func:`replica_share`)."""
+        replicas and unsplit tensor ranks taking turns (:func:`replica_share`).
+
+        Args:
+            name: A parameter's name in the full module.
+            across_replicas: False for state already split over the data-parallel replicas.
+
+        Returns:
+            ``(copies, index)`` as :meth:`ShardedModel.checkpoint_share`, or None when another stage owns ``name``.
+        """
         if name not in self._owned_names:
             return None
         return replica_share(self.layout, self.rank, name in self._splits, across_replicas)
@@ -427,7 +527,11 @@ class PipelineParallelModel(ShardedModel):
         return [dict(row) for row in self._buffer_rows]
 
     def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
-        """This stage's buffers under their full-model names, written by the owning stage's first rank."""
+        """This stage's buffers under their full-model names, written by the owning stage's first rank.
+
+        Returns:
+            ``(name in the full module, tensor, whether this rank writes it)`` per buffer.
+        """
         first = self.data_parallel_rank == 0 and self.tensor_parallel_rank == 0
         return [(name, buf, owned and first) for name, buf, owned in self._buffers]
 

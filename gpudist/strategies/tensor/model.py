@@ -32,7 +32,21 @@ class VocabParallelOutput:
 
     def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
-        targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens."""
+        targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens.
+
+        Collective within the tensor group.
+
+        Args:
+            logits_shard: This rank's logits, ``[..., V/tp]`` (the model's output).
+            targets: Full-vocabulary token ids, the logits' shape without the vocabulary dimension.
+
+        Returns:
+            The mean cross-entropy over tokens, a float32 scalar tensor, the same on every rank of the tensor group.
+
+        Raises:
+            ValueError: When the plan has no ``vocab_output`` layer, or the shapes of ``logits_shard`` and
+                ``targets`` disagree.
+        """
         if self.vocab_start is None:
             raise ValueError(
                 "cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
@@ -48,7 +62,21 @@ class VocabParallelOutput:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> float:
         """The base class's step; ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A
-        given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer)."""
+        given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer). The base
+        class's errors (e.g. a loss that is not one element) pass through.
+
+        Args:
+            inputs: This rank's input batch (the same on every rank of a tensor group).
+            targets: The matching targets.
+            loss_fn: ``loss_fn(outputs, targets)`` returning a scalar loss tensor, or None for :meth:`cross_entropy`.
+            optimizer: Stepped and zeroed after backward; None leaves the step to the caller.
+
+        Returns:
+            The loss as a float, as the base class's ``train_step`` returns it.
+
+        Raises:
+            ValueError: When ``loss_fn`` is None without a ``vocab_output`` layer.
+        """
         if loss_fn is None:
             if self.vocab_start is None:
                 raise ValueError(
@@ -60,7 +88,15 @@ class VocabParallelOutput:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """The base class's prediction; a vocabulary-split output is gathered into full logits."""
+        """The base class's prediction; a vocabulary-split output is gathered into full logits.
+
+        Args:
+            inputs: The model's input.
+
+        Returns:
+            The model's output, with full logits when the output layer is split by vocabulary (collective within
+            the tensor group then).
+        """
         out = super().predict(inputs)
         if self.vocab_start is not None and isinstance(out, torch.Tensor):
             out = gather_from_tensor_parallel(out, self.tensor_group, -1)
@@ -88,6 +124,22 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     ``save_model("x.safetensors")`` give the full, unsplit model; ``save_model("folder")`` and
     :func:`gpudist.save_checkpoint` write each element once (a shard divided among the replicas holding it, a
     replicated parameter among all ranks), loadable into any strategy and layout.
+
+    Args:
+        module: The full model (every rank builds the same one); its planned layers are converted in place.
+        config: The settings of the wrapper; ``config.backend`` is the world group the layout divides.
+        plan: Module name -> style (:data:`PLAN_STYLES`), or a function of the module returning one.
+        tensor_parallel_size: Ranks per tensor group; it must divide the world size (None: the world size, no
+            data parallelism).
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`, or ``plan`` is not a non-empty mapping (or a function
+            returning one) or maps a submodule to a style that does not convert its type.
+        ValueError: When ``tensor_parallel_size`` is not an int >= 1 or does not divide the world size, a plan
+            entry is invalid (unknown style, no such submodule, a size ``tensor_parallel_size`` does not divide,
+            a tied parameter split two ways), or ranks wrap modules whose parameter names, shapes or dtypes
+            differ.
     """
 
     strategy = "tensor"
@@ -136,18 +188,22 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
 
     @property
     def pipeline_parallel_rank(self) -> int:
+        """Always 0: tensor parallelism has one pipeline stage."""
         return 0
 
     @property
     def pipeline_parallel_size(self) -> int:
+        """Always 1: tensor parallelism has one pipeline stage."""
         return 1
 
     @property
     def tensor_parallel_size(self) -> int:
+        """The number of ranks each planned layer is split over."""
         return self.layout.tensor_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
+        """The number of data-parallel replicas (the ranks left over)."""
         return self.layout.data_parallel_size
 
     @property
@@ -202,7 +258,13 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         return local if split is None else split.gather(local, self.tensor_group)
 
     def gather_full_parameters(self) -> torch.Tensor:
-        """The unsplit module's parameters flattened in its ``parameters()`` order; identical on every rank."""
+        """The unsplit module's parameters flattened in its ``parameters()`` order; identical on every rank.
+
+        Collective within the tensor group.
+
+        Returns:
+            A 1-D tensor of :meth:`parameter_count` elements (empty without parameters).
+        """
         if not self._table:
             return torch.empty(0)
         return torch.cat([self._full(row["name"]).reshape(-1) for row in self._table])
@@ -215,7 +277,14 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
 
     def set_parameters(self, flat: torch.Tensor) -> None:
         """Overwrite every parameter from a full vector in the unsplit module's ``parameters()`` order (the same on
-        every rank; each takes its shard)."""
+        every rank; each takes its shard).
+
+        Args:
+            flat: The unsplit module's parameters, as :meth:`gather_full_parameters` returns them.
+
+        Raises:
+            ValueError: When ``flat`` is not a 1-D tensor of :meth:`parameter_count` elements.
+        """
         count = self.parameter_count()
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
             shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
@@ -229,7 +298,12 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
             at += n
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit module's state (collective within the tensor group): what a single process would hold."""
+        """The unsplit module's state (collective within the tensor group): what a single process would hold.
+
+        Returns:
+            The unsplit module's ``state_dict()`` keys mapped to full tensors (a tied parameter's other names to
+            copies).
+        """
         full: dict[str, torch.Tensor] = {}
         for row in self._table:
             value = full[row["name"]] = self._full(row["name"])
@@ -246,7 +320,11 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
             v.copy_(state[k])
 
     def clone(self) -> TensorParallelModel:
-        """A new wrapper over a copy of the converted module, on the same groups (collective: every rank calls it)."""
+        """A new wrapper over a copy of the converted module, on the same groups (collective: every rank calls it).
+
+        Returns:
+            The new wrapper, sharing this one's ``config`` and communication groups.
+        """
         shared = {id(x): x for x in (self.config, self.comm, self.tensor_group, self.data_group) if x is not None}
         twin = copy.deepcopy(self, shared)
         twin._install_hooks()  # deepcopy does not copy gradient hooks
@@ -260,7 +338,11 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
         """Each parameter this rank holds: a replicated one whole, a split one as its runs in the full parameter
-        (:meth:`Split.segments`; one per row for a rowwise weight)."""
+        (:meth:`Split.segments`; one per row for a rowwise weight).
+
+        Returns:
+            ``(tensor, pieces)`` pairs, as :meth:`ShardedModel.checkpoint_segments`.
+        """
         return [
             (
                 p := self.module.get_parameter(row["name"]),
@@ -271,7 +353,15 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
 
     def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int] | None:
         """Split parameters are written once per tensor rank (shared by the data-parallel replicas), unsplit ones
-        (LayerNorms, row-parallel biases) once in all (shared by every rank): :func:`replica_share`."""
+        (LayerNorms, row-parallel biases) once in all (shared by every rank): :func:`replica_share`.
+
+        Args:
+            name: A parameter's name in the unsplit module.
+            across_replicas: False for state already split over the data-parallel replicas.
+
+        Returns:
+            ``(copies, index)``, as :meth:`ShardedModel.checkpoint_share`.
+        """
         return replica_share(self.layout, self.rank, name in self._splits, across_replicas)
 
     # -- reporting -------------------------------------------------------------------------------------------------
