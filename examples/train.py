@@ -30,15 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# examples/lm.py: a script's own folder is on sys.path
-from lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss, tinylm_plan
 from safetensors.torch import save as st_save
 
 import gpudist
 from gpudist.bench import environment
 from gpudist.fileio import atomic_write_bytes
 from gpudist.launch import WorkerPool, detect_environment
+
+if __package__:  # imported as examples.train (the tests)
+    from .lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss, tinylm_plan
+else:  # run as a script (python examples/train.py, torchrun, mpirun): its own folder is on sys.path
+    from lm import VOCAB, SyntheticCorpus, TinyLM, as_sequential, lm_loss, tinylm_plan
 
 # Strategy name -> (model class, optimizer class) in gpudist. A strategy is offered once gpudist exports both.
 # FSDP shards like ZeRO-3 (one row in docs/strategies.md's table), so it pairs with ZeRO3Optimizer.

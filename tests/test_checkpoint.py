@@ -14,11 +14,21 @@ import pytest
 import torch
 
 import gpudist
+from examples.lm import lm_loss
 from gpudist import CheckpointError, DDPModel, DDPOptimizer, ShardingConfiguration, load_checkpoint, save_checkpoint
 from gpudist.testing import RanksFailedError, run_ranks
 
-from .test_ddp import flat, fresh_net, initial_state, single_process, train_steps
-from .test_zero import OPTIMIZERS, STAGES
+from .helpers import (
+    OPTIMIZERS,
+    STAGES,
+    flat,
+    fresh_net,
+    initial_state,
+    lm_batch,
+    single_process,
+    tiny_lm,
+    train_steps,
+)
 from .tolerances import assert_matches_reference, reference_pair
 
 PAIRS = {**STAGES, "ddp": (DDPModel, DDPOptimizer)}
@@ -218,8 +228,6 @@ def test_interrupted_save_leaves_the_previous_checkpoint(saved, tmp_path):
 
 def lm_run(comm, path, stage, start, stop, save_at=None):
     from gpudist import FSDPModel, ZeRO2Model, ZeRO2Optimizer, ZeRO3Optimizer
-
-    from .test_zero3 import lm_batch, lm_loss, tiny_lm
 
     config = ShardingConfiguration(comm)
     model_cls, opt_cls = {2: (ZeRO2Model, ZeRO2Optimizer), "fsdp": (FSDPModel, ZeRO3Optimizer)}[stage]

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import gpudist
+from examples.lm import TinyLM, as_sequential, lm_loss, tinylm_plan
 from gpudist import (
     CheckpointError,
     DDPModel,
@@ -31,8 +32,8 @@ from gpudist import (
 )
 from gpudist.testing import run_ranks
 
+from .helpers import hybrid_batch
 from .placement import run_checked
-from .test_hybrid import TinyLM, as_sequential, batch, lm_loss, tinylm_plan
 from .tolerances import assert_matches_reference, reference_pair
 
 
@@ -71,9 +72,9 @@ def build(
 
 
 def train(model, opt, kind: str, steps: range) -> None:
-    """Steps of the global batch ``batch(step)`` (12 sequences): each data-parallel replica takes its slice."""
+    """Steps of the global batch ``hybrid_batch(step)`` (12 sequences): each data-parallel replica takes its slice."""
     for step in steps:
-        x, y = batch(step, 12)
+        x, y = hybrid_batch(step, 12)
         if kind == "module":
             lm_loss(model(x), y).backward()
             opt.step()

@@ -4,8 +4,8 @@ conservation, parity with DDP when nothing is dropped, accounting, checkpoints a
 Tolerances come from rounding-error bounds (tests/tolerances.py): an fp32 average of N values, in any order and
 whether summed then divided or pre-scaled by a rounded 1/N, is within ``average_rtol(N)`` of the exact mean,
 relative to the mean of the magnitudes; error feedback's conservation is exact but for the fp32 roundings of each
-step, bounded in :func:`conservation`. Training parity is against single-process training in float64, within a
-multiple of the float32 run's own error.
+step, bounded in :func:`conservation` (tests/helpers.py). Training parity is against single-process training in
+float64, within a multiple of the float32 run's own error.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from gpudist import (
     ZeRO2Optimizer,
     ZeRO3Model,
 )
-from gpudist.comm import split_sizes
 from gpudist.compression import (
     CompressedChannel,
     IdentityCompressor,
@@ -40,24 +39,20 @@ from gpudist.compression import (
 from gpudist.testing import run_ranks
 
 from .backends import MPI
-from .test_ddp import batch, flat, fresh_net, initial_state
-from .tolerances import assert_matches_reference, reference_pair, sum_rtol, unit_roundoff
+from .helpers import (
+    LOSSY,
+    assert_lossless,
+    average_rtol,
+    batch,
+    conservation,
+    flat,
+    fresh_net,
+    initial_state,
+    lossless_vs_plain,
+)
+from .tolerances import assert_matches_reference, reference_pair
 
 CPU = torch.device("cpu")
-LOSSY = {
-    "topk": TopKCompressor(0.05),
-    "int8": Int8Compressor(),
-    "1bit": OneBitCompressor(block_size=64),
-    "int8-stochastic": Int8Compressor(block_size=32, stochastic=True),
-}
-
-
-def average_rtol(world: int) -> float:
-    """Relative bound (against the mean of |x_i|) of an fp32 average of ``world`` values in any order: world - 1
-    additions plus a rounded 1/N and its product (or one division), world + 1 roundings on any path."""
-    return sum_rtol(world + 2)
-
-
 # ------------------------------------------------------------------------------------------------------ compressors
 
 
@@ -119,38 +114,6 @@ def test_bad_compressor_specs_name_the_value(spec, match):
 # ------------------------------------------------------------------------------------------------------ collectives
 
 
-def lossless_vs_plain(comm, compressor=None, n=0):
-    """(compressed, plain, mean |g| over ranks) for 3 all-reduces and 3 reduce-scatters of random ``g``."""
-    torch.manual_seed(comm.rank)
-    out = []
-    for scatter in (False, True):
-        channel = CompressedChannel(comm, compressor, n, device=comm.device, scatter=scatter)
-        for _ in range(3):  # later calls skip the cross-rank check: still right
-            g = torch.randn(n).to(comm.device)
-            plain, magnitude = g.clone(), g.abs()
-            comm.all_reduce(plain, ReductionOperation.AVERAGE)
-            comm.all_reduce(magnitude, ReductionOperation.AVERAGE)
-            if scatter:
-                lo = sum(split_sizes(n, comm.world_size)[: comm.rank])
-                mine = torch.empty(split_sizes(n, comm.world_size)[comm.rank], device=comm.device)
-                channel.reduce_scatter(g, mine)
-                out.append((mine, plain[lo : lo + mine.numel()], magnitude[lo : lo + mine.numel()]))
-            else:
-                channel.all_reduce(g)
-                out.append((g, plain, magnitude))
-    return out
-
-
-def assert_lossless(results: list, world: int) -> None:
-    """Each pair of :func:`lossless_vs_plain` (one rank's): two fp32 averages of the same values, summed in other
-    orders or scaled differently, each within ``average_rtol(world)`` of the exact mean relative to mean |g| (itself
-    an fp32 average, hence its own factor)."""
-    rtol = 2 * average_rtol(world) * (1 + average_rtol(world))
-    for got, want, magnitude in results:
-        err, bound = (got - want).abs(), rtol * magnitude
-        assert bool((err <= bound).all()), f"|compressed - plain| = {float((err - bound).max() + bound.max()):.3g}"
-
-
 WORLDS = [
     ("inmemory", 2),
     ("inmemory", 3),
@@ -171,60 +134,6 @@ def test_lossless_compressed_collectives_equal_the_plain_ones(backend, world, co
     for n in (1001, 7):
         for results in run_ranks(lossless_vs_plain, world, backend, compressor=compressor, n=n):
             assert_lossless(results, world)
-
-
-def conservation(comm, compressor=None, n=0, scatter=False, steps=12):
-    """Sums over ``steps`` of the applied (compressed) and true (plain) averages, what is still pending, and the
-    rounding bound on ``|applied + pending - true|``.
-
-    Conservation is exact in real arithmetic; each fp32 rounding breaks it by at most u (2^-24) times what it
-    rounds. Per step, with A the largest |g| + |worker residual| and S the largest |server residual| on any rank:
-    forming grad + residual and the new residual acc - decoded round twice on each worker (<= u A + 2u A); the
-    average of N decoded values, N roundings (<= N u A); the server's second quantization twice (<= 3u (A + S));
-    the plain average N + 1 (<= (N + 1) u A). Summed: u ((2N + 7) A + 3 S) per step, and one more u A for the
-    second-order terms and the float64 sums here. At the end, the mean of the worker residuals adds N + 1 roundings
-    of the largest one.
-    """
-    gen = torch.Generator().manual_seed(100 + comm.rank)
-    device = comm.device
-    channel = CompressedChannel(comm, compressor, n, device=device, scatter=scatter)
-    world = comm.world_size
-    sizes = split_sizes(n, world)
-    lo, size = sum(sizes[: comm.rank]), sizes[comm.rank]
-    applied = torch.zeros(n if not scatter else size, dtype=torch.float64, device=device)
-    true = torch.zeros_like(applied)
-    bound = 0.0
-    for step in range(steps):
-        g = (torch.randn(n, generator=gen) * (1 + step % 3) + (0.5 if comm.rank else -0.5)).to(device)
-        worker, held = channel.worker_residual(), channel.server_residual()
-        server = held[1].abs().max() if held is not None and held[1].numel() else g.new_zeros(())
-        largest = torch.stack([(g.abs() + worker.abs()).max(), server])
-        comm.all_reduce(largest, ReductionOperation.MAX)
-        bound += (2 * world + 8) * float(largest[0]) + 3 * float(largest[1])
-        plain = g.clone()
-        comm.all_reduce(plain, ReductionOperation.AVERAGE)
-        if scatter:
-            out = torch.empty(size, device=device)
-            channel.reduce_scatter(g, out)
-            applied += out.double()
-            true += plain[lo : lo + size].double()
-        else:
-            channel.all_reduce(g)
-            applied += g.double()
-            true += plain.double()
-    worker = channel.worker_residual().clone()
-    largest = worker.abs().max()
-    comm.all_reduce(largest, ReductionOperation.MAX)
-    bound += (world + 1) * float(largest)
-    comm.all_reduce(worker, ReductionOperation.AVERAGE)  # pending on the workers: the mean of their residuals
-    pending = worker.double() if not scatter else worker[lo : lo + size].double()
-    if channel.server_residual() is not None:  # the two-phase all-reduce's second quantization
-        server = torch.zeros(n, device=device)
-        start, values = channel.server_residual()
-        server[start : start + values.numel()] = values
-        comm.all_reduce(server, ReductionOperation.SUM)
-        pending = pending + server.double()
-    return applied.cpu(), pending.cpu(), true.cpu(), unit_roundoff(torch.float32) * bound
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -557,11 +466,8 @@ def test_residuals_survive_a_checkpoint_at_another_world_size(tmp_path, setup, c
 def example_run(tmp_path, name, **kw):
     """examples/train.py's train() on 2 in-memory ranks, on a smaller TinyLM (about 12 s on 2 cores)."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import train as example
+    from examples import train as example
 
     cfg = example.TrainConfig(
         steps=600,
@@ -605,11 +511,7 @@ def test_error_feedback_keeps_training_close_to_uncompressed(tmp_path):
 
 def test_example_command_line_checks_compression_flags(capsys):
     """``examples/train.py --compression`` refuses a bad spec and ZeRO-3 before starting any rank, naming the flag."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import train as example
+    from examples import train as example
 
     for argv, message in [
         (["--compression", "topk:5"], "--compression: "),

@@ -20,83 +20,8 @@ from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfigur
 from gpudist.testing import run_ranks
 
 from .backends import mpi_world
+from .helpers import STEPS, Net, batch, flat, fresh_net, initial_state, single_process, train_steps
 from .tolerances import assert_matches_reference, reference_pair, unit_roundoff
-
-GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
-STEPS = 10
-
-
-class Net(nn.Module):
-    """Odd sizes so buckets split in uneven places; an optional branch that is sometimes unused."""
-
-    def __init__(self, with_branch: bool = False):
-        super().__init__()
-        self.fc1 = nn.Linear(7, 13)
-        self.fc2 = nn.Linear(13, 5)
-        self.norm = nn.LayerNorm(5)
-        self.branch = nn.Linear(7, 5) if with_branch else None
-
-    def forward(self, x, use_branch: bool = False):
-        out = self.norm(self.fc2(torch.tanh(self.fc1(x))))
-        return out + self.branch(x) if use_branch else out
-
-
-def initial_state(with_branch: bool = False) -> dict:
-    torch.manual_seed(0)  # built once, in the test process: threads would race on the global RNG
-    return Net(with_branch).state_dict()
-
-
-def fresh_net(state: dict, with_branch: bool = False) -> Net:
-    net = Net(with_branch)
-    net.load_state_dict(state)
-    return net
-
-
-def batch(step: int, rank: int = 0, world: int = 1, size: int = GLOBAL_BATCH):
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(size, 7, generator=g), torch.randn(size, 5, generator=g)
-    per = size // world
-    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def train_steps(
-    model,
-    opt,
-    stop: int,
-    rank: int = 0,
-    world: int = 1,
-    start: int = 0,
-    dtype=torch.float32,
-    max_norm: float | None = None,
-) -> None:
-    """Plain training steps ``start..stop-1``: MSE on this rank's slice of each step's batch, ``clip_grad_norm_`` to
-    ``max_norm`` if given (gpudist's optimizers clip by the same rule), step, zero_grad."""
-    for step in range(start, stop):
-        x, y = batch(step, rank, world)
-        F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-
-
-def single_process(
-    state: dict,
-    opt_cls=torch.optim.Adam,
-    steps: int = STEPS,
-    dtype=torch.float32,
-    max_norm: float | None = None,
-    **opt_kw,
-) -> torch.Tensor:
-    net = fresh_net(state).to(dtype)
-    opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
-    train_steps(net, opt, steps, dtype=dtype, max_norm=max_norm)
-    return flat(net)
-
 
 # ---------------------------------------------------------------------------------------------- rank functions
 

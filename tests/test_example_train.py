@@ -18,58 +18,21 @@ import torch
 from safetensors.torch import load_file
 
 import gpudist
+from examples import lm, train
 from gpudist.testing import run_ranks
 
-from .tolerances import assert_matches_reference, reference_bound, reference_pair
+from .helpers import assert_losses_match, script_losses, script_reference
+from .tolerances import assert_matches_reference, reference_pair
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))  # examples/ is a folder of scripts, not a package
-
-import lm  # noqa: E402
-import train  # noqa: E402
-
 STEPS, GLOBAL_BATCH, WORLD = 30, 16, 2
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Parity tolerance: the strategies differ from one process only in summation order (each rank averages its slice,
 # then the ranks average; tensor and pipeline splits sum in other orders), which Adam's division by sqrt(v) amplifies
 # for small gradients. Parameters and losses are compared with the single-process run in float64, within a multiple
 # of the float32 run's own error (tests/tolerances.py). A rank training on the wrong slice or a gradient left
-# unreduced moves weights by ~lr = 3e-3 in one step.
-METRICS_ROUNDING = 5e-7
-"""metrics.json keeps losses to 6 decimals (train.py): half a unit of the last one on top of the bound."""
-
-
-def script_reference(cfg, dtype=torch.float32) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """What ``train.train(comm, cfg)`` computes, on one process over the whole global batch in plain PyTorch (no
-    gpudist at all): the trained parameters by name and the loss of every step."""
-    corpus = lm.SyntheticCorpus(cfg.seed, cfg.seq_len)
-    net = train.make_model(cfg).to(dtype)
-    opt = train.make_optimizer(net.parameters(), cfg.lr, cfg.optimizer)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: train.lr_factor(step, cfg.steps))
-    losses = []
-    for step in range(cfg.steps):
-        x, y = corpus.batches(step, cfg.global_batch)
-        loss = lm.lm_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        schedule.step()
-        losses.append(loss.item())
-    return {name: p.detach() for name, p in net.named_parameters()}, losses
-
-
-def script_losses(**cfg) -> tuple[list[float], list[float]]:
-    """The per-step losses of :func:`script_reference` for ``train.TrainConfig(**cfg)``, in float32 and float64."""
-    (_, losses32), (_, losses64) = reference_pair(script_reference, train.TrainConfig(**cfg))
-    return losses32, losses64
-
-
-def assert_losses_match(got: list[float], ref32: list[float], ref64: list[float], what: str = "losses") -> None:
-    """Per-step losses from metrics.json against the float64 reference: :func:`reference_bound` plus the file's
-    6-decimal rounding."""
-    bound = reference_bound(ref32, ref64) + METRICS_ROUNDING
-    err = max(abs(a - b) for a, b in zip(got, ref64, strict=True))
-    assert err <= bound, f"{what}: max |got - float64 reference| = {err:.3g} exceeds {bound:.3g}\n{got}\n{ref64}"
+# unreduced moves weights by ~lr = 3e-3 in one step. The single-process reference (script_reference) and the loss
+# comparison (assert_losses_match, with metrics.json's rounding) are in tests/helpers.py.
 
 
 @pytest.fixture(scope="module")

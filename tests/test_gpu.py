@@ -12,19 +12,31 @@ step, which is the float32 reference's own kind of error.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import gpudist
 from gpudist.comm import ReductionOperation, split_sizes
 from gpudist.testing import run_ranks
 
+from .helpers import (
+    GPU_PAIRS,
+    LOSSY,
+    assert_lossless,
+    check_training,
+    conservation,
+    global_batch,
+    gpu_reference,
+    gpu_train,
+    lossless_vs_plain,
+    mlp,
+    pipeline_reference,
+    pipeline_train,
+)
 from .tolerances import assert_matches_reference, reference_pair
 
 pytestmark = pytest.mark.gpu
@@ -32,68 +44,14 @@ pytestmark = pytest.mark.gpu
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 needs_nccl = pytest.mark.skipif(not HAS_CUPY, reason="CuPy (gpudist[cuda12] or [cuda13]) is not installed")
 
-PAIRS = {
-    "ddp": (gpudist.DDPModel, gpudist.DDPOptimizer),
-    "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer),
-    "zero2": (gpudist.ZeRO2Model, gpudist.ZeRO2Optimizer),
-    "zero3": (gpudist.ZeRO3Model, gpudist.ZeRO3Optimizer),
-    "fsdp": (gpudist.FSDPModel, gpudist.ZeRO3Optimizer),
-}
-STEPS, BATCH = 5, 16
-
-
-with torch.random.fork_rng(devices=[]):
-    torch.manual_seed(0)
-    _NET = nn.Sequential(nn.Linear(9, 33), nn.GELU(), nn.Linear(33, 17), nn.GELU(), nn.Linear(17, 5))
-
-
-def net(device) -> nn.Module:
-    """A copy of one template: in-memory ranks are threads sharing torch's global RNG, so seeding and building
-    on each of them races (ranks, and the reference, would start from different weights now and then)."""
-    return copy.deepcopy(_NET).to(device)
-
-
-def batch(step: int, device, rank: int = 0, world: int = 1):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(BATCH, 9, generator=g), torch.randn(BATCH, 5, generator=g)
-    per = BATCH // world
-    return x[rank * per : (rank + 1) * per].to(device), y[rank * per : (rank + 1) * per].to(device)
-
-
-def reference(device, dtype=torch.float32) -> torch.Tensor:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = net(device).to(dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = (t.to(dtype) for t in batch(step, device))
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-
-
-def train(comm, strategy: str, **config) -> torch.Tensor:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = comm.device
-    config = gpudist.ShardingConfiguration(comm, **config)
-    model_cls, opt_cls = PAIRS[strategy]
-    model = model_cls(net(device), config)
-    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
-    for step in range(STEPS):
-        x, y = batch(step, device, comm.rank, comm.world_size)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.gather_full_parameters().cpu()
-
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("strategy", list(PAIRS))
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
 def test_strategy_on_cuda_inmemory(strategy, world):
     """Catches device mix-ups in the strategies (a CPU temporary on the CUDA path, a stream-ordering bug between the
     compiled pack/step kernels and the copies): N CUDA ranks equal one CUDA process on the global batch."""
-    results = run_ranks(train, world, "inmemory", device="cuda", strategy=strategy)
-    expected = reference_pair(reference, "cuda")
+    results = run_ranks(gpu_train, world, "inmemory", device="cuda", strategy=strategy)
+    expected = reference_pair(gpu_reference, "cuda")
     for r in results:
         assert_matches_reference(r, *expected)
 
@@ -140,12 +98,12 @@ def test_nccl_world_one_every_op():
 
 
 @needs_nccl
-@pytest.mark.parametrize("strategy", list(PAIRS))
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
 def test_strategy_on_nccl_world_one(strategy):
     """Catches a strategy that cannot drive the NCCL backend (e.g. host tensors handed to it for the norm)."""
     comm = nccl_solo()
     try:
-        assert_matches_reference(train(comm, strategy), *reference_pair(reference, "cuda"))
+        assert_matches_reference(gpu_train(comm, strategy), *reference_pair(gpu_reference, "cuda"))
     finally:
         comm.shutdown()
 
@@ -178,7 +136,7 @@ def _strategy_on_nccl(nccl, strategy: str) -> torch.Tensor:
     x = torch.full((7,), float(nccl.rank + 1), device="cuda")
     nccl.all_reduce(x)
     assert torch.equal(x.cpu(), torch.full((7,), float(sum(range(1, nccl.world_size + 1)))))
-    return train(nccl, strategy)
+    return gpu_train(nccl, strategy)
 
 
 @needs_nccl
@@ -186,26 +144,20 @@ def _strategy_on_nccl(nccl, strategy: str) -> torch.Tensor:
 def test_multi_rank_nccl_on_one_gpu(strategy):
     """Where NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1) lets two ranks share one GPU: real multi-rank NCCL
     collectives, and a strategy equal to one process. Catches uneven reduce-scatter/all-gather group calls."""
-    expected = reference_pair(reference, "cuda")
+    expected = reference_pair(gpu_reference, "cuda")
     for r in run_on_shared_gpu(_strategy_on_nccl, strategy=strategy):
         assert_matches_reference(r, *expected)
 
 
 def _cuda_mlp() -> nn.Module:
-    from .test_pipeline import mlp
-
     return mlp().cuda()
 
 
 def _cuda_batch(step: int):
-    from .test_pipeline import global_batch
-
     return tuple(t.cuda() for t in global_batch(step))
 
 
 def _pipeline_on_nccl(nccl, schedule: str):
-    from .test_pipeline import pipeline_train
-
     params, losses, _, _ = pipeline_train(nccl, micro=4, schedule=schedule, build=_cuda_mlp, batch=_cuda_batch)
     return params.cpu(), losses
 
@@ -216,9 +168,6 @@ def test_pipeline_on_multi_rank_nccl(schedule):
     """Two pipeline stages over real NCCL send/recv (NCCL >= 2.30 lets them share one GPU): the in-order path that
     posts each receive when needed, grouped with the sends before it. Catches a deadlock of the stream (the test
     times out) and shape/loss messages left in host memory (NCCL refuses them)."""
-    from .test_pipeline import check_training
-    from .test_pipeline import reference as pipeline_reference
-
     want = reference_pair(pipeline_reference)  # on the CPU: the float64 reference and fp32 rounding's size
     for params, losses in run_on_shared_gpu(_pipeline_on_nccl, schedule=schedule):
         check_training(params, losses, want)
@@ -230,8 +179,6 @@ def test_compressed_collectives_on_cuda(name):
     equal the plain all-reduce, and error feedback conserves the gradient sum. Catches a CPU temporary or generator
     on the CUDA path and a compiled kernel that updates the residual differently from the reference."""
     from gpudist.compression import IdentityCompressor, TopKCompressor
-
-    from .test_compression import LOSSY, assert_lossless, conservation, lossless_vs_plain
 
     for compressor in (IdentityCompressor(), TopKCompressor(1.0)):
         for results in run_ranks(lossless_vs_plain, 3, "inmemory", device="cuda", compressor=compressor, n=1001):

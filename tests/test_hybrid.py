@@ -9,80 +9,22 @@ about the learning rate (1e-2); SGD catches a constant factor that Adam would no
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from examples.lm import as_sequential, lm_loss, tinylm_plan
 from gpudist import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
 from gpudist.testing import run_ranks
 
+from .helpers import (
+    HYBRID_STEPS,
+    hybrid_batch,
+    hybrid_check,
+    hybrid_lm,
+    hybrid_optimizer,
+    hybrid_train,
+)
 from .tolerances import assert_matches_reference, reference_pair
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from lm import TinyLM, as_sequential, lm_loss, tinylm_plan
-
-VOCAB, STEPS = 32, 3
-
-
-def tiny() -> TinyLM:
-    """Built from its seed alone (no global RNG), so every in-memory rank (a thread) builds the same model."""
-    return TinyLM(VOCAB, 16, n_layers=2, n_heads=2, seq_len=8, seed=0)
-
-
-def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (n, 9), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def make_optimizer(params, kind: str) -> torch.optim.Optimizer:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
-def reference(kind: str = "adamw", dtype=torch.float32) -> tuple[torch.Tensor, list[float]]:
-    net = tiny().to(dtype)
-    opt = make_optimizer(net.parameters(), kind)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = lm_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
-
-
-def hybrid_train(comm, pp=2, tp=2, dp=-1, zero_stage=1, kind="adamw", schedule="1f1b", max_grad_norm=None):
-    config = ShardingConfiguration(comm, max_grad_norm=max_grad_norm)
-    model = HybridShardedModel(
-        tiny(), config, pp, tp, dp, plan=tinylm_plan, blocks=as_sequential, micro_batches=2, schedule=schedule
-    )
-    opt = HybridShardedOptimizer(make_optimizer(model.parameters(), kind), config, pp, tp, dp, zero_stage=zero_stage)
-    replicas, d = model.data_parallel_size, model.data_parallel_rank
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        n = x.shape[0] // replicas
-        losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], optimizer=opt))
-    ranks = (model.pipeline_parallel_rank, model.data_parallel_rank, model.tensor_parallel_rank)
-    if max_grad_norm is not None:
-        return model.gather_full_parameters(), losses, opt.last_grad_norm
-    return model.gather_full_parameters(), losses, ranks, model.predict(batch(0)[0])
-
-
-def check(results, kind: str, world: int) -> None:
-    (params32, losses32), (params64, losses64) = reference_pair(reference, kind)
-    logits = tiny()(batch(0)[0]).detach()
-    for params, losses, _, predicted in results:
-        assert_matches_reference(params, params32, params64, what="parameters")
-        assert_matches_reference(losses, losses32, losses64, what="losses")
-        assert predicted.shape == logits.shape  # full logits on every rank (after training, so values differ)
-    assert sorted(r[2] for r in results) == sorted({r[2] for r in results}) and len(results) == world
 
 
 @pytest.mark.parametrize(("zero_stage", "kind"), [(0, "sgd"), (1, "adamw"), (2, "adamw")])
@@ -92,23 +34,23 @@ def test_3d_2x2x2_matches_single_process(zero_stage, kind):
     and the loss equal one process on the global batch. Catches gradient sync in the wrong order or group (a
     replica average over the tensor group, tied embedding/head not summed across the first and last stage with
     the same tensor rank), each replica reading the wrong slice, and ZeRO sharding over the wrong group."""
-    check(run_ranks(hybrid_train, 8, "inmemory", zero_stage=zero_stage, kind=kind), kind, 8)
+    hybrid_check(run_ranks(hybrid_train, 8, "inmemory", zero_stage=zero_stage, kind=kind), kind, 8)
 
 
 @pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 1)])
 def test_3d_on_gloo(pp, tp):
     """1x2x2 (dp x tp) and 2x1x2 (pp x dp) over 4 Gloo processes, GPipe for the second: the same parity."""
     schedule = "gpipe" if pp == 2 else "1f1b"
-    check(run_ranks(hybrid_train, 4, "gloo", pp=pp, tp=tp, schedule=schedule), "adamw", 4)
+    hybrid_check(run_ranks(hybrid_train, 4, "gloo", pp=pp, tp=tp, schedule=schedule), "adamw", 4)
 
 
 def clipped_reference(max_grad_norm: float, dtype=torch.float32) -> tuple[torch.Tensor, list[float], float]:
     """SGD on one process with clip_grad_norm_; also the last step's gradient norm (before clipping)."""
-    net = tiny().to(dtype)
-    opt = make_optimizer(net.parameters(), "sgd")
+    net = hybrid_lm().to(dtype)
+    opt = hybrid_optimizer(net.parameters(), "sgd")
     losses, norm = [], None
-    for step in range(STEPS):
-        x, y = batch(step)
+    for step in range(HYBRID_STEPS):
+        x, y = hybrid_batch(step)
         loss = lm_loss(net(x), y)
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm))
@@ -139,15 +81,15 @@ def bad_layouts(comm):
     config = ShardingConfiguration(comm)
     errors = []
     for call in (
-        lambda: HybridShardedModel(tiny(), config, 3, 2, plan=tinylm_plan, blocks=as_sequential),
-        lambda: HybridShardedModel(tiny(), config, 2, 2, 3, plan=tinylm_plan, blocks=as_sequential),
-        lambda: HybridShardedModel(tiny(), config, 1, 2),
-        lambda: HybridShardedModel(tiny(), config, 2, 1),
+        lambda: HybridShardedModel(hybrid_lm(), config, 3, 2, plan=tinylm_plan, blocks=as_sequential),
+        lambda: HybridShardedModel(hybrid_lm(), config, 2, 2, 3, plan=tinylm_plan, blocks=as_sequential),
+        lambda: HybridShardedModel(hybrid_lm(), config, 1, 2),
+        lambda: HybridShardedModel(hybrid_lm(), config, 2, 1),
     ):
         with pytest.raises((TypeError, ValueError)) as info:
             call()
         errors.append(str(info.value))
-    model = HybridShardedModel(tiny(), config, 2, 2, plan=tinylm_plan, blocks=as_sequential)
+    model = HybridShardedModel(hybrid_lm(), config, 2, 2, plan=tinylm_plan, blocks=as_sequential)
     with pytest.raises(ValueError) as info:
         HybridShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 1, 2)
     errors.append(str(info.value))

@@ -14,12 +14,34 @@ import pytest
 import torch
 
 import gpudist
+from examples import train
 from gpudist.comm import CommunicationError, CommunicationTimeoutError
 from gpudist.comm.nccl import NCCLCommunicationBackend, nccl_version
-from gpudist.testing import free_port
+from gpudist.testing import free_port, run_ranks
 
-from . import test_gpu, test_hybrid, test_pipeline, test_tensor_parallel
 from .fakenccl import FakeNccl, HostRuntime, installed, run_nccl
+from .helpers import (
+    GPU_PAIRS,
+    GPU_STEPS,
+    LOSSY,
+    assert_losses_match,
+    assert_lossless,
+    check_training,
+    conservation,
+    gpu_reference,
+    gpu_train,
+    hybrid_check,
+    hybrid_train,
+    lossless_vs_plain,
+    pipeline_reference,
+    pipeline_train,
+    pipeline_train_varying,
+    script_losses,
+    tp_lm_batch,
+    tp_single_process_lm,
+    tp_train_lm,
+    varying_batch,
+)
 from .tolerances import assert_matches_reference, reference_pair
 
 
@@ -216,12 +238,12 @@ def test_cupy_without_libnccl_names_the_wheel_to_install(monkeypatch):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("strategy", list(test_gpu.PAIRS))
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
 def test_strategy_over_nccl_matches_one_process(strategy, world):
     """DDP, ZeRO-1/2/3 and FSDP driving the NCCL backend (uneven reduce-scatter/all-gather as grouped
     reduces/broadcasts, in-place aliasing, sub-groups): 5 Adam steps equal one process on the global batch."""
-    expected = reference_pair(test_gpu.reference, "cpu")
-    for params in run_nccl(test_gpu.train, world, FakeNccl(), strategy=strategy):
+    expected = reference_pair(gpu_reference, "cpu")
+    for params in run_nccl(gpu_train, world, FakeNccl(), strategy=strategy):
         assert_matches_reference(params, *expected)
 
 
@@ -231,11 +253,11 @@ def test_ddp_folds_the_average_into_a_pass_it_makes_anyway(views):
     is SUMmed, so no NCCL (with or without ncclAvg) pays a separate scaling pass; views have no pass and ask for
     AVERAGE (ncclAvg here). Catches the pack path asking for AVERAGE, and a scale applied twice or not at all."""
     fake = FakeNccl(version=21003)
-    expected = reference_pair(test_gpu.reference, "cpu")
-    for params in run_nccl(test_gpu.train, 2, fake, strategy="ddp", gradient_as_bucket_view=views):
+    expected = reference_pair(gpu_reference, "cpu")
+    for params in run_nccl(gpu_train, 2, fake, strategy="ddp", gradient_as_bucket_view=views):
         assert_matches_reference(params, *expected)
     averaged = fake.reductions[fake.NCCL_AVG]
-    assert (averaged >= 2 * test_gpu.STEPS) if views else averaged == 0, dict(fake.reductions)
+    assert (averaged >= 2 * GPU_STEPS) if views else averaged == 0, dict(fake.reductions)
 
 
 @pytest.mark.parametrize(
@@ -245,29 +267,25 @@ def test_pipeline_over_nccl_matches_one_process(world, micro, schedule):
     """Pipeline stages over NCCL's in-order p2p: each receive posted when needed, grouped with the sends before
     it. Catches the deadlock of receives posted ahead (they stall the stream; the simulated NCCL reports it as
     a hang) and shape/loss messages kept in host memory (NCCL sends device memory only)."""
-    want = reference_pair(test_pipeline.reference)
-    for params, losses, _, _ in run_nccl(
-        test_pipeline.pipeline_train, world, FakeNccl(timeout=20), micro=micro, schedule=schedule
-    ):
-        test_pipeline.check_training(params, losses, want)
+    want = reference_pair(pipeline_reference)
+    for params, losses, _, _ in run_nccl(pipeline_train, world, FakeNccl(timeout=20), micro=micro, schedule=schedule):
+        check_training(params, losses, want)
 
 
 @pytest.mark.parametrize(("stages", "micro"), [(3, 2), (2, 1)])
 def test_pipeline_with_changing_shapes_over_nccl(stages, micro):
     """Batches of 16, 8, 8, 24 samples with predict() in between. Catches the ordered path expecting the dummy
     message that only the speculative (posted-ahead) path sends, or a predict() shape message left in host memory."""
-    want = reference_pair(test_pipeline.reference, steps=4, batch=test_pipeline.varying_batch)
-    for params, losses in run_nccl(
-        test_pipeline.pipeline_train_varying, stages, FakeNccl(timeout=20), stages=stages, micro=micro
-    ):
-        test_pipeline.check_training(params, losses, want)
+    want = reference_pair(pipeline_reference, steps=4, batch=varying_batch)
+    for params, losses in run_nccl(pipeline_train_varying, stages, FakeNccl(timeout=20), stages=stages, micro=micro):
+        check_training(params, losses, want)
 
 
 def test_tensor_parallel_over_nccl_matches_one_process():
     """Tensor-parallel TinyLM (column/row/vocab layers, vocabulary-parallel loss) on 2 NCCL ranks."""
-    x, y = test_tensor_parallel.lm_batch()
-    (losses32, params32), (losses64, params64) = reference_pair(test_tensor_parallel.single_process_lm, "adamw")
-    for r in run_nccl(test_tensor_parallel.train_lm, 2, FakeNccl(), tp=2, opt_name="adamw", x=x, y=y):
+    x, y = tp_lm_batch()
+    (losses32, params32), (losses64, params64) = reference_pair(tp_single_process_lm, "adamw")
+    for r in run_nccl(tp_train_lm, 2, FakeNccl(), tp=2, opt_name="adamw", x=x, y=y):
         assert_matches_reference(r["params"], params32, params64, what="parameters")
         assert_matches_reference(r["losses"], losses32, losses64, what="losses")
 
@@ -275,9 +293,7 @@ def test_tensor_parallel_over_nccl_matches_one_process():
 def test_3d_hybrid_over_nccl_matches_one_process():
     """pp=2 x dp=2 x tp=2 with ZeRO-2 on 8 NCCL ranks: pipeline p2p groups, tensor all-reduces and sharded
     data-parallel steps on nested NCCL sub-communicators."""
-    test_hybrid.check(
-        run_nccl(test_hybrid.hybrid_train, 8, FakeNccl(timeout=30), zero_stage=2, kind="adamw"), "adamw", 8
-    )
+    hybrid_check(run_nccl(hybrid_train, 8, FakeNccl(timeout=30), zero_stage=2, kind="adamw"), "adamw", 8)
 
 
 @pytest.mark.parametrize("name", ["topk", "int8", "1bit"])
@@ -285,8 +301,6 @@ def test_compressed_collectives_over_nccl(name):
     """The compression channels' all-gathers of packed payloads and scales over NCCL: lossless codecs equal the
     plain all-reduce, and with a lossy codec error feedback conserves the gradient sum (applied + pending)."""
     from gpudist.compression import IdentityCompressor, TopKCompressor
-
-    from .test_compression import LOSSY, assert_lossless, conservation, lossless_vs_plain
 
     for compressor in (IdentityCompressor(), TopKCompressor(1.0)):
         for results in run_nccl(lossless_vs_plain, 3, FakeNccl(), compressor=compressor, n=1001):
@@ -300,10 +314,6 @@ def test_example_script_over_nccl_trains_like_ddp(tmp_path, strategy, world, pp)
     """examples/train.py's ``train(comm, cfg)`` on NCCL ranks: its loss window, final loss average and replica
     check go through the backend too. Same per-step losses as DDP on in-memory ranks."""
     import json
-
-    from gpudist.testing import run_ranks
-
-    from .test_example_train import assert_losses_match, script_losses, train
 
     def cfg(name, **kw):
         return train.TrainConfig(

@@ -8,25 +8,28 @@ of the float32 single-process run's own error (tests/tolerances.py), so the boun
 
 from __future__ import annotations
 
-import copy
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gpudist
+from examples.lm import TinyLM, as_sequential, lm_loss
 from gpudist import PipelineParallelModel, ShardingConfiguration
 from gpudist.strategies.layout import ParallelLayout
 from gpudist.strategies.pipeline import partition_blocks, schedule_bubble, stage_schedule
 from gpudist.testing import run_ranks
 
+from .helpers import (
+    check_training,
+    global_batch,
+    mlp,
+    pipeline_reference,
+    pipeline_train,
+    pipeline_train_varying,
+    varying_batch,
+)
 from .tolerances import assert_matches_reference, reference_pair
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from lm import TinyLM, as_sequential, lm_loss
 
 # ------------------------------------------------------------------------------------------------- splitting, layout
 
@@ -90,81 +93,6 @@ def test_schedules_have_the_theoretical_bubble_and_bounded_activations(schedule,
 
 # ----------------------------------------------------------------------------------------------------- parity
 
-D = 8
-
-
-def _mlp(blocks: int = 6) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(D, D), nn.Tanh()) if i % 2 else nn.Linear(D, D) for i in range(blocks)]
-    )
-
-
-_MLP = _mlp()
-
-
-def mlp() -> nn.Sequential:
-    """The same 6-block model on every rank (a copy: in-memory ranks are threads sharing torch's global RNG)."""
-    return copy.deepcopy(_MLP)
-
-
-def global_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t  # token ids stay integers
-
-
-def reference(
-    steps: int = 3, build=mlp, batch=global_batch, loss_fn=F.mse_loss, dtype=torch.float32
-) -> tuple[torch.Tensor, list[float]]:
-    """Single-process training on the global batch."""
-    net = build().to(dtype)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        x, y = (_cast(t, dtype) for t in batch(step))
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return torch.nn.utils.parameters_to_vector(net.parameters()).detach(), losses
-
-
-def pipeline_train(
-    comm,
-    stages=None,
-    micro=4,
-    schedule="1f1b",
-    steps=3,
-    build=mlp,
-    batch=global_batch,
-    loss_fn=F.mse_loss,
-    balance="parameters",
-):
-    config = ShardingConfiguration(comm)
-    model = PipelineParallelModel(
-        build(), config, num_stages=stages, micro_batches=micro, schedule=schedule, balance=balance
-    )
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    dp, d = model.data_parallel_size, model.data_parallel_rank
-    for step in range(steps):
-        x, y = batch(step)
-        n = x.shape[0] // dp
-        losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], loss_fn, opt))
-    return model.gather_full_parameters(), losses, model.last_schedule["max_in_flight"], model.stage_blocks
-
-
-def check_training(params: torch.Tensor, losses: list[float], want: tuple) -> None:
-    """Parameters and per-step losses against ``reference_pair(reference, ...)``."""
-    (params32, losses32), (params64, losses64) = want
-    assert_matches_reference(params, params32, params64, what="parameters")
-    assert_matches_reference(losses, losses32, losses64, what="losses")
-
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize(("world", "micro"), [(2, 1), (2, 4), (4, 2), (4, 8)])
@@ -173,7 +101,7 @@ def test_pipeline_matches_single_process_training(world, micro, schedule):
     rank) and the loss returned on every rank equal single-process training on the global batch. Catches
     micro-batch gradients not accumulated or not scaled by 1/m, an activation gradient sent to the wrong
     micro-batch, a stage stepping on partial gradients, and a loss reported from the wrong stage."""
-    want = reference_pair(reference)
+    want = reference_pair(pipeline_reference)
     results = run_ranks(pipeline_train, world, "inmemory", micro=micro, schedule=schedule)
     for params, losses, _, _ in results:
         check_training(params, losses, want)
@@ -184,7 +112,7 @@ def test_pipeline_matches_single_process_training(world, micro, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_on_gloo(schedule):
     """The same parity over Gloo processes (real send/recv between address spaces), 2 stages, 4 micro-batches."""
-    want = reference_pair(reference)
+    want = reference_pair(pipeline_reference)
     for params, losses, _, _ in run_ranks(pipeline_train, 2, "gloo", micro=4, schedule=schedule):
         check_training(params, losses, want)
 
@@ -193,25 +121,11 @@ def test_pipeline_with_data_parallel_replicas():
     """2 stages x 2 replicas (world 4): each replica trains on its half of the global batch and gradients are
     averaged per stage, so training equals one process on the whole batch. Catches gradients averaged over the
     wrong group (across stages) or not at all (replicas drift), and the loss of one replica reported as global."""
-    want = reference_pair(reference)
+    want = reference_pair(pipeline_reference)
     results = run_ranks(pipeline_train, 4, "inmemory", stages=2, micro=2)
     for params, losses, _, blocks in results:
         check_training(params, losses, want)
         assert blocks == [(0, 3), (3, 6)]
-
-
-def varying_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return global_batch(step, n=[16, 8, 8, 24][step])
-
-
-def pipeline_train_varying(comm, stages, micro):
-    model = PipelineParallelModel(mlp(), ShardingConfiguration(comm), num_stages=stages, micro_batches=micro)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(4):
-        losses.append(model.train_step(*varying_batch(step), F.mse_loss, opt))
-        model.predict(varying_batch(step)[0][:3])  # its own shape message and activation in between
-    return model.gather_full_parameters(), losses
 
 
 @pytest.mark.parametrize(("backend", "stages", "micro"), [("inmemory", 3, 2), ("inmemory", 2, 1), ("gloo", 2, 2)])
@@ -221,7 +135,7 @@ def test_activation_shape_changes_between_steps(backend, stages, micro):
     by a dummy of the old shape first. Training still equals a single process. Catches a receiver and sender
     that disagree on whether the guess was right (in memory: a shape mismatch error; on Gloo: a hang, an abort
     or a short message), and a guess carried over from predict()."""
-    want = reference_pair(reference, steps=4, batch=varying_batch)
+    want = reference_pair(pipeline_reference, steps=4, batch=varying_batch)
     for params, losses in run_ranks(pipeline_train_varying, stages, backend, stages=stages, micro=micro):
         check_training(params, losses, want)
 
@@ -241,7 +155,7 @@ def test_tied_embedding_across_stages_matches_single_process(world):
     """TinyLM (token embedding tied to the output head) split into 2 and 3 stages: the first and last stage each
     hold the shared matrix and sum its gradients, so training equals a single process. Catches a tied parameter
     updated from one stage's gradient only (the two copies drift apart) or counted twice in the full vector."""
-    want = reference_pair(reference, build=lm, batch=lm_batch, loss_fn=lm_loss)
+    want = reference_pair(pipeline_reference, build=lm, batch=lm_batch, loss_fn=lm_loss)
     for params, losses, _, _ in run_ranks(
         pipeline_train, world, "inmemory", micro=2, build=lm, batch=lm_batch, loss_fn=lm_loss
     ):

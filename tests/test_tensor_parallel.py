@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from examples import lm
 from gpudist import InMemoryCommunicationBackend, ShardingConfiguration
 from gpudist.strategies.tensor import (
     ColumnParallelLinear,
@@ -40,49 +39,16 @@ from gpudist.strategies.tensor import (
 )
 from gpudist.testing import run_ranks
 
+from .helpers import (
+    TP_LM,
+    TP_OPTIMIZERS,
+    TP_STEPS,
+    flat,
+    tp_lm_batch,
+    tp_single_process_lm,
+    tp_train_lm,
+)
 from .tolerances import assert_matches_reference, reference_pair, sum_rtol, unit_roundoff
-
-LM = {"vocab": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16, "seed": 0}
-GLOBAL_BATCH = 8
-STEPS = 5
-OPTIMIZERS = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
-}
-
-
-def lm():
-    """examples/lm.py as a module (examples/ is not a package; the gloo workers import it the same way)."""
-    examples = str(Path(__file__).resolve().parents[1] / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    import lm as example
-
-    return example
-
-
-def lm_batch(size: int = GLOBAL_BATCH, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return torch.randint(0, 64, (size, seq), generator=g), torch.randint(0, 64, (size, seq), generator=g)
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def single_process_lm(opt_name: str, steps: int = STEPS, dtype=torch.float32) -> tuple[list[float], torch.Tensor]:
-    example = lm()
-    model = example.TinyLM(**LM).to(dtype)
-    opt = OPTIMIZERS[opt_name](model.parameters())
-    x, y = lm_batch()
-    losses = []
-    for _ in range(steps):
-        loss = example.lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, flat(model)
 
 
 def assert_rounding(got: torch.Tensor, exact: torch.Tensor, magnitude, n: int, what: str) -> None:
@@ -252,45 +218,12 @@ def check_layers(comm):
     torch.testing.assert_close(shard.grad.double(), full_logits.grad[..., rows], rtol=0, atol=grad_bound)
 
 
-def train_lm(comm, tp, opt_name, x, y, idiomatic=False, steps=STEPS):
-    model = TensorParallelModel(
-        lm().TinyLM(**LM), ShardingConfiguration(comm), lm().tinylm_plan, tensor_parallel_size=tp
-    )
-    opt = OPTIMIZERS[opt_name](model.parameters())
-    per = x.shape[0] // model.data_parallel_size
-    mine = slice(model.data_parallel_rank * per, (model.data_parallel_rank + 1) * per)  # this replica's rows
-    losses = []
-    for _ in range(steps):
-        if idiomatic:  # the plain loop: data-parallel averaging must happen inside backward
-            loss = model.cross_entropy(model(x[mine]), y[mine])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        else:
-            losses.append(model.train_step(x[mine], y[mine], optimizer=opt))
-    return {
-        "losses": losses,
-        "params": model.gather_full_parameters(),
-        "meta": model.get_model_metadata(),
-        "local_numel": sum(p.numel() for p in model.parameters()),
-        "ranks": (
-            model.pipeline_parallel_rank,
-            model.pipeline_parallel_size,
-            model.data_parallel_rank,
-            model.data_parallel_size,
-            model.tensor_parallel_rank,
-            model.tensor_parallel_size,
-        ),
-    }
-
-
 def train_mlp(comm, state, tp):
     net = Mlp()
     net.load_state_dict(state)
     model = TensorParallelModel(net, ShardingConfiguration(comm), {"fc1": "colwise", "fc2": "rowwise"}, tp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(TP_STEPS):
         x, y = mlp_batch(step)
         model.train_step(x, y, F.mse_loss, opt)
     return {
@@ -301,23 +234,23 @@ def train_mlp(comm, state, tp):
 
 
 def save_trained(comm, path):
-    model = TensorParallelModel(lm().TinyLM(**LM), ShardingConfiguration(comm), lm().tinylm_plan)
-    opt = OPTIMIZERS["adamw"](model.parameters())
-    x, y = lm_batch()
+    model = TensorParallelModel(lm.TinyLM(**TP_LM), ShardingConfiguration(comm), lm.tinylm_plan)
+    opt = TP_OPTIMIZERS["adamw"](model.parameters())
+    x, y = tp_lm_batch()
     for _ in range(2):
         model.train_step(x, y, optimizer=opt)
     model.save_model(path / "tp.safetensors")
     model.save_model(path / "folder")  # a checkpoint folder: each rank writes its share
     twin = model.with_parameters(torch.zeros(model.parameter_count()))
     assert twin.gather_full_parameters().abs().sum() == 0, "with_parameters did not set the clone"
-    twin.train_step(x, y, optimizer=OPTIMIZERS["sgd"](twin.parameters()))  # the clone trains on its own
+    twin.train_step(x, y, optimizer=TP_OPTIMIZERS["sgd"](twin.parameters()))  # the clone trains on its own
     return {"params": model.gather_full_parameters(), "predict": model.predict(x)}
 
 
 def load_saved(comm, path):
     loaded = []
     for saved in ("tp.safetensors", "folder"):
-        model = TensorParallelModel(lm().TinyLM(**{**LM, "seed": 1}), ShardingConfiguration(comm), lm().tinylm_plan)
+        model = TensorParallelModel(lm.TinyLM(**{**TP_LM, "seed": 1}), ShardingConfiguration(comm), lm.tinylm_plan)
         model.load_model(path / saved)
         loaded.append(model.gather_full_parameters())
     return loaded
@@ -348,7 +281,7 @@ def single_process_mlp(state: dict, dtype=torch.float32) -> tuple[torch.Tensor, 
     net.load_state_dict(state)
     net.to(dtype)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(TP_STEPS):
         x, y = mlp_batch(step)
         F.mse_loss(net(x.to(dtype)), y.to(dtype)).backward()
         opt.step()
@@ -403,16 +336,16 @@ def test_tinylm_matches_single_process(backend, tp, opt_name):
     replicated gradient summed over the tensor group (SGD sees it), and extra or missing collectives: 5 steps
     on tp ranks equal one process on the same batch, every rank gathers the same full vector, and the bytes per
     step are exactly the activation all-reduces (per block 2 forward + 2 backward, embedding, head, loss)."""
-    x, y = lm_batch()
-    results = run_ranks(train_lm, tp, backend, tp=tp, opt_name=opt_name, x=x, y=y)
-    (losses32, params32), (losses64, params64) = reference_pair(single_process_lm, opt_name)
-    tokens, activation = x.numel(), x.numel() * LM["d_model"] * 4
+    x, y = tp_lm_batch()
+    results = run_ranks(tp_train_lm, tp, backend, tp=tp, opt_name=opt_name, x=x, y=y)
+    (losses32, params32), (losses64, params64) = reference_pair(tp_single_process_lm, opt_name)
+    tokens, activation = x.numel(), x.numel() * TP_LM["d_model"] * 4
     for rank, r in enumerate(results):
         assert_matches_reference(r["params"], params32, params64, what="parameters")
         assert_matches_reference(r["losses"], losses32, losses64, what="losses")
         assert torch.equal(r["params"], results[0]["params"]), "ranks gathered different full vectors"
         assert r["ranks"] == (0, 1, 0, 1, rank, tp)
-        assert r["meta"]["bytes_per_step"] == activation * (4 * LM["n_layers"] + 2) + tokens * 3 * 4
+        assert r["meta"]["bytes_per_step"] == activation * (4 * TP_LM["n_layers"] + 2) + tokens * 3 * 4
         assert r["meta"]["parameter_count"] == params64.numel()
 
 
@@ -421,17 +354,17 @@ def test_tensor_times_data_parallel_matches_single_process(opt_name):
     """Catches data-parallel replicas not averaging (or summing) their gradients, the idiomatic
     ``loss.backward(); opt.step()`` loop skipping that average, and tensor groups that are not consecutive ranks:
     tp=2 x dp=2, each replica on its half of the global batch, equals one process on the whole batch."""
-    x, y = lm_batch()
-    results = run_ranks(train_lm, 4, "inmemory", tp=2, opt_name=opt_name, x=x, y=y, idiomatic=True)
-    (losses32, params32), (losses64, params64) = reference_pair(single_process_lm, opt_name)
+    x, y = tp_lm_batch()
+    results = run_ranks(tp_train_lm, 4, "inmemory", tp=2, opt_name=opt_name, x=x, y=y, idiomatic=True)
+    (losses32, params32), (losses64, params64) = reference_pair(tp_single_process_lm, opt_name)
     for rank, r in enumerate(results):
         assert_matches_reference(r["params"], params32, params64, what="parameters")
         assert torch.equal(r["params"], results[0]["params"])
         assert r["ranks"] == (0, 1, rank // 2, 2, rank % 2, 2)
         assert r["losses"] == results[rank ^ 1]["losses"], "the two ranks of a tensor group disagree on the loss"
-        tokens, activation = x.numel() // 2, x.numel() // 2 * LM["d_model"] * 4
+        tokens, activation = x.numel() // 2, x.numel() // 2 * TP_LM["d_model"] * 4
         grads = r["local_numel"] * 4  # one average of the local gradients over the data group
-        assert r["meta"]["bytes_per_step"] == activation * (4 * LM["n_layers"] + 2) + tokens * 3 * 4 + grads
+        assert r["meta"]["bytes_per_step"] == activation * (4 * TP_LM["n_layers"] + 2) + tokens * 3 * 4 + grads
     global_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"], strict=True)]
     assert_matches_reference(global_losses, losses32, losses64, what="losses")
 
@@ -455,12 +388,11 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
     the tied head), loading that cannot take another tp size, clone() sharing parameters with the original, and
     predict() returning split logits: trained on tp=2, loaded by a plain TinyLM and by tp=4, equal everywhere."""
     trained = run_ranks(save_trained, 2, "inmemory", path=tmp_path)
-    example = lm()
-    plain = example.TinyLM(**{**LM, "seed": 2})
+    plain = lm.TinyLM(**{**TP_LM, "seed": 2})
     plain.load_state_dict(load_file(tmp_path / "tp.safetensors"))
     assert plain.head.weight is plain.tok.weight
     torch.testing.assert_close(flat(plain), trained[0]["params"], rtol=0, atol=0)
-    logits32, logits64 = (model(lm_batch()[0]).detach() for model in (plain, copy.deepcopy(plain).double()))
+    logits32, logits64 = (model(tp_lm_batch()[0]).detach() for model in (plain, copy.deepcopy(plain).double()))
     assert_matches_reference(trained[0]["predict"], logits32, logits64, what="predict")
     for from_file, from_folder in run_ranks(load_saved, 4, "inmemory", path=tmp_path):
         torch.testing.assert_close(from_file, trained[0]["params"], rtol=0, atol=0)
@@ -473,15 +405,15 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
         (
             2,
             None,
-            lambda: lm().TinyLM(**{**LM, "vocab": 63}),
-            lambda m: lm().tinylm_plan(m),
+            lambda: lm.TinyLM(**{**TP_LM, "vocab": 63}),
+            lm.tinylm_plan,
             r"'tok' \(vocab\): vocabulary size \(num_embeddings\)=63 is not divisible by the tensor-parallel size 2",
         ),
         (
             4,
             None,
-            lambda: lm().TinyLM(**{**LM, "d_model": 48, "n_heads": 6}),
-            lambda m: lm().tinylm_plan(m),
+            lambda: lm.TinyLM(**{**TP_LM, "d_model": 48, "n_heads": 6}),
+            lm.tinylm_plan,
             r"'blocks.0' \(heads\): n_heads=6 is not divisible by the tensor-parallel size 4; .* \(1, 2, 3, 6\)",
         ),
         (
@@ -503,14 +435,14 @@ def test_full_state_saves_loads_across_layouts_and_clones(tmp_path):
         (
             2,
             None,
-            lambda: lm().TinyLM(**LM),
-            lambda m: {**lm().tinylm_plan(m), "blocks.0.qkv": "colwise"},
+            lambda: lm.TinyLM(**TP_LM),
+            lambda m: {**lm.tinylm_plan(m), "blocks.0.qkv": "colwise"},
             r"'blocks.0' \(heads\): .* must also map 'blocks.0.qkv' to 'colwise_qkv'",
         ),
         (
             2,
             None,
-            lambda: lm().TinyLM(**LM),
+            lambda: lm.TinyLM(**TP_LM),
             {"head": "vocab_output"},
             r"tok.weight and head.weight are one \(tied\) parameter, but the plan splits them differently",
         ),

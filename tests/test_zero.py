@@ -15,70 +15,26 @@ from torch.nn import functional as F
 
 import gpudist
 from gpudist import (
-    FSDPModel,
     ShardingConfiguration,
-    ZeRO1Model,
     ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
-    ZeRO3Model,
-    ZeRO3Optimizer,
 )
 from gpudist.testing import run_ranks
 
-from .test_ddp import batch, flat, fresh_net, initial_state, single_process, train_steps
+from .helpers import (
+    OPTIMIZERS,
+    STEPS,
+    batch,
+    flat,
+    fresh_net,
+    initial_state,
+    single_process,
+    train_steps,
+    train_zero1,
+)
 from .tolerances import assert_matches_reference, reference_pair
 
-STEPS = 10
-
-OPTIMIZERS = {
-    "adam": (torch.optim.Adam, {"lr": 1e-2}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}),  # no fused kernel: the generic path over owned views
-}
-
-
-STAGES = {
-    1: (ZeRO1Model, ZeRO1Optimizer),
-    2: (ZeRO2Model, ZeRO2Optimizer),
-    3: (ZeRO3Model, ZeRO3Optimizer),
-    "fsdp": (FSDPModel, ZeRO3Optimizer),
-}
 SMALL_BUCKETS = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.00002}
 """~100 B and ~20 B: three uneven buckets, the first (norm.bias alone) 5 elements: at 8 ranks three own none of it."""
-
-
-def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, config_kw=None, nan_step=None, stage=1):
-    config = ShardingConfiguration(comm, **(config_kw or {}))
-    net = fresh_net(state)
-    model_cls, opt_cls = STAGES[stage]
-    model = model_cls(net, config) if wrap_model else net
-    cls, kw = OPTIMIZERS[opt_name]
-    opt = opt_cls(cls(model.parameters(), **kw), config)
-    step_bytes, skipped = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.world_size)
-        before = comm.stats.total_bytes
-        F.mse_loss(model(x), y).backward()
-        if step == nan_step and comm.rank == comm.world_size - 1:
-            # One rank's gradient goes bad: the last element, which the last rank owns.
-            list(model.parameters())[-1].grad[-1] = float("nan")
-        after_backward = model.memory_per_rank() if wrap_model else None
-        opt.step()
-        opt.zero_grad()
-        step_bytes.append(comm.stats.total_bytes - before)
-        skipped.append(opt.last_step_skipped)
-    meta = model.get_model_metadata() if wrap_model else None
-    params = model.gather_full_parameters() if wrap_model else flat(net)
-    return {
-        "params": params,
-        "bytes": step_bytes,
-        "meta": meta,
-        "skipped": skipped,
-        "after_backward": after_backward,
-        "state_bytes": opt.state_bytes(),
-    }
 
 
 @pytest.mark.parametrize(

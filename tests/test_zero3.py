@@ -8,24 +8,30 @@ here use its tolerance: single-process training in float64, within a multiple of
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 import gpudist
+from examples.lm import lm_loss
 from gpudist import FSDPModel, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer, ZeRO3Model, ZeRO3Optimizer
 from gpudist.testing import run_ranks
 
-from .test_ddp import STEPS, batch, flat, fresh_net, initial_state, single_process, train_steps
-from .test_zero import train_zero1
+from .helpers import (
+    STEPS,
+    batch,
+    flat,
+    fresh_net,
+    initial_state,
+    lm_batch,
+    single_process,
+    tiny_lm,
+    train_steps,
+    train_zero1,
+)
 from .tolerances import assert_matches_reference, reference_pair
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from lm import TinyLM, lm_loss
 
 
 def train_fsdp2(comm, state, steps=STEPS):
@@ -129,18 +135,6 @@ def test_zero3_prefetches_the_next_unit():
     ]
     backward = [e for e in events[len(forward) :] if e[0] == "gather"]
     assert backward == [("gather", "norm"), ("gather", "fc2"), ("gather", "fc1")]
-
-
-def tiny_lm(dtype=torch.float32):
-    return TinyLM(vocab=37, d_model=16, n_layers=2, n_heads=2, seq_len=8, seed=3).to(dtype)
-
-
-def lm_batch(step, rank=0, world=1, size=12):
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 37, (size, 9), generator=g)
-    per = size // world
-    part = tokens[rank * per : (rank + 1) * per]
-    return part[:, :-1], part[:, 1:]
 
 
 def train_lm(comm, stage, dtype=torch.float32, steps=4):
