@@ -40,6 +40,7 @@ import gpudist
 from gpudist.bench import environment
 from gpudist.comm import ReductionOperation
 from gpudist.fileio import atomic_write_json
+from gpudist.strategies import DATA_PARALLEL_PAIRS
 
 from . import workloads as W
 
@@ -145,15 +146,7 @@ def gpudist_variant(comm, workload: str, x, y, strategy: str, bucket_mb: float, 
     """gpudist's model wrapper and optimizer for ``strategy`` (ddp, zero1, zero2, fsdp, zero3), default config."""
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb)
     net = W.make(workload)
-    g = gpudist
-    classes = {
-        "ddp": (g.DDPModel, g.DDPOptimizer),
-        "zero1": (g.ZeRO1Model, g.ZeRO1Optimizer),
-        "zero2": (g.ZeRO2Model, g.ZeRO2Optimizer),
-        "zero3": (g.ZeRO3Model, g.ZeRO3Optimizer),
-        "fsdp": (g.FSDPModel, g.ZeRO3Optimizer),
-    }
-    model_cls, opt_cls = classes[strategy]
+    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     if strategy == "fsdp":
         model = model_cls(net, config, auto_wrap_policy=units)
     elif strategy == "zero3":

@@ -18,21 +18,15 @@ import gpudist
 from examples import lm, train
 from examples.lm import TinyLM, as_sequential, lm_loss, tinylm_plan
 from gpudist import (
-    FSDPModel,
     HybridShardedModel,
     HybridShardedOptimizer,
     PipelineParallelModel,
     ShardingConfiguration,
     TensorParallelModel,
-    ZeRO1Model,
-    ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
-    ZeRO3Model,
-    ZeRO3Optimizer,
 )
 from gpudist.comm import ReductionOperation, split_sizes
 from gpudist.compression import CompressedChannel, Int8Compressor, OneBitCompressor, TopKCompressor
+from gpudist.strategies import DATA_PARALLEL_PAIRS
 
 from .tolerances import assert_matches_reference, reference_bound, reference_pair, sum_rtol, unit_roundoff
 
@@ -125,10 +119,10 @@ OPTIMIZERS = {
 
 
 STAGES = {
-    1: (ZeRO1Model, ZeRO1Optimizer),
-    2: (ZeRO2Model, ZeRO2Optimizer),
-    3: (ZeRO3Model, ZeRO3Optimizer),
-    "fsdp": (FSDPModel, ZeRO3Optimizer),
+    1: DATA_PARALLEL_PAIRS["zero1"],
+    2: DATA_PARALLEL_PAIRS["zero2"],
+    3: DATA_PARALLEL_PAIRS["zero3"],
+    "fsdp": DATA_PARALLEL_PAIRS["fsdp"],
 }
 
 
@@ -475,13 +469,7 @@ def tp_train_lm(comm, tp, opt_name, x, y, idiomatic=False, steps=TP_STEPS):
 
 # ------------------------------------------------------ every data-parallel strategy on any device (tests/test_gpu.py)
 
-GPU_PAIRS = {
-    "ddp": (gpudist.DDPModel, gpudist.DDPOptimizer),
-    "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer),
-    "zero2": (gpudist.ZeRO2Model, gpudist.ZeRO2Optimizer),
-    "zero3": (gpudist.ZeRO3Model, gpudist.ZeRO3Optimizer),
-    "fsdp": (gpudist.FSDPModel, gpudist.ZeRO3Optimizer),
-}
+GPU_PAIRS = DATA_PARALLEL_PAIRS
 GPU_STEPS, GPU_BATCH = 5, 16
 
 

@@ -16,6 +16,7 @@ import torch
 import gpudist
 from examples.lm import lm_loss
 from gpudist import CheckpointError, DDPModel, DDPOptimizer, ShardingConfiguration, load_checkpoint, save_checkpoint
+from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import RanksFailedError, run_ranks
 
 from .helpers import (
@@ -31,7 +32,7 @@ from .helpers import (
 )
 from .tolerances import assert_matches_reference, reference_pair
 
-PAIRS = {**STAGES, "ddp": (DDPModel, DDPOptimizer)}
+PAIRS = {**STAGES, "ddp": DATA_PARALLEL_PAIRS["ddp"]}
 
 
 def build(comm, state, stage, opt_name, seed_shift=0.0):

@@ -13,11 +13,12 @@ from torch.nn import functional as F
 
 import gpudist
 from gpudist import ShardingConfiguration
+from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import run_ranks
 
 from .helpers import OPTIMIZERS, STAGES, STEPS, batch, fresh_net, initial_state
 
-PAIRS = {0: (gpudist.DDPModel, gpudist.DDPOptimizer), **STAGES}
+PAIRS = {0: DATA_PARALLEL_PAIRS["ddp"], **STAGES}
 
 
 def train(comm, state, stage, explicit):

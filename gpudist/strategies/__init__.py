@@ -29,6 +29,7 @@ from .tensor import TensorParallelModel
 from .zero import ZeRO1Model, ZeRO1Optimizer, ZeRO2Model, ZeRO2Optimizer
 
 __all__ = [
+    "DATA_PARALLEL_PAIRS",
     "AsyncSGDOptimizer",
     "DDPModel",
     "DDPOptimizer",
@@ -48,3 +49,13 @@ __all__ = [
     "ZeRO3Model",
     "ZeRO3Optimizer",
 ]
+
+DATA_PARALLEL_PAIRS: dict[str, tuple[type[ShardedModel], type[ShardedOptimizer]]] = {
+    "ddp": (DDPModel, DDPOptimizer),
+    "zero1": (ZeRO1Model, ZeRO1Optimizer),
+    "zero2": (ZeRO2Model, ZeRO2Optimizer),
+    "zero3": (ZeRO3Model, ZeRO3Optimizer),
+    "fsdp": (FSDPModel, ZeRO3Optimizer),
+}
+"""The data-parallel strategies by name: each model wrapper and the optimizer that pairs with it (the examples, the
+benchmarks and the tests pick strategies by these names)."""
