@@ -189,6 +189,126 @@ def test_watchdog_aborts_a_stuck_op_and_the_next_call_names_it():
         comm.shutdown()
 
 
+class _StuckDevice(_Stuck):
+    """A device whose NCCL kernel waits for a dead peer: its events never complete and a device-wide synchronize
+    would never return (here it fails the test instead of hanging it)."""
+
+    def synchronize(self) -> None:
+        raise AssertionError("shutdown waited on the device with an op stuck on it: it would hang on a GPU")
+
+
+def test_shutdown_with_a_stuck_op_aborts_instead_of_waiting_for_the_device():
+    """Catches a shutdown that synchronizes the device while an NCCL kernel waits for a dead peer (it would hang
+    forever): it waits for this rank's ops at most until their deadline, then aborts the communicator."""
+    fake = FakeNccl()
+    with installed(fake, _StuckDevice):
+        comm = solo(fake, timeout=0.5)
+        comm.all_reduce(torch.ones(2), async_op=True)
+        comm.shutdown()
+        assert not comm.healthy
+        assert comm._comm._closed  # ncclCommAbort: the stuck kernel is released
+        assert not comm._watchdog.is_alive()  # joined, not left behind
+        with pytest.raises(CommunicationTimeoutError, match=r"all_reduce.*timed out"):
+            comm.broadcast(torch.ones(2), 0)
+        comm.shutdown()  # idempotent
+
+
+class _Recording(HostRuntime):
+    """Records which threads select the device (CUDA calls made without it go to device 0)."""
+
+    threads: list[str] = []
+
+    def selected(self):
+        type(self).threads.append(threading.current_thread().name)
+        return super().selected()
+
+
+def test_watchdog_selects_the_backends_device():
+    """Catches a watchdog thread whose event queries run on the thread's default device (each rank would create a
+    CUDA context on GPU 0, about 0.5 GiB apiece, and query the wrong device's events)."""
+    fake = FakeNccl()
+    _Recording.threads = []
+    with installed(fake, _Recording):
+        comm = solo(fake)
+        deadline = time.monotonic() + 60
+        while comm._watchdog.name not in _Recording.threads and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert comm._watchdog.name in _Recording.threads
+        comm.shutdown()
+
+
+class _FailingQuery:
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _BrokenDevice(HostRuntime):
+    def record(self):
+        return _FailingQuery()
+
+
+def test_a_watchdog_failure_breaks_the_group_with_its_text():
+    """Catches a watchdog that dies silently on an exception of its own (after which no op would ever time out):
+    the group breaks, and the next call names the watchdog and the CUDA error."""
+    fake = FakeNccl()
+    with installed(fake, _BrokenDevice):
+        comm = solo(fake, timeout=600)
+        comm.all_reduce(torch.ones(2))
+        with pytest.raises(CommunicationError, match=r"watchdog failed.*illegal memory access"):
+            _until_it_raises(lambda: comm.broadcast(torch.ones(2), 0))
+        comm.shutdown()
+
+
+class _SlowQuery:
+    entered = threading.Event()
+    release = threading.Event()
+
+    def query(self) -> bool:
+        type(self).entered.set()
+        type(self).release.wait(300)
+        return True
+
+
+class _SlowDevice(HostRuntime):
+    def record(self):
+        return _SlowQuery()
+
+
+def test_watchdog_queries_events_without_holding_the_lock_ops_take():
+    """Catches the watchdog holding its lock across a CUDA event query: an op issued meanwhile (which registers its
+    event under that lock) would wait for the query, i.e. for the device."""
+    fake = FakeNccl()
+    _SlowQuery.entered.clear()
+    _SlowQuery.release.clear()
+    with installed(fake, _SlowDevice):
+        comm = solo(fake)
+        comm.all_reduce(torch.ones(2))
+        assert _SlowQuery.entered.wait(60), "the watchdog never queried the op's event"
+        issued = threading.Event()
+        threading.Thread(target=lambda: (comm.all_reduce(torch.ones(2)), issued.set()), daemon=True).start()
+        try:
+            assert issued.wait(30), "an op waited for the watchdog's event query"
+        finally:
+            _SlowQuery.release.set()
+        comm.shutdown()
+
+
+def test_every_nccl_backend_is_shut_down_at_exit(monkeypatch):
+    """Catches a backend left to the interpreter's teardown (``init("nccl")`` registered nothing): the exit hook
+    stops its watchdog and destroys its communicator, and holds no reference that would keep it alive."""
+    from gpudist.comm import nccl
+
+    hooks = []
+    monkeypatch.setattr(nccl.atexit, "register", lambda fn, *args: hooks.append((fn, args)))
+    fake = FakeNccl()
+    with installed(fake):
+        comm = solo(fake)
+        assert len(hooks) == 1
+        fn, args = hooks[0]
+        fn(*args)
+        assert comm._comm._closed and not comm._watchdog.is_alive()
+
+
 def test_async_nccl_error_breaks_the_group_with_its_text():
     """ncclCommGetAsyncError reporting a failure (a remote rank's network error) surfaces on the next call."""
     fake = FakeNccl()

@@ -21,6 +21,10 @@ Gloo or MPI backend of the same processes).
   ``timeout`` seconds (or ``ncclCommGetAsyncError`` reporting an error) makes it abort the communicator
   (``ncclCommAbort``, which releases kernels stuck waiting for a dead peer) and mark the backend broken: the
   next op or ``wait()`` raises :class:`CommunicationTimeoutError` naming op, group and rank, instead of hanging.
+  The watchdog runs with the backend's device selected, queries events outside the lock ops take, and an exception
+  of its own breaks the group with its text. ``shutdown()`` (also registered at interpreter exit) joins the
+  watchdog and destroys the communicator once this rank's ops have completed, or aborts it when they have not by
+  their deadline: it never waits on the device unbounded.
 - Consistency check (``validate=True``): one all-gather of the 14-int64 signature, read on the host, so it
   costs a device synchronization per op; gpudist's strategies turn it off around ops that agree by construction
   (``comm.unchecked()``). ``send``/``recv`` shapes are not cross-checked on NCCL (the handshake the CPU backends
@@ -29,9 +33,12 @@ Gloo or MPI backend of the same processes).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -155,6 +162,14 @@ class _InFlight:
         self.event, self.op, self.deadline = event, op, deadline
 
 
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    """Shut a backend still alive at interpreter exit down while the interpreter is whole (bounded by its timeout)."""
+    backend = ref()
+    if backend is not None:
+        with contextlib.suppress(Exception):
+            backend.shutdown()
+
+
 class NCCLCommunicationBackend(CommunicationBackend):
     """One rank of an NCCL communicator on one CUDA device; build it with :meth:`create`, :meth:`from_bootstrap`
     or ``gpudist.init("nccl")``.
@@ -224,8 +239,10 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._inflight: list[_InFlight] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._shut = False
         self._watchdog = threading.Thread(target=self._watch, name=f"gpudist-nccl-watchdog-r{rank}", daemon=True)
         self._watchdog.start()
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # -- construction ------------------------------------------------------------------------------------------------
 
@@ -372,29 +389,51 @@ class NCCLCommunicationBackend(CommunicationBackend):
         return Work(wait, event.query)
 
     def _watch(self) -> None:
-        """Watchdog: abort the communicator when an op outlives the timeout or NCCL reports an async error."""
-        while not self._stop.wait(0.05):
-            with self._lock:
-                self._inflight = [f for f in self._inflight if not f.event.query()]
-                late = next((f for f in self._inflight if time.monotonic() > f.deadline), None)
-            problem = None
-            try:
-                self._comm.check_async_error()
-            except RuntimeError as e:
-                problem = self._error(f"NCCL reported an asynchronous error: {e}", "async")
-            if late is not None and problem is None:
-                problem = self._error(
-                    f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or "
-                    "died; the NCCL communicator was aborted",
-                    late.op,
-                    CommunicationTimeoutError,
-                )
-            if problem is not None:
-                self._mark_broken(problem)
-                try:
-                    self._comm.abort()
-                finally:
-                    self._stop.set()
+        """Watchdog: abort the communicator when an op outlives the timeout or NCCL reports an async error.
+
+        It runs with the backend's device selected (its CUDA calls must not create a context on device 0), and an
+        exception of its own breaks the group with that exception's text instead of ending the thread silently
+        (after which nothing would time out)."""
+        try:
+            with self._rt.selected():
+                while not self._stop.wait(0.05):
+                    problem = self._poll()
+                    if problem is not None:
+                        self._abort(problem)
+                        return
+        except BaseException as e:
+            self._abort(self._error(f"the NCCL watchdog failed ({type(e).__name__}: {e})", "watchdog"))
+
+    def _poll(self) -> CommunicationError | None:
+        """One look at the ops in flight: drop the completed ones; the error to abort with, if any. The CUDA queries
+        run outside the lock, so a slow query never delays an op being issued."""
+        with self._lock:
+            inflight = list(self._inflight)
+        done = {id(f) for f in inflight if f.event.query()}
+        now = time.monotonic()
+        late = next((f for f in inflight if id(f) not in done and now > f.deadline), None)
+        with self._lock:
+            self._inflight = [f for f in self._inflight if id(f) not in done]
+        try:
+            self._comm.check_async_error()
+        except RuntimeError as e:
+            return self._error(f"NCCL reported an asynchronous error: {e}", "async")
+        if late is not None:
+            return self._error(
+                f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or died; the NCCL "
+                "communicator was aborted",
+                late.op,
+                CommunicationTimeoutError,
+            )
+        return None
+
+    def _abort(self, problem: CommunicationError) -> None:
+        """Mark the group broken with ``problem`` and abort the communicator (``ncclCommAbort`` releases kernels
+        stuck waiting for a dead peer)."""
+        self._mark_broken(problem)
+        self._stop.set()
+        with contextlib.suppress(Exception):  # already aborted or destroyed: nothing left to release
+            self._comm.abort()
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         src, dst = mine.to(self._device), torch.empty(everyone.numel(), dtype=torch.int64, device=self._device)
@@ -553,8 +592,22 @@ class NCCLCommunicationBackend(CommunicationBackend):
         )
 
     def shutdown(self) -> None:
-        """Stop the watchdog and destroy the communicator (after the device finished its queued ops)."""
+        """Stop the watchdog, then destroy the communicator once this rank's ops in flight have completed, or abort it
+        if they have not by their deadline (a dead or stuck peer): it returns within the op timeout, never waits on
+        the device unbounded. Idempotent; also called at interpreter exit."""
+        if self._shut:
+            return
+        self._shut = True
         self._stop.set()
-        if self.healthy:
-            self._rt.synchronize()
-            self._comm.destroy()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=max(1.0, self.timeout))
+        with self._rt.selected():
+            while self.healthy:
+                problem = self._poll()
+                if problem is not None:
+                    self._abort(problem)
+                elif not self._inflight:
+                    self._comm.destroy()
+                    return
+                else:
+                    time.sleep(0.01)
