@@ -356,8 +356,9 @@ def test_census_counts_each_storage_once_whole_and_finds_what_autograd_made():
     assert storage_census([*views, slice_only]).total == plain
     if alloc is not None:
         # Two storages, each a malloc chunk of its own (mmapped: rounded up to a page, + 64 B of alignment), and the
-        # few Python objects made here (five tensor objects, a list): a few KiB; a missed or doubled storage is MiBs.
-        assert 0 <= (alloc - base_alloc) - plain < 64 << 10, (alloc - base_alloc, plain)
+        # few Python objects made here (five tensor objects, a list): a few KiB more; a thread of an earlier test
+        # finishing meanwhile can free a few KiB (seen: 752 B net below). A missed or doubled storage is MiBs.
+        assert abs((alloc - base_alloc) - plain) < 64 << 10, (alloc - base_alloc, plain)
     layer = nn.Linear(512, 256)  # 131,328 parameters
     layer(torch.randn(4, 512)).sum().backward()  # .grad made by autograd in C++
     grads = 2 * sum(p.numel() * 4 for p in layer.parameters())  # the parameters and their gradients

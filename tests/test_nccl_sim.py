@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import gpudist
 from examples import train
@@ -28,6 +29,8 @@ from .helpers import (
     assert_lossless,
     check_training,
     conservation,
+    gpu_batch,
+    gpu_net,
     gpu_reference,
     gpu_train,
     hybrid_check,
@@ -365,6 +368,50 @@ def test_strategy_over_nccl_matches_one_process(strategy, world):
     expected = reference_pair(gpu_reference, "cpu")
     for params in run_nccl(gpu_train, world, FakeNccl(), strategy=strategy):
         assert_matches_reference(params, *expected)
+
+
+def _steady_steps(comm, strategy, nccl, gate, seen, steps=3):
+    """``steps`` training steps of ``strategy``; the NCCL calls (all ranks) and this rank's consistency checks of the
+    steps after the first (steady state), counted between thread barriers that issue no NCCL call."""
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
+    model_cls, opt_cls = GPU_PAIRS[strategy]
+    model = model_cls(gpu_net(comm.device), config)
+    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    for step in range(steps):
+        if step == 1:
+            gate.wait()
+            if comm.rank == 0:
+                seen.update(nccl.calls)
+            gate.wait()
+            checks = comm.stats.check_calls
+        x, y = gpu_batch(step, comm.device, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    gate.wait()
+    calls = {k: (v - seen.get(k, 0)) / (steps - 1) for k, v in nccl.calls.items() if v != seen.get(k, 0)}
+    return {"checks": comm.stats.check_calls - checks, "calls_per_step": calls}
+
+
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
+def test_steady_state_steps_make_no_consistency_check_over_nccl(strategy):
+    """Catches a per-step collective left to the cross-rank signature check: on NCCL each check is one more
+    all-gather and a device-to-host copy, a host sync per op (ZeRO-3 made 10 per step on this model). Layouts are
+    checked once, when the model is wrapped (its fingerprint), and the steps' ops agree by construction."""
+    fake, world = FakeNccl(), 2
+    results = run_nccl(_steady_steps, world, fake, strategy=strategy, nccl=fake, gate=threading.Barrier(world), seen={})
+    assert [r["checks"] for r in results] == [0] * world
+
+
+def test_zero1_sends_its_update_in_one_collective_over_nccl():
+    """Catches ZeRO-1's update sent as chunked per-rank broadcasts on NCCL (written to overlap the update with the
+    sends on Gloo, whose ops progress on their own threads; NCCL ops queue behind the update on its stream, so the
+    chunks only multiply launches: 16 broadcasts per step at 2 ranks). One all-gather per rank and step instead."""
+    fake, world = FakeNccl(), 2
+    results = run_nccl(_steady_steps, world, fake, strategy="zero1", nccl=fake, gate=threading.Barrier(world), seen={})
+    calls = results[0]["calls_per_step"]
+    assert "broadcast" not in calls, calls
+    assert calls["allGather"] == world, calls  # the parameters' all-gather, one call on each rank
 
 
 @pytest.mark.parametrize("views", [False, True])

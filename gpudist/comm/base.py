@@ -401,6 +401,11 @@ class CommunicationBackend(ABC):
     #: SUM and then a division pass, so callers that touch the data anyway fold the 1/N into that pass and send SUM.
     averages_in_transport: bool = False
 
+    #: True where an async op progresses on its own (the transport's threads) while the caller goes on computing:
+    #: Gloo, MPI, in-memory. False where ops are queued in order behind the caller's compute (NCCL on torch's current
+    #: stream): there splitting one collective into many to overlap it with compute gains nothing and costs launches.
+    progresses_concurrently: bool = True
+
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -193,6 +193,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     name = "nccl"
     ordered_p2p = True  # sends and receives run in issue order on torch's current stream
+    progresses_concurrently = False  # every op is queued on torch's current stream, behind the compute before it
 
     def __init__(
         self,

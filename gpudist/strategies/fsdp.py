@@ -243,7 +243,8 @@ class ZeRO3Model(ShardedModel):
         if group.full is not None or group.gathering is not None:
             return
         full = torch.empty(group.total, dtype=group.dtype, device=group.device)
-        group.gathering = self.comm.all_gather(group.shard.detach(), full, async_op=True)
+        with self.comm.unchecked():  # units laid out from the same model on every rank (fingerprint checked at wrap)
+            group.gathering = self.comm.all_gather(group.shard.detach(), full, async_op=True)
         group.full = full
 
     def _gathered(self, group: _Group) -> torch.Tensor:
@@ -358,7 +359,8 @@ class ZeRO3Model(ShardedModel):
             received = slot  # straight into the shard's gradient
         else:
             received = torch.empty(group.end - group.start, dtype=wire_dtype, device=group.device)
-        work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
+        with self.comm.unchecked():  # the unit's layout agrees on every rank by construction
+            work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
         group.reduced = True
         self._pending.append((group, received, slot, work))
         # At most _IN_FLIGHT reduce-scatters at a time (FSDP2 keeps one): each holds its unit's full-size send
@@ -568,7 +570,8 @@ class ZeRO3Model(ShardedModel):
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for grad in grads:
             total += kernels.squared_norm(grad).double()
-        self.comm.all_reduce(total, ReductionOperation.SUM)
+        with self.comm.unchecked():  # one float64 on every rank, by construction
+            self.comm.all_reduce(total, ReductionOperation.SUM)
         norm = float(total.sqrt())
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:

@@ -536,7 +536,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
             norm = self.gradient_norm_fn()
         else:
             total = kernels.squared_norm(self._grad).reshape(1).double()
-            self.comm.all_reduce(total, ReductionOperation.SUM)
+            with self.comm.unchecked():  # one float64 on every rank, by construction: no per-step signature check
+                self.comm.all_reduce(total, ReductionOperation.SUM)
             norm = math.sqrt(total.item())
         if not math.isfinite(norm):
             self.last_step_skipped = True
@@ -560,8 +561,14 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _overlaps_gather(self) -> bool:
         """Whether the update can be sent piece by piece as it is made: fused kernels on fp32 parameters (the owned
-        values are the flat buffer's own, sent in place) and more than one rank."""
-        return self._kind is not None and self._master_is_view and self.comm.world_size > 1
+        values are the flat buffer's own, sent in place), more than one rank, and a transport whose ops progress
+        while the next piece is updated (not NCCL on the compute stream: there one all-gather per region is best)."""
+        return (
+            self._kind is not None
+            and self._master_is_view
+            and self.comm.world_size > 1
+            and self.comm.progresses_concurrently
+        )
 
     def _update_and_send(self, scale: float, regions: list[tuple[int, int, int]]) -> None:
         """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
@@ -897,7 +904,8 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
     def _gather_parameters(self) -> None:
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
         src = self._master if self._master_is_view else self._master.to(self._flat.data.dtype)
-        self.comm.all_gather(src, self._flat.data)
+        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
+            self.comm.all_gather(src, self._flat.data)
 
     def _update_and_gather(self, scale: float) -> None:
         """Fused fp32 path: the flat buffer is one gathered region (:meth:`_update_and_send`)."""
@@ -985,7 +993,8 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         for part in self._parts:
             piece = self._master_of(part.owned_at, part.owned_at + part.owned_numel)
             src = piece if self._master_is_view else piece.to(dtype)  # fp32: in place, as ZeRO-1
-            self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
+            with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
+                self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
 
     def _update_and_gather(self, scale: float) -> None:
         """Fused fp32 path: each bucket is a gathered region (:meth:`_update_and_send`), in launch order."""
