@@ -78,7 +78,8 @@ class StepExecutor:
         self.out = None  # and of those sent
         self.loss_recv = None
         self.in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device="cpu")  # host: read per micro-batch
+        # On the device, written by a device copy per micro-batch: the host reads the loss once, after the step.
+        self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device=link.device)
         self.max_in_flight = 0
         self.busy = 0.0
 
@@ -160,7 +161,7 @@ class StepExecutor:
                 raise ValueError(
                     f"loss_fn must return a scalar tensor, got {type(y).__name__} {tuple(getattr(y, 'shape', ()))}"
                 )
-            self.losses[i] = float(y.detach())
+            self.losses[i] = y.detach().reshape(())
         self.busy += time.perf_counter() - t0
         if not self.last:
             if i == 0:
@@ -199,7 +200,7 @@ class StepExecutor:
         """The step's loss: computed on the last stage (averaged over replicas), passed back stage by stage."""
         link = self.link
         if self.last:
-            loss = self.losses.mean().reshape(1).to(link.device)
+            loss = self.losses.mean().reshape(1)
             if self.data_group is not None:  # the replicas' batches are equal slices: their mean is the global's
                 self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
         else:
