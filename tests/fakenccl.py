@@ -119,6 +119,7 @@ class FakeNccl:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.calls = collections.Counter()  # kind -> how often it ran, for tests that check the path taken
+        self.streams: collections.Counter = collections.Counter()  # calls per stream handle
         self.reductions = collections.Counter()  # NCCL op code -> how often a reduction used it
         fake = self
 
@@ -175,6 +176,7 @@ class FakeNccl:
         if not isinstance(call.args.get("stream"), int):
             raise TypeError(f"stream must be an int handle, got {call.args.get('stream')!r}")
         self.calls[call.kind] += 1
+        self.streams[call.args["stream"]] += 1
         if "op" in call.args:
             self.reductions[call.args["op"]] += 1
         if getattr(self._local, "depth", 0):
@@ -443,15 +445,29 @@ class _Never:
 
 class HostRuntime:
     """The backend's device seam on the CPU: every call above has finished when it returns, so events are done.
-    ``stuck=True`` makes events never complete (a kernel waiting for a dead peer), to exercise the watchdog."""
+    ``stuck=True`` makes events never complete (a kernel waiting for a dead peer), to exercise the watchdog.
+
+    It keeps the bookkeeping a GPU would act on, for tests to check: the handle of the communication stream NCCL
+    calls must be issued on (``COMM_STREAM``, not torch's current stream 0), how many ops made that stream wait for
+    the current one first (``joins``), and the tensors held for it (``held``, by ``id``)."""
 
     stuck = False
+    COMM_STREAM = 7
 
     def __init__(self, device, group: str, rank: int):
         self.device = torch.device("cpu")
+        self.joins = 0
+        self.held: set[int] = set()
 
     def stream(self) -> int:
-        return 0
+        self.joins += 1
+        return self.COMM_STREAM
+
+    def on_comm(self):
+        return contextlib.nullcontext()
+
+    def hold(self, tensors) -> None:
+        self.held.update(id(t) for t in tensors)
 
     def record(self):
         return _Never() if self.stuck else _Done()

@@ -370,6 +370,79 @@ def test_strategy_over_nccl_matches_one_process(strategy, world):
         assert_matches_reference(params, *expected)
 
 
+def test_ops_run_on_the_communication_stream_and_hold_their_tensors():
+    """Catches an op issued on torch's current stream (it would serialize with compute: nothing overlaps), one that
+    does not first make the communication stream wait for the current one (it would read inputs not yet written),
+    and a tensor not held for the communication stream (the caching allocator could hand its memory out while the
+    op still reads or writes it)."""
+    fake = FakeNccl()
+    with installed(fake):
+        comm = solo(fake, validate=False)
+        a, b, out = torch.ones(4), torch.ones(4), torch.empty(4)
+        comm.all_reduce(a, async_op=True).wait()
+        comm.all_gather(b, out)
+        comm.broadcast(a, 0)
+        assert dict(fake.streams) == {HostRuntime.COMM_STREAM: 3}
+        assert comm._rt.joins == 3
+        assert {id(a), id(b), id(out)} <= comm._rt.held
+        comm.shutdown()
+
+
+class _Stream:
+    def __init__(self, handle: int):
+        self.cuda_stream, self.joined, self.awaited = handle, [], []
+
+    def wait_stream(self, other) -> None:
+        self.joined.append(other)
+
+    def wait_event(self, event) -> None:
+        self.awaited.append(event)
+
+
+class _Event:
+    def record(self, stream) -> None:
+        self.on = stream
+
+
+class _Tensor:
+    def record_stream(self, stream) -> None:
+        self.held_for = stream
+
+
+def test_cuda_runtime_issues_on_its_own_stream_after_the_current_one(monkeypatch):
+    """The real CUDA seam, with torch.cuda's stream and event objects stood in for: catches ops issued on torch's
+    current stream (no overlap), a communication stream that does not wait for the current one (inputs read before
+    they are written), completion events recorded on the wrong stream (Work.wait() would not wait for the op), a
+    wait that blocks the host instead of the current stream, and tensors not held for the communication stream."""
+    from gpudist.comm import nccl
+
+    current, made = _Stream(1), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(_Stream(2)) or made[-1])
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    rt = nccl._CudaRuntime(0, "world", 0)
+    assert rt.stream() == 2 and rt.stream() == 2
+    comm = made[0]
+    assert len(made) == 1 and comm.joined == [current, current]  # one stream, joined to the current one per op
+    event = rt.record()
+    assert event.on is comm
+    rt.wait(event)
+    assert current.awaited == [event] and comm.awaited == []
+    tensor = _Tensor()
+    rt.hold([tensor])
+    assert tensor.held_for is comm
+
+
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
+def test_every_strategy_communicates_on_the_communication_stream(strategy):
+    """Catches a strategy path that reaches NCCL some other way than the backend's ops (all of its calls must be on
+    the communication stream, where they overlap the compute enqueued after them)."""
+    fake = FakeNccl()
+    run_nccl(gpu_train, 2, fake, strategy=strategy)
+    assert set(fake.streams) == {HostRuntime.COMM_STREAM}
+
+
 def _steady_steps(comm, strategy, nccl, gate, seen, steps=3):
     """``steps`` training steps of ``strategy``; the NCCL calls (all ranks) and this rank's consistency checks of the
     steps after the first (steady state), counted between thread barriers that issue no NCCL call."""

@@ -132,7 +132,7 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
         }[op]
     if comm.name == "nccl":
         nccl, lib = comm._comm, comm._lib
-        stream = comm._stream  # torch's current stream, as the backend's own ops use
+        stream = comm._stream  # the backend's communication stream, as its own ops use
         calls = {
             "all_reduce": lambda: nccl.allReduce(
                 inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, lib.NCCL_SUM, stream()

@@ -401,10 +401,11 @@ class CommunicationBackend(ABC):
     #: SUM and then a division pass, so callers that touch the data anyway fold the 1/N into that pass and send SUM.
     averages_in_transport: bool = False
 
-    #: True where an async op progresses on its own (the transport's threads) while the caller goes on computing:
-    #: Gloo, MPI, in-memory. False where ops are queued in order behind the caller's compute (NCCL on torch's current
-    #: stream): there splitting one collective into many to overlap it with compute gains nothing and costs launches.
-    progresses_concurrently: bool = True
+    #: Whether a strategy should send a large update in chunks, each while the next is computed. It pays where the
+    #: transport progresses ops on its own threads and small ops are cheap (Gloo, MPI, in-memory); not on NCCL, where
+    #: ZeRO's chunks of uneven shares become per-rank broadcasts, each a kernel launch, and one all-gather on the
+    #: communication stream (which overlaps whatever compute is enqueued after it) is best.
+    chunked_overlap: bool = True
 
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:

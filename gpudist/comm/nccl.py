@@ -1,9 +1,11 @@
 """NCCL backend: CUDA tensors, NCCL driven directly through CuPy's bindings (``cupy.cuda.nccl``).
 
-Every op is enqueued on torch's *current* CUDA stream with the tensors' ``data_ptr()``, so it is ordered with the
-torch kernels before and after it exactly as a torch kernel would be: no extra synchronization, no copies, and
-torch's caching allocator needs no ``record_stream``. ``async_op=True`` returns a :class:`Work` whose ``wait()``
-makes the current stream wait on a CUDA event recorded after the op (``Work.synchronize()`` also blocks the host).
+Every op runs on the backend's own *communication stream*, with the tensors' ``data_ptr()``: that stream first waits
+for everything enqueued so far on torch's current stream (the op's inputs are made there), so compute enqueued after
+the op runs beside it. The tensors are ``record_stream``-ed on the communication stream, so torch's caching allocator
+never hands their memory out while the op still uses it. ``async_op=True`` returns a :class:`Work` whose ``wait()``
+makes the *current stream* wait on a CUDA event recorded after the op (the host does not block); a blocking op does
+the same before it returns, so code after it sees its result in stream order. Only ``barrier()`` blocks the host.
 
 The unique id travels through torch's ``TCPStore`` (:meth:`NCCLCommunicationBackend.create`, from ``MASTER_ADDR``
 and ``MASTER_PORT``) or through any bootstrap backend (:meth:`NCCLCommunicationBackend.from_bootstrap`, e.g. the
@@ -119,7 +121,7 @@ def _communicator(lib, world_size: int, unique_id: bytes, rank: int):
 
 
 class _CudaRuntime:
-    """What the backend needs of CUDA: its device, the handle of torch's current stream there, events on it.
+    """What the backend needs of CUDA: its device, its communication stream there, events on that stream.
     (One seam, so the whole backend also runs in the CPU test tier over a simulated NCCL: tests/fakenccl.py.)"""
 
     def __init__(self, device: int | torch.device | None, group: str, rank: int):
@@ -132,13 +134,32 @@ class _CudaRuntime:
             )
         index = device.index if isinstance(device, torch.device) else device
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else int(index))
+        self._comm_stream: torch.cuda.Stream | None = None
+
+    def _comm(self) -> torch.cuda.Stream:
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self.device)
+        return self._comm_stream
 
     def stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        """The communication stream's handle, once it waits for all work enqueued so far on the current stream."""
+        comm = self._comm()
+        comm.wait_stream(torch.cuda.current_stream(self.device))
+        return comm.cuda_stream
+
+    def on_comm(self):
+        """Run the torch ops inside on the communication stream (an op's own follow-up, e.g. AVERAGE's scaling)."""
+        return torch.cuda.stream(self._comm())
+
+    def hold(self, tensors) -> None:
+        """Keep ``tensors``' memory from being reused until the communication stream is done with them."""
+        for t in tensors:
+            t.record_stream(self._comm())
 
     def record(self) -> torch.cuda.Event:
+        """An event after everything enqueued so far on the communication stream."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._comm())
         return event
 
     def wait(self, event: torch.cuda.Event) -> None:
@@ -192,8 +213,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
     """
 
     name = "nccl"
-    ordered_p2p = True  # sends and receives run in issue order on torch's current stream
-    progresses_concurrently = False  # every op is queued on torch's current stream, behind the compute before it
+    ordered_p2p = True  # sends and receives run in issue order on the communication stream
+    chunked_overlap = False  # one collective per region: per-rank pieces would each be a launch
 
     def __init__(
         self,
@@ -375,8 +396,10 @@ class NCCLCommunicationBackend(CommunicationBackend):
             )
         self._dtype(tensor, op)
 
-    def _enqueued(self, op: str, then=None) -> Work:
-        """Record an event after the op just enqueued and hand it to the watchdog; the Work waits on the event."""
+    def _enqueued(self, op: str, tensors=(), then=None) -> Work:
+        """Record an event after the op just enqueued and hand it to the watchdog; keep ``tensors`` alive for the
+        communication stream. The Work makes the current stream wait on the event."""
+        self._rt.hold(tensors)
         event = self._rt.record()
         with self._lock:
             self._inflight.append(_InFlight(event, op, time.monotonic() + self.timeout))
@@ -439,7 +462,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         src, dst = mine.to(self._device), torch.empty(everyone.numel(), dtype=torch.int64, device=self._device)
         self._comm.allGather(src.data_ptr(), dst.data_ptr(), src.numel(), self._lib.NCCL_INT64, self._stream())
-        self._enqueued(op)
+        self._enqueued(op, (src, dst)).wait()  # the current stream waits for the gather
         everyone.copy_(dst.cpu())  # waits for the device: the check needs the values on the host
         self._raise_if_broken(op)
 
@@ -469,8 +492,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
             self._stream(),
         )
         if scale is not None:
-            tensor.mul_(scale)
-        return self._enqueued("all_reduce")
+            with self._rt.on_comm():
+                tensor.mul_(scale)
+        return self._enqueued("all_reduce", (tensor,))
 
     def _reduce_scatter(
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
@@ -492,15 +516,16 @@ class NCCLCommunicationBackend(CommunicationBackend):
             finally:
                 self._lib.groupEnd()
         if scale is not None:
-            out.mul_(scale)
-        return self._enqueued("reduce_scatter")
+            with self._rt.on_comm():
+                out.mul_(scale)
+        return self._enqueued("reduce_scatter", (inp, out))
 
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
         self._check(sig)
         dtype, stream, n, size = self._dtype(out, "all_gather"), self._stream(), out.numel(), out.element_size()
         if n % self.world_size == 0:  # in place when inp is out's own range (NCCL allows exactly that alias)
             self._comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), dtype, stream)
-            return self._enqueued("all_gather")
+            return self._enqueued("all_gather", (inp, out))
         self._lib.groupStart()  # uneven shares: one broadcast of each rank's range straight into out
         try:
             for r in range(self.world_size):
@@ -510,14 +535,14 @@ class NCCLCommunicationBackend(CommunicationBackend):
                     self._comm.broadcast(src, out.data_ptr() + start * size, end - start, dtype, r, stream)
         finally:
             self._lib.groupEnd()
-        return self._enqueued("all_gather")
+        return self._enqueued("all_gather", (inp, out))
 
     def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         self._check(sig)
         self._comm.broadcast(
             tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "broadcast"), src, self._stream()
         )
-        return self._enqueued("broadcast")
+        return self._enqueued("broadcast", (tensor,))
 
     def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
         self._check(sig)
@@ -530,7 +555,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
                 self._comm.recv(out.data_ptr() + r * part * size, part, dtype, r, stream)
         finally:
             self._lib.groupEnd()
-        return self._enqueued("all_to_all")
+        return self._enqueued("all_to_all", (inp, out))
 
     def _barrier(self, sig: Signature) -> Work:
         self._check(sig)
@@ -538,16 +563,16 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._comm.allReduce(
             token.data_ptr(), token.data_ptr(), 1, self._lib.NCCL_FLOAT32, self._lib.NCCL_SUM, self._stream()
         )
-        work = self._enqueued("barrier")
+        work = self._enqueued("barrier", (token,))
         return Work(lambda: (work.wait(), self._rt.synchronize()), work.is_completed)
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         self._comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "send"), dst, self._stream())
-        return self._enqueued("send")
+        return self._enqueued("send", (tensor,))
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "recv"), src, self._stream())
-        return self._enqueued("recv")
+        return self._enqueued("recv", (tensor,))
 
     def _batch_send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Work:
         """All of them in one NCCL group call: they progress together, so crossing pairs cannot deadlock."""
@@ -564,7 +589,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
                     self._comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor, "recv"), src, stream)
             finally:
                 self._lib.groupEnd()
-            work = self._enqueued("send_recv")
+            work = self._enqueued("send_recv", [t for t, _ in (*sends, *recvs)])
         return Work(lambda: self._wait(work, "send_recv"), work.is_completed)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
@@ -576,7 +601,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._comm.broadcast(
             ident.data_ptr(), ident.data_ptr(), _ID_BYTES, self._lib.NCCL_INT64, ranks[0], self._stream()
         )
-        self._enqueued("new_group")
+        self._enqueued("new_group", (ident,)).wait()  # the current stream waits for the broadcast
         values = ident.tolist()
         self._raise_if_broken("new_group")
         if self.rank not in ranks:

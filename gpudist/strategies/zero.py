@@ -561,13 +561,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _overlaps_gather(self) -> bool:
         """Whether the update can be sent piece by piece as it is made: fused kernels on fp32 parameters (the owned
-        values are the flat buffer's own, sent in place), more than one rank, and a transport whose ops progress
-        while the next piece is updated (not NCCL on the compute stream: there one all-gather per region is best)."""
+        values are the flat buffer's own, sent in place), more than one rank, and a transport where that pays
+        (:attr:`~gpudist.CommunicationBackend.chunked_overlap`; on NCCL one all-gather per region is best)."""
         return (
-            self._kind is not None
-            and self._master_is_view
-            and self.comm.world_size > 1
-            and self.comm.progresses_concurrently
+            self._kind is not None and self._master_is_view and self.comm.world_size > 1 and self.comm.chunked_overlap
         )
 
     def _update_and_send(self, scale: float, regions: list[tuple[int, int, int]]) -> None:
