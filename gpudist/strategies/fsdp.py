@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -148,6 +149,10 @@ class ZeRO3Model(ShardedModel):
                 )
             names.append(name)
         return names
+
+    def traffic_settings(self) -> dict[str, Any]:
+        """The base settings, plus the units (each is gathered and reduce-scattered as one collective)."""
+        return {**super().traffic_settings(), "units": list(dict.fromkeys(self._unit_names()))}
 
     def initialize_sharding(self) -> None:
         module, comm = self.module, self.comm

@@ -26,6 +26,7 @@ from ..checkpoint import load_checkpoint, module_segments, module_table, save_ch
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..fileio import atomic_write_bytes
+from ..flat import exchange_bytes
 
 __all__ = ["ShardedModel", "model_fingerprint", "module_segments", "module_table", "replica_share"]
 
@@ -186,12 +187,48 @@ class ShardedModel(nn.Module):
             optimizer.zero_grad()
         return float(loss.detach())
 
+    def traffic_settings(self) -> dict[str, Any]:
+        """Everything besides the module that shapes this strategy's collectives (bucket sizes, the wire dtype, the
+        reduction each bucket uses, the layout of the ranks, ...): every rank must have the same, and
+        :meth:`initialize_sharding` checks it across ranks before anything is sent, because the per-step
+        collectives then run without a per-op check.
+
+        Returns:
+            Setting name -> a JSON-serializable value.
+        """
+        c = self.config
+        settings = {
+            "bucket_cap_mb": c.bucket_cap_mb,
+            "first_bucket_mb": c.first_bucket_mb,
+            "communication_dtype": str(c.communication_dtype),
+            "gradient_as_bucket_view": c.gradient_as_bucket_view,
+            "find_unused_parameters": c.find_unused_parameters,
+            "broadcast_buffers": c.broadcast_buffers,
+            "max_grad_norm": c.max_grad_norm,
+        }
+        layout = getattr(self, "_setup", {}).get("layout")
+        if layout is not None:
+            settings["layout"] = layout.describe()
+        return settings
+
     def _check_same_model(self) -> None:
-        """Every rank must wrap the same architecture: buckets (and so collectives) derive from it."""
-        if not same_on_every_rank(self.comm, model_fingerprint(self.module)):
+        """Every rank must wrap the same architecture with the same traffic settings: buckets and collectives derive
+        from both, and the steps' collectives run unchecked (one exchange here, at wrap time; collective)."""
+        mine = {"module": model_fingerprint(self.module), **self.traffic_settings()}
+        payload = json.dumps(mine, sort_keys=True).encode()
+        for peer, theirs in enumerate(json.loads(b) for b in exchange_bytes(self.comm, payload)):
+            if theirs == mine:
+                continue
+            if theirs.get("module") != mine["module"]:
+                raise ValueError(
+                    f"{type(self).__name__}: rank {self.rank} wraps a module whose parameter names/shapes/dtypes "
+                    f"differ from rank {peer}'s; every rank must build the same model before wrapping it"
+                )
+            key = next(k for k in sorted({*mine, *theirs}) if mine.get(k) != theirs.get(k))
             raise ValueError(
-                f"{type(self).__name__}: rank {self.rank} wraps a module whose parameter names/shapes/dtypes differ "
-                "from another rank's; every rank must build the same model before wrapping it"
+                f"{type(self).__name__}: rank {self.rank} has {key}={mine.get(key)!r} but rank {peer} has "
+                f"{theirs.get(key)!r}; every rank must wrap with the same settings (they shape the buckets and "
+                "collectives), e.g. build the ShardingConfiguration the same way on every rank"
             )
 
     def _mark_step_bytes(self) -> None:

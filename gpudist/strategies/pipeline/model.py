@@ -98,6 +98,16 @@ class PipelineParallelModel(ShardedModel):
         self.tensor_group = None
         return module, module_table(module)
 
+    def traffic_settings(self) -> dict[str, Any]:
+        """The base settings, plus the schedule, the micro-batch count and the stage balance (they decide every
+        message of a step)."""
+        return {
+            **super().traffic_settings(),
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+            "balance": str(self._setup.get("balance")),
+        }
+
     def initialize_sharding(self) -> None:
         self._check_same_model()
         layout: ParallelLayout = self._setup["layout"]
