@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -668,9 +669,54 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{file} is damaged (not a gpudist manifest): {e}") from None
     if doc.get("sha256") != _body_digest(body):
         raise CheckpointError(f"{file} is damaged: its checksum does not match its content")
-    if body.get("format") not in READABLE:
-        raise CheckpointError(f"{path} has format {body.get('format')!r}; this gpudist reads {READABLE}")
+    if not isinstance(body, dict) or body.get("format") not in READABLE:
+        got = body.get("format") if isinstance(body, dict) else type(body).__name__
+        raise CheckpointError(f"{path} has format {got!r}; this gpudist reads {READABLE}")
+    _check_schema(body, file)
     return body
+
+
+_RANK_FILE = re.compile(r"rank-\d{5}\.safetensors")
+
+
+def _check_schema(body: dict, file: Path) -> None:
+    """Refuse a manifest whose fields have the wrong types or whose files are not plain names inside the folder
+    (``../x``, absolute paths): the checksum is not keyed, so it shows damage, not tampering, and a manifest that
+    passes it is still checked before anything is read through it."""
+
+    def bad(what: str, value: Any, want: str) -> CheckpointError:
+        return CheckpointError(f"{file} is malformed: {what} is {value!r}, expected {want}")
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for key, least in (("step", 0), ("world_size", 1)):
+        if not integer(body.get(key)) or body[key] < least:
+            raise bad(key, body.get(key), f"an integer >= {least}")
+    for key in ("parameters", "buffers", "files"):
+        if not isinstance(body.get(key), list):
+            raise bad(key, body.get(key), "a list")
+    for row in (*body["parameters"], *body["buffers"]):
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str) or not isinstance(row.get("shape"), list):
+            raise bad("a parameter or buffer entry", row, "{name: str, shape: list, ...}")
+    for entry in body["files"]:
+        if not isinstance(entry, dict):
+            raise bad("a file entry", entry, "an object")
+        name = entry.get("file")
+        if not isinstance(name, str) or not _RANK_FILE.fullmatch(name):
+            raise bad("a file name", name, "rank-NNNNN.safetensors, inside the checkpoint folder")
+        if not isinstance(entry.get("sha256"), str) or not integer(entry.get("bytes")) or entry["bytes"] < 0:
+            raise bad(f"{name}'s sha256/bytes", (entry.get("sha256"), entry.get("bytes")), "a hex digest and a size")
+        pieces = entry.get("pieces")
+        if not isinstance(pieces, list) or not all(
+            isinstance(p, list)
+            and len(p) in (4, 6)
+            and isinstance(p[0], str)
+            and isinstance(p[1], str)
+            and all(integer(v) and v >= 0 for v in p[2:])
+            for p in pieces
+        ):
+            raise bad(f"{name}'s pieces", pieces, "[kind, name, start, n] or [kind, name, start, n, count, stride]")
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -717,8 +763,14 @@ class Reader:
         if f not in self.files:
             entry = self.body["files"][f]
             file = self.path / entry["file"]
-            if not file.is_file():
-                raise CheckpointError(f"{self.path}: {entry['file']} is missing")
+            if file.is_symlink() or not file.is_file():
+                what = "a symbolic link (rank files are read only from inside the folder)" if file.is_symlink() else ""
+                raise CheckpointError(f"{self.path}: {entry['file']} is {what or 'missing'}")
+            size = file.stat().st_size
+            if size != entry["bytes"]:  # before reading: an appended or sparse file must not be read whole
+                raise CheckpointError(
+                    f"{file} is truncated or damaged: {size} bytes, the manifest says {entry['bytes']}"
+                )
             data = file.read_bytes()
             if len(data) != entry["bytes"]:
                 raise CheckpointError(
