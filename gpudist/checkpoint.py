@@ -65,6 +65,7 @@ __all__ = [
     "Segments",
     "Share",
     "canonical",
+    "complete_checkpoints",
     "group_hyperparameters",
     "latest_checkpoint",
     "load_checkpoint",
@@ -614,23 +615,67 @@ def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
-    """Delete the hidden folders that interrupted saves left under ``root`` (``.NAME.tmp-*``, ``.NAME.old-*``).
-    Call it only when no save is in progress (e.g. on rank 0 when a job starts).
+    """Clear what interrupted saves left under ``root`` (hidden ``.NAME.tmp-*`` and ``.NAME.old-*`` folders), first
+    finishing a save that was interrupted between its two renames: when ``NAME`` itself is missing, its new folder
+    (if its manifest is complete) or else the previous one goes back to ``NAME``, so no crash loses the last
+    checkpoint. Call it only when no save is in progress (e.g. on rank 0 when a job starts).
 
     Args:
         root: The folder holding checkpoint folders (nothing happens if it does not exist).
 
     Returns:
-        The folders it removed.
+        The folders it removed (not the ones it put back).
     """
     root = Path(root)
+    if not root.is_dir():
+        return []
+    hidden: list[tuple[Path, str, str]] = []  # (folder, the checkpoint name it belongs to, ".tmp-" or ".old-")
+    for child in sorted(root.iterdir()):
+        if child.name.startswith(".") and child.is_dir():
+            kind = next((k for k in (".tmp-", ".old-") if k in child.name), None)
+            if kind is not None:
+                hidden.append((child, child.name[1:].rsplit(kind, 1)[0], kind))
+    for wanted in (".tmp-", ".old-"):  # a complete new folder wins over the previous one
+        for child, name, kind in hidden:
+            if kind == wanted and not (root / name).exists() and _complete(child):
+                os.replace(child, root / name)
     removed = []
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.startswith(".") and (".tmp-" in child.name or ".old-" in child.name) and child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-                removed.append(child)
+    for child, _, _ in hidden:
+        if child.exists():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
     return removed
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        read_manifest(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The checkpoint folders under ``root`` with a valid manifest, newest step first (hidden folders skipped).
+
+    Args:
+        root: The folder holding checkpoint folders.
+
+    Returns:
+        Those folders; empty when there is none (or ``root`` does not exist).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        try:
+            found.append((read_manifest(child)["step"], child.name, child))
+        except CheckpointError:
+            continue
+    return [child for _, _, child in sorted(found, reverse=True)]
 
 
 def _body_digest(body: dict) -> str:
@@ -730,20 +775,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     Returns:
         That folder, or None if there is none (or ``root`` does not exist).
     """
-    best, best_step = None, None
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir():
-            continue
-        try:
-            step = read_manifest(child)["step"]
-        except CheckpointError:
-            continue
-        if best_step is None or step > best_step:
-            best, best_step = child, step
-    return best
+    found = complete_checkpoints(root)
+    return found[0] if found else None
 
 
 class Reader:

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from .checkpoint import (
+    CheckpointError,
     CheckpointWrite,
     Reader,
     Segments,
     Share,
-    latest_checkpoint,
+    complete_checkpoints,
     load_checkpoint,
     optimizer_pieces,
     remove_stale_staging,
@@ -169,27 +170,41 @@ class ElasticOptimizer(ShardedOptimizer):
         return self.checkpoint_dir / f"{_PREFIX}{step:09d}"
 
     def restore(self):
-        """Load the newest complete checkpoint under ``checkpoint_dir`` (collective; every rank loads the same one,
-        chosen by rank 0), and the step, samples seen, history and ``extra`` saved with it.
+        """Load the newest checkpoint under ``checkpoint_dir`` that loads (collective; every rank tries the same ones,
+        listed by rank 0, newest first: one whose files are damaged gives way to the one before it, with a warning),
+        and the step, samples seen, history and ``extra`` saved with it. A save interrupted between its renames is
+        finished first (:func:`gpudist.checkpoint.remove_stale_staging`).
 
         Returns:
             Its :class:`~gpudist.CheckpointInfo`, or None when there is none.
 
         Raises:
-            CheckpointError: When the checkpoint cannot be loaded into the model and optimizer (nothing changes).
+            CheckpointError: When no checkpoint there can be loaded into the model and optimizer (nothing changes).
         """
 
         comm = self.comm
-        choice = b""
+        listed = b""
         if comm.rank == 0:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_staging(self.checkpoint_dir)  # interrupted saves of the run before the restart
-            latest = latest_checkpoint(self.checkpoint_dir)
-            choice = str(latest).encode() if latest is not None else b""
-        choice = exchange_bytes(comm, choice)[0]
-        if not choice:
+            listed = "\n".join(map(str, complete_checkpoints(self.checkpoint_dir))).encode()
+        candidates = [c for c in exchange_bytes(comm, listed)[0].decode().split("\n") if c]
+        if not candidates:
             return None
-        info = load_checkpoint(choice.decode(), self.module, self.inner)
+        info, failures = None, []
+        for candidate in candidates:  # newest first; one that fails to load (every rank agrees) gives way
+            try:
+                info = load_checkpoint(candidate, self.module, self.inner)
+                break
+            except CheckpointError as e:
+                failures.append(f"{candidate}: {e}")
+                if comm.rank == 0:
+                    warnings.warn(f"ElasticOptimizer: skipping {candidate}, which cannot be loaded ({e})", stacklevel=2)
+        if info is None:
+            raise CheckpointError(
+                f"none of the {len(candidates)} checkpoint(s) under {self.checkpoint_dir} can be loaded: "
+                + "; ".join(failures)
+            )
         state = info.extra.get("elastic", {})
         self.step_count = info.step
         self.samples_seen = int(state.get("samples_seen", 0))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import gpudist
+from gpudist import read_manifest
 from gpudist.checkpoint import CheckpointWrite, remove_stale_staging
 from gpudist.testing import elastic_job, free_port, run_ranks
 
@@ -65,6 +66,22 @@ def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: boo
         opt.finish()
     flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
     return start, flat, opt.history, opt.samples_seen, lr
+
+
+def test_restart_falls_back_to_an_older_checkpoint_when_the_newest_is_damaged(tmp_path):
+    """Catches a restart that keeps failing on a damaged newest checkpoint (a rank file corrupted after it was
+    committed) although an older intact one is kept: it must resume from the older one, on every rank, and say so."""
+    from gpudist.checkpoint import complete_checkpoints
+
+    run_ranks(_train, 2, "inmemory", root=str(tmp_path), until=7, every=3, zero_stage=1, finish=False)
+    newest, older = complete_checkpoints(tmp_path)[:2]
+    rank_file = next(newest.glob("rank-*.safetensors"))
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a bit flip: the manifest still passes, the file's checksum does not
+    rank_file.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="skipping .* cannot be loaded"):
+        results = run_ranks(_train, 2, "inmemory", root=str(tmp_path), until=7, every=3, zero_stage=1, finish=False)
+    assert [start for start, *_ in results] == [read_manifest(older)["step"]] * 2
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
