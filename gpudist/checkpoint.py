@@ -544,8 +544,9 @@ class CheckpointWrite:
             The checkpoint's path.
 
         Raises:
-            CheckpointError: When a rank could not write its file (raised on every rank; the staging folder is
-                removed and the previous checkpoints are untouched).
+            CheckpointError: When a rank could not write its file, or rank 0 could not write the manifest or move
+                the folder into place (raised on every rank; the staging folder is removed and the previous
+                checkpoint is untouched).
         """
         if self._done:
             return self.path
@@ -566,24 +567,38 @@ class CheckpointWrite:
                 f"checkpoint {self.path} was not written: rank {failed[0][0]} failed: "
                 f"{failed[0][1]}; the previous checkpoints are untouched"
             )
+        problem = ""
         if self.rank == 0:
-            merged: dict[str, dict[str, float]] = {}
-            for i in infos:
-                for name, values in i["scalars"].items():
-                    merged.setdefault(name, {}).update(values)
-            body = dict(self.body)
-            if body["optimizer"] is not None:
-                body["optimizer"] = {**body["optimizer"], "scalars": merged}
-            body["files"] = [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos]
-            atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
-            old = self.path.with_name(f".{self.path.name}.old-{self.token}")
-            if self.path.exists():
-                os.replace(self.path, old)
-            os.replace(self.staging, self.path)
-            shutil.rmtree(old, ignore_errors=True)
-        if self.comm is not None:
-            self.comm.barrier()
+            try:
+                self._commit(infos)
+            except Exception as e:  # a full disk, a permission: every rank must hear it, not wait at a barrier
+                problem = f"{type(e).__name__}: {e}"
+                shutil.rmtree(self.staging, ignore_errors=True)
+        if self.comm is not None:  # rank 0's verdict, in place of a barrier
+            problem = exchange_bytes(self.comm, problem.encode())[0].decode()
+        if problem:
+            raise CheckpointError(
+                f"checkpoint {self.path} was not committed: rank 0 failed writing the manifest or renaming: "
+                f"{problem}; the previous checkpoint is untouched (or put back by remove_stale_staging)"
+            )
         return self.path
+
+    def _commit(self, infos: list[dict]) -> None:
+        """Rank 0: write the manifest into the staging folder, then move it into place."""
+        merged: dict[str, dict[str, float]] = {}
+        for i in infos:
+            for name, values in i["scalars"].items():
+                merged.setdefault(name, {}).update(values)
+        body = dict(self.body)
+        if body["optimizer"] is not None:
+            body["optimizer"] = {**body["optimizer"], "scalars": merged}
+        body["files"] = [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos]
+        atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
+        old = self.path.with_name(f".{self.path.name}.old-{self.token}")
+        if self.path.exists():
+            os.replace(self.path, old)
+        os.replace(self.staging, self.path)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list]]:
@@ -913,6 +928,9 @@ def load_checkpoint(
             finish = stage_optimizer(optimizer, body, reader, {id(t): s for t, s in held}, apply)
     except CheckpointError as e:
         error = e
+    except Exception as e:  # anything else (a malformed field, memory, I/O) must reach the verdict too
+        error = CheckpointError(f"{path} could not be read: {type(e).__name__}: {e}")
+        error.__cause__ = e
     if comm is not None:  # all ranks apply, or none does
         verdict = torch.tensor([0 if error is None else 1, comm.rank if error is not None else -1], device=comm.device)
         comm.all_reduce(verdict, ReductionOperation.MAX)

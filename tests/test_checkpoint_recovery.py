@@ -9,8 +9,17 @@ import os
 import torch
 from torch import nn
 
-from gpudist import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from gpudist import (
+    CheckpointError,
+    DDPModel,
+    ShardingConfiguration,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 from gpudist.checkpoint import remove_stale_staging
+from gpudist.testing import run_ranks
 
 
 def _model(seed: int) -> nn.Module:
@@ -50,3 +59,55 @@ def test_the_previous_folder_comes_back_when_the_new_one_is_incomplete(tmp_path)
     removed = remove_stale_staging(tmp_path)
     assert latest_checkpoint(tmp_path) == path and read_manifest(path)["step"] == 1
     assert removed == [tmp_path / ".ckpt.tmp-def"]
+
+
+def _save_then_load_with(comm, root: str, fail: str):
+    """Every rank saves a DDP model; then ``fail`` breaks rank 1's load verification with a KeyError, or rank 0's
+    manifest write of a second save with a full disk. Returns each rank's error text (the patch is undone)."""
+    import gpudist.checkpoint as ck
+
+    model = DDPModel(_model(0), ShardingConfiguration(comm))
+    path = save_checkpoint(f"{root}/ckpt", model, step=1)
+    saved = ck.Reader.read, ck.atomic_write_json
+    try:
+        if fail == "load" and comm.rank == 1:
+
+            def read(*args, **kwargs):
+                raise KeyError("step")
+
+            ck.Reader.read = read
+        if fail == "save" and comm.rank == 0:
+
+            def write(*args, **kwargs):
+                raise OSError(28, "No space left on device")
+
+            ck.atomic_write_json = write
+        try:
+            if fail == "load":
+                load_checkpoint(path, model)
+            else:
+                save_checkpoint(path, model, step=2)
+        except CheckpointError as e:
+            return str(e)
+        return "no error"
+    finally:
+        ck.Reader.read, ck.atomic_write_json = saved
+
+
+def test_any_error_in_a_load_reaches_every_rank(tmp_path):
+    """Catches a rank leaving the load on an error that is not a CheckpointError (a KeyError from a malformed
+    field, a MemoryError, an OSError) before the cross-rank verdict: the other ranks waited there for the full
+    timeout. Now every rank raises a CheckpointError at once, naming the rank and the error."""
+    errors = run_ranks(_save_then_load_with, 2, "gloo", timeout=30, root=str(tmp_path), fail="load")
+    assert "rank 1 could not load" in errors[0]
+    assert "KeyError" in errors[1]
+
+
+def test_a_full_disk_at_commit_reaches_every_rank(tmp_path):
+    """Catches rank 0 failing to write the manifest (a full disk) and leaving before the final barrier: the others
+    waited for the timeout and the staging folder stayed on the full disk. Now every rank raises a CheckpointError
+    naming the error, the staging folder is gone, and the previous checkpoint is intact."""
+    errors = run_ranks(_save_then_load_with, 2, "gloo", timeout=30, root=str(tmp_path), fail="save")
+    assert all("No space left on device" in e for e in errors), errors
+    assert read_manifest(tmp_path / "ckpt")["step"] == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
