@@ -32,18 +32,13 @@ import torch
 from .checkpoint import (
     CheckpointError,
     CheckpointWrite,
-    Reader,
-    Segments,
-    Share,
     complete_checkpoints,
     load_checkpoint,
-    optimizer_pieces,
     remove_stale_staging,
-    stage_optimizer,
 )
 from .config import ShardingConfiguration
 from .flat import exchange_bytes
-from .strategies.optimizer import ShardedOptimizer
+from .strategies.optimizer import DataParallelWrapper
 from .strategies.zero import data_parallel_optimizer
 
 __all__ = ["ElasticOptimizer"]
@@ -52,7 +47,7 @@ _SCALING = {None: lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": math
 _PREFIX = "step-"
 
 
-class ElasticOptimizer(ShardedOptimizer):
+class ElasticOptimizer(DataParallelWrapper):
     """Data parallelism (replicated state, or ZeRO-1/2 with ``zero_stage``) with resumable, asynchronous,
     atomic checkpoints: see the module doc.
 
@@ -299,59 +294,3 @@ class ElasticOptimizer(ShardedOptimizer):
             CheckpointError: When the pending checkpoint could not be written on some rank.
         """
         self._commit()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-
-    # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
-
-    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
-        """The data-parallel optimizer's checkpoint pieces (:meth:`ShardedOptimizer.checkpoint_pieces`).
-
-        Args:
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
-            rank: This rank in the checkpoint's group.
-            world: The size of that group.
-
-        Returns:
-            ``(pieces, scalars, description)`` of the data-parallel optimizer.
-        """
-        return optimizer_pieces(self.inner, segmap, share, rank, world)
-
-    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
-        """Read the data-parallel optimizer's state from a checkpoint (:meth:`ShardedOptimizer.stage_checkpoint`).
-
-        Args:
-            body: The checkpoint's verified manifest.
-            reader: Reads canonical ranges from the checkpoint's files.
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
-
-        Returns:
-            A function that installs the state read.
-
-        Raises:
-            CheckpointError: When the checkpoint's optimizer state does not fit the data-parallel optimizer or
-                lacks data this rank needs (see :meth:`ShardedOptimizer.stage_checkpoint`).
-        """
-        return stage_optimizer(self.inner, body, reader, segmap, apply)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state.
-
-        Returns:
-            The data-parallel optimizer's ``state_dict()`` (ZeRO: this rank's shard, for the same world size).
-        """
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` into the data-parallel optimizer.
-
-        Args:
-            state_dict: What :meth:`state_dict` returned (ZeRO: on this rank, at the same world size).
-
-        Raises:
-            ValueError: (ZeRO) When it was saved at another world size or for other owned segments.
-        """
-        self.inner.load_state_dict(state_dict)

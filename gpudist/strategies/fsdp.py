@@ -474,12 +474,7 @@ class ZeRO3Model(ShardedModel):
 
     @torch.no_grad()
     def set_parameters(self, flat: torch.Tensor) -> None:
-        count = self.parameter_count()
-        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
-            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(
-                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
-            )
+        self._check_flat(flat)
         at = 0
         for group, j in self._param_slot:
             self._write_param(group, j, flat[at : at + group.numels[j]])

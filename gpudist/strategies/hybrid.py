@@ -15,18 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from .. import kernels
-from ..checkpoint import Reader, Segments, Share, optimizer_pieces, stage_optimizer
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from .layout import ParallelLayout, make_groups
 from .model import ShardedModel, module_table
-from .optimizer import ShardedOptimizer
+from .optimizer import DataParallelWrapper
 from .pipeline import SCHEDULES, PipelineParallelModel
 from .tensor import Plan, VocabParallelOutput, apply_plan, validate_plan
 from .zero import data_parallel_optimizer
@@ -141,7 +139,7 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         return seq, table
 
 
-class HybridShardedOptimizer(ShardedOptimizer):
+class HybridShardedOptimizer(DataParallelWrapper):
     """Steps a :class:`~gpudist.HybridShardedModel`'s parameters: each rank holds its pipeline stage's
     tensor-parallel shards, and the optimizer runs data parallelism in the model's data group last, after the
     model made gradients whole over the tensor group, the micro-batches and the stages.
@@ -250,64 +248,3 @@ class HybridShardedOptimizer(ShardedOptimizer):
             The closure's loss, or None without a closure.
         """
         return self.inner.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients through the data-parallel optimizer.
-
-        Args:
-            set_to_none: Drop the gradients (torch's default) instead of zeroing them in place.
-        """
-        self.inner.zero_grad(set_to_none)
-
-    # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
-
-    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
-        """The data-parallel optimizer's checkpoint pieces (:meth:`ShardedOptimizer.checkpoint_pieces`).
-
-        Args:
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
-            rank: This rank in the checkpoint's group.
-            world: The size of that group.
-
-        Returns:
-            ``(pieces, scalars, description)`` of the data-parallel optimizer.
-        """
-        return optimizer_pieces(self.inner, segmap, share, rank, world)
-
-    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
-        """Read the data-parallel optimizer's state from a checkpoint (:meth:`ShardedOptimizer.stage_checkpoint`).
-
-        Args:
-            body: The checkpoint's verified manifest.
-            reader: Reads canonical ranges from the checkpoint's files.
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
-
-        Returns:
-            A function that installs the state read.
-
-        Raises:
-            CheckpointError: When the checkpoint's optimizer state does not fit the data-parallel optimizer or
-                lacks data this rank needs (see :meth:`ShardedOptimizer.stage_checkpoint`).
-        """
-        return stage_optimizer(self.inner, body, reader, segmap, apply)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state.
-
-        Returns:
-            The data-parallel optimizer's ``state_dict()`` (ZeRO: this rank's shard, for the same world size).
-        """
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` into the data-parallel optimizer.
-
-        Args:
-            state_dict: What :meth:`state_dict` returned (ZeRO: on this rank, at the same world size).
-
-        Raises:
-            ValueError: (ZeRO) When it was saved at another world size or for other owned segments.
-        """
-        self.inner.load_state_dict(state_dict)

@@ -283,17 +283,21 @@ class ShardedModel(nn.Module):
             ValueError: When ``flat`` is not a 1-D tensor of :meth:`parameter_count` elements.
         """
         params = self._module_params()
-        count = sum(p.numel() for p in params)
-        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
-            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(
-                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
-            )
+        self._check_flat(flat)
         with torch.no_grad():
             offset = 0
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+    def _check_flat(self, flat: torch.Tensor) -> None:
+        """Refuse a :meth:`set_parameters` argument that is not a 1-D tensor of :meth:`parameter_count` elements."""
+        count = self.parameter_count()
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
+            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise ValueError(
+                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
+            )
 
     def clone(self) -> ShardedModel:
         """A new wrapper of the same strategy around a deep copy of the module (collective: every rank calls it).

@@ -19,13 +19,22 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..checkpoint import Reader, Segments, Share, load_keeping_identity, stage_torch_optimizer, torch_optimizer_pieces
+from ..checkpoint import (
+    Reader,
+    Segments,
+    Share,
+    load_keeping_identity,
+    optimizer_pieces,
+    stage_optimizer,
+    stage_torch_optimizer,
+    torch_optimizer_pieces,
+)
 from ..comm import ReductionOperation
 from ..config import ShardingConfiguration
 from ..flat import broadcast_tensors
 from .model import ShardedModel
 
-__all__ = ["OptimizationResult", "ShardedOptimizer"]
+__all__ = ["DataParallelWrapper", "OptimizationResult", "ShardedOptimizer"]
 
 STATE_FORMAT = "gpudist.optimizer.v1"
 
@@ -446,3 +455,72 @@ class ShardedOptimizer(torch.optim.Optimizer):
             pid, key = name.split(".", 1)
             state.setdefault(int(pid), {})[key] = value
         self.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+
+
+class DataParallelWrapper(ShardedOptimizer):
+    """Base of the optimizers that step through a data-parallel optimizer they hold as ``self.inner``
+    (:class:`gpudist.HybridShardedOptimizer`, :class:`gpudist.ElasticOptimizer`): the gradients, the state and the
+    checkpoint pieces are the inner optimizer's, and these methods hand them to it."""
+
+    inner: ShardedOptimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients through the data-parallel optimizer.
+
+        Args:
+            set_to_none: Drop the gradients (torch's default) instead of zeroing them in place.
+        """
+        self.inner.zero_grad(set_to_none)
+
+    # -- checkpoints: the state is the data-parallel optimizer's -----------------------------------------------------
+
+    def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
+        """The data-parallel optimizer's checkpoint pieces (:meth:`ShardedOptimizer.checkpoint_pieces`).
+
+        Args:
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
+            rank: This rank in the checkpoint's group.
+            world: The size of that group.
+
+        Returns:
+            ``(pieces, scalars, description)`` of the data-parallel optimizer.
+        """
+        return optimizer_pieces(self.inner, segmap, share, rank, world)
+
+    def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
+        """Read the data-parallel optimizer's state from a checkpoint (:meth:`ShardedOptimizer.stage_checkpoint`).
+
+        Args:
+            body: The checkpoint's verified manifest.
+            reader: Reads canonical ranges from the checkpoint's files.
+            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
+            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+
+        Returns:
+            A function that installs the state read.
+
+        Raises:
+            CheckpointError: When the checkpoint's optimizer state does not fit the data-parallel optimizer or
+                lacks data this rank needs (see :meth:`ShardedOptimizer.stage_checkpoint`).
+        """
+        return stage_optimizer(self.inner, body, reader, segmap, apply)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state.
+
+        Returns:
+            The data-parallel optimizer's ``state_dict()`` (ZeRO: this rank's shard, for the same world size).
+        """
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` into the data-parallel optimizer.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned (ZeRO: on this rank, at the same world size).
+
+        Raises:
+            ValueError: (ZeRO) When it was saved at another world size or for other owned segments.
+        """
+        self.inner.load_state_dict(state_dict)

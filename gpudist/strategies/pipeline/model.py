@@ -434,12 +434,7 @@ class PipelineParallelModel(ShardedModel):
         Raises:
             ValueError: When ``flat`` is not a 1-D tensor of the full model's parameter count.
         """
-        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self._full_numel:
-            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(
-                f"set_parameters needs a 1-D tensor of {self._full_numel} elements (the full model's "
-                f"parameter count), got {shape}"
-            )
+        self._check_flat(flat)
         for name in self._local_names:
             offset, numel, shape = self._place[name]
             self._write_full(name, flat[offset : offset + numel].view(shape))

@@ -285,12 +285,7 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         Raises:
             ValueError: When ``flat`` is not a 1-D tensor of :meth:`parameter_count` elements.
         """
-        count = self.parameter_count()
-        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != count:
-            shape = tuple(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
-            raise ValueError(
-                f"set_parameters needs a 1-D tensor of {count} elements (the model's parameter count), got {shape}"
-            )
+        self._check_flat(flat)
         at = 0
         for row in self._table:
             n = torch.Size(row["shape"]).numel()
