@@ -1,8 +1,13 @@
 """Flat buffers: a list of parameters (or their gradients) <-> one contiguous buffer, and its shards.
 
-Offsets come from :class:`gpudist.kernels.FlatLayout`, the same object the pack/unpack kernels use, and
-shard ranges from :func:`gpudist.comm.shard_range`, the rule every collective uses (the first
-``numel % N`` ranks hold one element more). Strategies build on these two pieces only.
+Offsets come from :class:`gpudist.kernels.FlatLayout`, the same object the pack/unpack kernels use. Sharded
+strategies split a flat buffer by :func:`padded_shard`: every rank's shard has the same size, a multiple of
+:data:`SHARD_ALIGN` elements, and the buffer is padded at its end to ``world_size`` shards. So a reduce-scatter or
+all-gather of it is one even collective (NCCL has no uneven form: uneven shares cost one ``ncclReduce`` or
+``ncclBroadcast`` per rank), and every shard starts 64-byte aligned for fp32 (the vectorized kernels' 128-bit
+loads). The padding is zero, is never written to checkpoints, and costs at most ``SHARD_ALIGN`` elements per rank
+and buffer. :func:`gpudist.comm.shard_range` (the first ``numel % N`` ranks hold one element more) stays the rule
+of the collectives' uneven form.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from .kernels import FlatLayout, pack, unpack
 from .kernels.bucket import FLOAT_DTYPES
 
 __all__ = [
+    "SHARD_ALIGN",
     "BufferSpec",
     "FlatBuffer",
     "GradientBucket",
@@ -25,8 +31,38 @@ __all__ = [
     "broadcast_tensors",
     "exchange_bytes",
     "flatten_parameters",
+    "padded_range",
+    "padded_shard",
     "shard_range",
 ]
+
+SHARD_ALIGN = 16
+"""Elements every padded shard is a multiple of: 64 bytes of fp32, a 128-bit vector for 16-bit types times four."""
+
+
+def padded_shard(numel: int, world_size: int, align: int = SHARD_ALIGN) -> int:
+    """Elements of each rank's shard when ``numel`` are split evenly over ``world_size`` ranks with padding.
+
+    Args:
+        numel: Elements of the flat buffer (>= 0).
+        world_size: Ranks it is split over (>= 1).
+        align: The shard size is a multiple of this.
+
+    Returns:
+        ``ceil(numel / (world_size * align)) * align``; the padded buffer holds ``world_size`` times that.
+    """
+    if world_size < 1 or numel < 0:
+        raise ValueError(f"padded_shard needs numel >= 0 and world_size >= 1, got {numel} and {world_size}")
+    return -(-numel // (world_size * align)) * align
+
+
+def padded_range(numel: int, world_size: int, rank: int, align: int = SHARD_ALIGN) -> tuple[int, int]:
+    """``(start, end)`` of the real elements in ``rank``'s padded shard (:func:`padded_shard`); the shard itself is
+    ``[rank * size, (rank + 1) * size)``. The last ranks' real range may be short or empty."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    size = padded_shard(numel, world_size, align)
+    return min(rank * size, numel), min((rank + 1) * size, numel)
 
 
 @dataclass
@@ -38,17 +74,26 @@ class FlatBuffer:
     _views: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def empty_like(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, zero: bool = True):
+    def empty_like(
+        cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, zero: bool = True, capacity: int = 0
+    ):
+        """A new buffer for ``tensors``' layout, of ``max(layout.total, capacity)`` elements; the padding after the
+        tensors is zeroed even when ``zero`` is False."""
         layout = FlatLayout.of(list(tensors))
         first = tensors[0]
         alloc = torch.zeros if zero else torch.empty
-        return cls(layout, alloc(layout.total, dtype=dtype or first.dtype, device=first.device))
+        data = alloc(max(layout.total, capacity), dtype=dtype or first.dtype, device=first.device)
+        if not zero:
+            data[layout.total :].zero_()
+        return cls(layout, data)
 
     @classmethod
-    def holding(cls, tensors: Sequence[torch.Tensor]) -> FlatBuffer | None:
+    def holding(cls, tensors: Sequence[torch.Tensor], capacity: int = 0) -> FlatBuffer | None:
         """The buffer ``tensors`` already are, back to back and in order in one storage (as :func:`flatten_parameters`
         leaves parameters), or None. Lets a second owner share that memory instead of packing a copy. (A parameter
-        whose ``.data`` was set to a view has no ``_base``, so this compares storages and offsets.)"""
+        whose ``.data`` was set to a view has no ``_base``, so this compares storages and offsets.) With
+        ``capacity``, ``data`` spans that many elements (the padding after the tensors) and the storage must hold
+        them."""
         if not tensors:
             return None
         first = tensors[0]
@@ -59,9 +104,10 @@ class FlatBuffer:
             in_place = t.untyped_storage().data_ptr() == storage.data_ptr() and t.storage_offset() == origin + offset
             if not (same_kind and in_place):
                 return None
-        if (origin + layout.total) * first.element_size() > storage.nbytes():
+        size = max(layout.total, capacity)
+        if (origin + size) * first.element_size() > storage.nbytes():
             return None
-        data = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, origin, (layout.total,))
+        data = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, origin, (size,))
         return cls(layout, data)
 
     def views(self) -> list[torch.Tensor]:
@@ -71,11 +117,6 @@ class FlatBuffer:
         if self._views is None or self._views[0] is not self.data:
             self._views = (self.data, self.layout.views(self.data))
         return self._views[1]
-
-    def shard(self, world_size: int, rank: int) -> torch.Tensor:
-        """This rank's contiguous range of the buffer (a view), by the collectives' uneven-split rule."""
-        start, end = shard_range(self.layout.total, world_size, rank)
-        return self.data[start:end]
 
 
 @dataclass
@@ -149,8 +190,11 @@ class BufferSpec:
     """(position in the buffer, length, parameter, position in the flattened parameter)."""
 
     @classmethod
-    def of(cls, params: Sequence[torch.nn.Parameter], op: str, lo: int = 0, hi: int | None = None) -> BufferSpec:
-        """Elements ``[lo, hi)`` of the parameters' flat layout (all of it by default)."""
+    def of(
+        cls, params: Sequence[torch.nn.Parameter], op: str, lo: int = 0, hi: int | None = None, size: int = 0
+    ) -> BufferSpec:
+        """Elements ``[lo, hi)`` of the parameters' flat layout (all of it by default), in a buffer of
+        ``max(hi - lo, size)`` elements (``size``: a padded buffer, its padding after the elements)."""
         layout = FlatLayout.of(list(params))
         hi = layout.total if hi is None else hi
         spans = []
@@ -158,21 +202,23 @@ class BufferSpec:
             a, b = max(lo, offset), min(hi, offset + numel)
             if a < b:
                 spans.append((a - lo, b - a, p, a - offset))
-        return cls(hi - lo, op, tuple(spans))
+        return cls(max(hi - lo, size), op, tuple(spans))
 
 
-def flatten_parameters(params: Sequence[torch.nn.Parameter]) -> FlatBuffer | None:
+def flatten_parameters(params: Sequence[torch.nn.Parameter], capacity: int = 0) -> FlatBuffer | None:
     """Move ``params`` (one dtype and device) into one flat buffer, back to back in order: each parameter's ``.data``
     becomes a view of it and its old storage is freed as it moves (the peak is the buffer plus the parameters not
-    moved yet). Returns the buffer, or None (nothing moved) when the parameters are of several kinds or already
-    one buffer's views (:meth:`FlatBuffer.holding`)."""
+    moved yet). ``capacity`` pads the buffer with zeros to that many elements (a sharded optimizer's
+    :func:`padded_shard` times the world size). Returns the buffer (the one they already are, when
+    :meth:`FlatBuffer.holding` finds it with room for ``capacity``), or None (nothing moved) when the parameters
+    are of several kinds."""
     params = list(params)
     if not params or len({(p.dtype, p.device) for p in params}) != 1:
         return None
-    held = FlatBuffer.holding(params)
+    held = FlatBuffer.holding(params, capacity)
     if held is not None:
         return held
-    flat = FlatBuffer.empty_like(params, zero=False)
+    flat = FlatBuffer.empty_like(params, zero=False, capacity=capacity)
     with torch.no_grad():
         for p, view in zip(params, flat.views(), strict=True):
             view.copy_(p.data)

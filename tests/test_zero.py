@@ -18,6 +18,8 @@ from gpudist import (
     ShardingConfiguration,
     ZeRO1Optimizer,
 )
+from gpudist.flat import padded_shard
+from gpudist.strategies.zero import partition_buckets
 from gpudist.testing import run_ranks
 
 from .helpers import (
@@ -131,13 +133,15 @@ def test_zero1_memory_and_bytes_follow_the_formulas(world):
     state = initial_state()
     n_params = sum(t.numel() for t in state.values())
     results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2)
-    for rank, r in enumerate(results):
-        owned = gpudist.comm.split_sizes(n_params, world)[rank]
+    owned = padded_shard(n_params, world)  # every rank's range the same size, a multiple of 16 elements
+    assert owned % 16 == 0 and n_params <= world * owned < n_params + 16 * world
+    for r in results:
         assert r["state_bytes"] == 2 * owned * 4  # Adam: exp_avg + exp_avg_sq of the owned range, fp32
         memory = r["meta"]["memory_per_rank"]
-        assert memory["parameters"] == memory["gradients"] == n_params * 4
+        assert memory["parameters"] == memory["gradients"] == world * owned * 4  # the padding is allocated too
         assert memory["optimizer_state"] == 2 * owned * 4
-        assert r["bytes"] == [2 * n_params * 4 + 8] * 2  # all-reduce P, all-gather P, the 8-byte norm all-reduce
+        # all-reduce P, one even all-gather of the padded buffer, the 8-byte norm all-reduce
+        assert r["bytes"] == [n_params * 4 + world * owned * 4 + 8] * 2
 
 
 def test_zero1_clipping_matches_clip_grad_norm():
@@ -181,16 +185,20 @@ def test_zero2_memory_and_bytes_follow_the_formulas(world):
     state = initial_state()
     n_params = sum(t.numel() for t in state.values())
     results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2, stage=2, config_kw=SMALL_BUCKETS)
+    buckets = [part.numel for part in partition_buckets(list(fresh_net(state).parameters()), 104, 20, world, 0)]
+    assert sum(buckets) == n_params and len(buckets) > 1
+    padded = sum(world * padded_shard(n, world) for n in buckets)  # each bucket: even pieces of 16k elements
     for r in results:
         memory = r["meta"]["memory_per_rank"]
         owned = memory["gradients"] // 4  # after the step only the owned pieces remain: no param.grad alive
-        assert n_params / world - 8 <= owned <= n_params / world + 8  # one even split per bucket (< 8 buckets)
+        assert owned * world == padded
         assert memory["parameters"] == n_params * 4
         # Adam: exp_avg + exp_avg_sq of the owned pieces; fp32 parameters are updated in place (no master copy)
         assert r["state_bytes"] == memory["optimizer_state"] == 2 * owned * 4
-        # reduce-scatter counts its input (P), all-gather its output (P), plus the 8-byte norm all-reduce
-        assert r["bytes"] == [2 * n_params * 4 + 8] * 2
-    assert sum(r["meta"]["memory_per_rank"]["gradients"] for r in results) == n_params * 4
+        # reduce-scatter counts its padded input; the update goes out as broadcasts of the real pieces (the
+        # in-memory backend's chunked overlap), P, or at one rank as padded all-gathers; plus the 8-byte norm
+        gathered = padded if world == 1 else n_params
+        assert r["bytes"] == [padded * 4 + gathered * 4 + 8] * 2
 
 
 def zero2_gradient_bookkeeping(comm, state):

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 import gpudist
 from examples.lm import lm_loss
 from gpudist import FSDPModel, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer, ZeRO3Model, ZeRO3Optimizer
+from gpudist.flat import padded_shard
 from gpudist.testing import run_ranks
 
 from .helpers import (
@@ -67,15 +68,17 @@ def test_zero3_memory_and_bytes_follow_the_formulas(world):
     sizes = [t.numel() for t in state.values()]  # per-layer units here: fc1 (w, b), fc2 (w, b), norm (w, b)
     unit_sizes = [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5]]
     n_params = sum(sizes)
-    for rank, r in enumerate(results):
-        shard = sum(gpudist.comm.split_sizes(n, world)[rank] for n in unit_sizes) * 4
+    padded = [padded_shard(n, world) for n in unit_sizes]  # every rank's shard of a unit: the same 16k elements
+    assert all(n <= world * s < n + 16 * world for n, s in zip(unit_sizes, padded, strict=True))
+    shard = sum(padded) * 4
+    for r in results:
         after = r["after_backward"]
         assert after["parameters"] == shard and after["gradients"] == shard
         assert after["gathered_parameters"] == 0
         assert r["meta"]["memory_per_rank"]["parameters"] == shard
         assert r["state_bytes"] == r["meta"]["memory_per_rank"]["optimizer_state"] == 2 * shard  # Adam, fp32
-        assert r["bytes"] == [3 * n_params * 4 + 8] * 2
-    assert sum(r["after_backward"]["parameters"] for r in results) == n_params * 4
+        assert r["bytes"] == [3 * world * shard + 8] * 2  # two all-gathers and a reduce-scatter, padded
+    assert sum(r["after_backward"]["parameters"] for r in results) == world * shard
 
 
 def test_zero3_frees_gathered_parameters_between_forward_and_backward():

@@ -56,8 +56,9 @@ class DDPModel(ShardedModel):
         module, comm, config = self.module, self.comm, self.config
         self._check_same_model()
         trainable = [p for p in module.parameters() if p.requires_grad]
+        capacity = self._flat_capacity(sum(p.numel() for p in trainable))
         if self._flat_parameters:  # ZeRO-1/2: one buffer, which their optimizer adopts instead of packing a copy
-            flatten_parameters(trainable)
+            flatten_parameters(trainable, capacity)
         broadcast_tensors(comm, trainable)  # rank 0's values; one buffer's views go straight into it
         moved = set(map(id, trainable))
         broadcast_tensors(comm, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in moved])
@@ -72,8 +73,9 @@ class DDPModel(ShardedModel):
         kinds = {(p.dtype, p.device) for p in self._params}
         self.flat_grads = None
         if self._views and len(kinds) == 1:
+            numel = sum(p.numel() for p in self._params)
             self.flat_grads = torch.zeros(
-                sum(p.numel() for p in self._params), dtype=self._params[0].dtype, device=self._params[0].device
+                max(numel, capacity), dtype=self._params[0].dtype, device=self._params[0].device
             )
         starts = [0]
         for p in self._params:
@@ -96,6 +98,11 @@ class DDPModel(ShardedModel):
     _flat_parameters = False
     """Whether the trainable parameters move into one flat buffer at wrap time (ZeRO-1/2: their optimizer adopts it
     instead of allocating and packing a second copy of the model). DDP keeps torch's parameters as they are."""
+
+    def _flat_capacity(self, numel: int) -> int:
+        """Elements the flat parameter and gradient buffers hold (``numel`` and the padding after it): ZeRO-1 pads
+        them to whole even shards (:func:`gpudist.flat.padded_shard`), so its optimizer's range is a view of both."""
+        return 0
 
     @property
     def _views(self) -> bool:

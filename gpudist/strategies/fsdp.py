@@ -1,9 +1,11 @@
 """ZeRO-3 / FSDP: every rank stores 1/N of the parameters; each unit's parameters are gathered just in time.
 
 The wrapped module is cut into *units* (chosen submodules; the root holds whatever no unit claims). A unit's
-parameters live as one flat vector per (dtype, trainable) kind, and each rank stores only its range of it
-(``shard_range``), as an ``nn.Parameter`` of this wrapper: that is what ``model.parameters()`` yields and what
-the optimizer steps. Around each unit's forward the full vector is all-gathered and the module's parameter
+parameters live as one flat vector per (dtype, trainable) kind, and each rank stores only its shard of it, as an
+``nn.Parameter`` of this wrapper: that is what ``model.parameters()`` yields and what the optimizer steps. Shards
+are padded (:func:`gpudist.flat.padded_shard`): every rank's is the same size, a multiple of 16 elements, with
+zeros after the vector's end, so each gather and reduce-scatter is one even collective and every shard starts
+aligned for the kernels' 128-bit loads. The padding is never a parameter's, a checkpoint's or a norm's. Around each unit's forward the full vector is all-gathered and the module's parameter
 attributes become views of it; after the forward it is dropped. Autograd saves those views for backward:
 a saved-tensor hook records *where* in the unit they point instead of keeping the memory, and backward
 all-gathers the unit again when it first needs them. When all of a unit's gradients are in, one
@@ -28,8 +30,8 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..comm import ReductionOperation, shard_range
-from ..flat import broadcast_tensors
+from ..comm import ReductionOperation
+from ..flat import broadcast_tensors, padded_range, padded_shard
 from .model import ShardedModel
 from .zero import ZeRO2Optimizer
 
@@ -55,7 +57,11 @@ class _Group:
     requires_grad: bool
     start: int
     end: int
+    """The real elements of the unit's flat vector in this rank's shard (:func:`~gpudist.flat.padded_range`)."""
+    padded: int
+    """Elements of every rank's shard, padding included (:func:`~gpudist.flat.padded_shard`)."""
     shard: nn.Parameter
+    """This rank's padded shard: ``padded`` elements, its real ones first, then zeros."""
     full: torch.Tensor | None = None
     gathering: object | None = None
     """A prefetch in flight (the backend's async handle) filling ``full``."""
@@ -68,6 +74,13 @@ class _Group:
     @property
     def total(self) -> int:
         return sum(self.numels)
+
+    @property
+    def gathered(self) -> int:
+        """Elements of the gathered vector: every rank's padded shard, the real ones first."""
+        return self.padded * self.world
+
+    world: int = 1
 
 
 class _SavedParam:
@@ -185,9 +198,12 @@ class ZeRO3Model(ShardedModel):
         slot: dict[int, tuple[_Group, int]] = {}
         for (_, unit, dtype, _, trainable), ps in sorted(keyed.items(), key=lambda kv: kv[0][0]):
             numels = [p.numel() for p in ps]
-            start, end = shard_range(sum(numels), self.world_size, self.rank)
+            start, end = padded_range(sum(numels), self.world_size, self.rank)
+            padded = padded_shard(sum(numels), self.world_size)
             full = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.empty(0)
-            shard = nn.Parameter(full[start:end].clone(), requires_grad=trainable)
+            values = torch.zeros(padded, dtype=full.dtype, device=full.device)
+            values[: end - start] = full[start:end]
+            shard = nn.Parameter(values, requires_grad=trainable)
             group = _Group(
                 len(self._groups),
                 unit,
@@ -200,7 +216,9 @@ class ZeRO3Model(ShardedModel):
                 trainable,
                 start,
                 end,
+                padded,
                 shard,
+                world=self.world_size,
             )
             at = 0
             for j, (p, n) in enumerate(zip(ps, numels, strict=True)):
@@ -227,7 +245,7 @@ class ZeRO3Model(ShardedModel):
             self._grad_at, at = {}, 0
             for g in trainable:
                 self._grad_at[g.index] = at
-                at += g.end - g.start
+                at += g.padded
             self._grad_numel = at
         self._flat_grads: torch.Tensor | None = None
         self._live: dict[int, _Group] = {}
@@ -247,7 +265,7 @@ class ZeRO3Model(ShardedModel):
     def _start_gather(self, group: _Group) -> None:
         if group.full is not None or group.gathering is not None:
             return
-        full = torch.empty(group.total, dtype=group.dtype, device=group.device)
+        full = torch.empty(group.gathered, dtype=group.dtype, device=group.device)
         with self.comm.unchecked():  # units laid out from the same model on every rank (fingerprint checked at wrap)
             group.gathering = self.comm.all_gather(group.shard.detach(), full, async_op=True)
         group.full = full
@@ -286,7 +304,8 @@ class ZeRO3Model(ShardedModel):
         if group.requires_grad and torch.is_grad_enabled():
             full = _Unshard.apply(self, group, group.shard)
             group.used = True
-        for view, owners, shape in zip(full.split(group.numels), group.places, group.shapes, strict=True):
+        views = full[: group.total].split(group.numels)  # the padding at the end is no parameter's
+        for view, owners, shape in zip(views, group.places, group.shapes, strict=True):
             for mod, attr in owners:
                 setattr(mod, attr, view.view(shape))
 
@@ -357,13 +376,13 @@ class ZeRO3Model(ShardedModel):
 
     def _reduce(self, group: _Group, grad_full: torch.Tensor) -> None:
         wire_dtype = self.config.communication_dtype or group.dtype
-        sent = torch.empty(group.total, dtype=wire_dtype, device=group.device)
-        kernels.pack([grad_full], sent, scale=1.0 / self.world_size)
+        sent = torch.empty(group.gathered, dtype=wire_dtype, device=group.device)
+        kernels.pack([grad_full], sent, scale=1.0 / self.world_size)  # the padding's gradient is zero
         slot = self._grad_slot(group)
         if slot is not None and wire_dtype == group.dtype:
             received = slot  # straight into the shard's gradient
         else:
-            received = torch.empty(group.end - group.start, dtype=wire_dtype, device=group.device)
+            received = torch.empty(group.padded, dtype=wire_dtype, device=group.device)
         with self.comm.unchecked():  # the unit's layout agrees on every rank by construction
             work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
         group.reduced = True
@@ -400,7 +419,7 @@ class ZeRO3Model(ShardedModel):
                 return None  # some gradients kept (set by hand?): do not take a new buffer for the rest
             self._flat_grads = torch.empty(self._grad_numel, dtype=group.dtype, device=group.device)
         at = self._grad_at[group.index]
-        return self._flat_grads[at : at + group.end - group.start]
+        return self._flat_grads[at : at + group.padded]
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -410,7 +429,7 @@ class ZeRO3Model(ShardedModel):
                     if group.requires_grad:
                         grad = group.grad_full
                         if grad is None:
-                            grad = torch.zeros(group.total, dtype=group.dtype, device=group.device)
+                            grad = torch.zeros(group.gathered, dtype=group.dtype, device=group.device)
                         self._reduce(group, grad)
                         group.grad_full = None
             else:
@@ -454,9 +473,9 @@ class ZeRO3Model(ShardedModel):
     def _full_vectors(self) -> list[torch.Tensor]:
         out = []
         for group in self._groups:
-            full = torch.empty(group.total, dtype=group.dtype, device=group.device)
+            full = torch.empty(group.gathered, dtype=group.dtype, device=group.device)
             self.comm.all_gather(group.shard.detach(), full)
-            out.append(full)
+            out.append(full[: group.total])
         return out
 
     def _full_params(self) -> list[tuple[str, torch.Tensor]]:

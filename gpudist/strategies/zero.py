@@ -40,7 +40,7 @@ from ..checkpoint import (
 )
 from ..comm import ReductionOperation, Work, shard_range, stable_hash
 from ..config import ShardingConfiguration
-from ..flat import BufferSpec, FlatLayout, GradientBucket, assign_buckets, flatten_parameters
+from ..flat import BufferSpec, FlatLayout, GradientBucket, assign_buckets, flatten_parameters, padded_range, padded_shard
 from .ddp import DDPModel, DDPOptimizer
 from .model import ShardedModel, same_on_every_rank
 from .optimizer import ShardedOptimizer
@@ -54,15 +54,22 @@ __all__ = ["ZeRO1Model", "ZeRO1Optimizer", "ZeRO2Model", "ZeRO2Optimizer", "data
 
 @dataclass(frozen=True)
 class BucketPartition:
-    """A bucket as a range of the flat parameter order, and the piece of it one rank owns (ZeRO-2)."""
+    """A bucket as a range of the flat parameter order, and the piece of it one rank owns (ZeRO-2).
+
+    The bucket is split by :func:`gpudist.flat.padded_shard`: every rank's piece has ``shard`` elements (the
+    bucket's reduce-scatter sends ``world_size * shard``, zero-padded, so it is one even collective), of which the
+    first ``owned_numel`` are real; in the owned buffer each piece takes a ``shard``-sized, aligned slot."""
 
     flat_offset: int
     numel: int
     owned_start: int
-    """Start of the owned piece inside the bucket (``shard_range(numel, world, rank)``)."""
+    """Start of the owned piece inside the bucket (``rank * shard``, at most ``numel``)."""
     owned_numel: int
+    """Real elements of the owned piece (fewer than ``shard`` on the last ranks; may be 0)."""
     owned_at: int
-    """Where the owned piece sits in the rank's owned buffer (pieces in ascending flat order)."""
+    """Where the owned piece's slot sits in the rank's owned buffer (slots in ascending flat order)."""
+    shard: int
+    """Elements of every rank's padded piece, a multiple of :data:`gpudist.flat.SHARD_ALIGN`."""
 
     @property
     def segment(self) -> tuple[int, int]:
@@ -72,7 +79,7 @@ class BucketPartition:
 def partition_buckets(
     params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, world_size: int, rank: int
 ) -> list[BucketPartition]:
-    """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly over the ranks.
+    """Buckets of :func:`assign_buckets` (launch order) as flat ranges, each split evenly (padded) over the ranks.
 
     ZeRO2Model and ZeRO2Optimizer both derive their partition from this one function, so they agree on who owns
     what whichever of them is built first.
@@ -82,13 +89,13 @@ def partition_buckets(
     for indices in assign_buckets(params, cap_bytes, first_cap_bytes):
         first = min(indices)
         numel = sum(layout.numels[i] for i in indices)
-        start, end = shard_range(numel, world_size, rank)
-        spans.append((layout.offsets[first], numel, start, end - start))
+        start, end = padded_range(numel, world_size, rank)
+        spans.append((layout.offsets[first], numel, start, end - start, padded_shard(numel, world_size)))
     owned_at, at = {}, 0
-    for offset, _, _, owned in sorted(spans):
+    for offset, _, _, _, shard in sorted(spans):
         owned_at[offset] = at
-        at += owned
-    return [BucketPartition(off, numel, start, owned, owned_at[off]) for off, numel, start, owned in spans]
+        at += shard
+    return [BucketPartition(off, n, start, owned, owned_at[off], shard) for off, n, start, owned, shard in spans]
 
 
 class ZeRO1Model(DDPModel):
@@ -111,6 +118,19 @@ class ZeRO1Model(DDPModel):
 
     strategy = "zero1"
     _flat_parameters = True
+
+    def _flat_capacity(self, numel: int) -> int:
+        return self.world_size * padded_shard(numel, self.world_size)
+
+    def memory_per_rank(self) -> dict[str, int]:
+        mem = super().memory_per_rank()
+        numel = sum(p.numel() for p in self._params)
+        if numel:  # the padding after the parameters (and the gradients viewing one buffer) is allocated too
+            padding = (self._flat_capacity(numel) - numel) * self._params[0].element_size()
+            mem["parameters"] += padding
+            if self.flat_grads is not None:  # the buckets are views of it, counted with or without param.grad
+                mem["gradients"] += padding
+        return mem
 
 
 class ZeRO2Model(DDPModel):
@@ -157,7 +177,7 @@ class ZeRO2Model(DDPModel):
         for bucket, part in zip(self._buckets, parts, strict=True):
             bucket.part = part
         first = self._params[0] if self._params else None
-        owned = sum(part.owned_numel for part in parts)
+        owned = sum(part.shard for part in parts)
         self.owned_grads = torch.zeros(
             owned,
             dtype=first.dtype if first is not None else torch.float32,
@@ -175,6 +195,11 @@ class ZeRO2Model(DDPModel):
     def _make_bucket(self, index, params, names, storage=None) -> GradientBucket:
         return GradientBucket(index, params, names)
 
+    def gradient_buffers(self) -> dict[int, BufferSpec]:
+        """What each bucket's reduce-scatter sends: the bucket zero-padded to ``world_size`` even pieces."""
+        size = {b.index: self.world_size * b.part.shard for b in self._buckets}
+        return {b.index: BufferSpec.of(b.params, self._hook_op, size=size[b.index]) for b in self._buckets}
+
     def owned_segments(self) -> list[tuple[int, int]]:
         """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order).
 
@@ -190,7 +215,10 @@ class ZeRO2Model(DDPModel):
         sent = self._filling.get(bucket.index)
         if sent is None:
             dtype = self.owned_grads.dtype if self._comm_hook is not None else self._wire_dtype
-            sent = self._filling[bucket.index] = torch.empty(bucket.numel, dtype=dtype, device=self.owned_grads.device)
+            part = bucket.part
+            sent = torch.empty(self.world_size * part.shard, dtype=dtype, device=self.owned_grads.device)
+            sent[part.numel :].zero_()  # the padding: every rank's piece the same size, one even reduce-scatter
+            self._filling[bucket.index] = sent
         layout = self._layouts[bucket.index]
         slot = sent[layout.offsets[j] : layout.offsets[j] + layout.numels[j]].view(param.shape)
         if param.grad is None:  # unused in this backward (find_unused_parameters), nothing from no_sync: zeros
@@ -205,11 +233,12 @@ class ZeRO2Model(DDPModel):
         hook, part = self._comm_hook, bucket.part
         sent = self._filling.pop(bucket.index)
         if hook is not None:
-            received = torch.empty(part.owned_numel, dtype=sent.dtype, device=sent.device)
+            received = torch.empty(part.shard, dtype=sent.dtype, device=sent.device)
             hook.reduce_scatter(bucket.index, sent, received)
             work = Work()
         else:
-            received = sent[part.owned_start : part.owned_start + part.owned_numel]  # in place: no second buffer
+            at = self.rank * part.shard
+            received = sent[at : at + part.shard]  # in place: no second buffer
             with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
                 work = self.comm.reduce_scatter(
                     sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True
@@ -229,7 +258,7 @@ class ZeRO2Model(DDPModel):
     def _after_reduce(self, bucket: GradientBucket) -> None:
         _, received = bucket.in_flight
         part = bucket.part
-        piece = self.owned_grads[part.owned_at : part.owned_at + part.owned_numel]
+        piece = self.owned_grads[part.owned_at : part.owned_at + part.shard]
         if bucket.index in self._stale:  # the first reduce since zero_grad(set_to_none=True): write
             piece.copy_(received)
             self._stale.discard(bucket.index)
@@ -250,7 +279,7 @@ class ZeRO2Model(DDPModel):
         for bucket in self._buckets:
             if bucket.index in self._stale:
                 part = bucket.part
-                self.owned_grads[part.owned_at : part.owned_at + part.owned_numel].zero_()
+                self.owned_grads[part.owned_at : part.owned_at + part.shard].zero_()
         self._stale.clear()
         return self.owned_grads
 
@@ -324,15 +353,15 @@ class _FlatShardOptimizer(ShardedOptimizer):
         # The parameters live in one flat buffer, so an all-gather into it updates them in place. ZeRO1Model and
         # ZeRO2Model put them there at wrap time (adopted here as it is: no second copy of the model, even for a
         # moment); otherwise they move now.
-        self._flat = flatten_parameters(params)
+        self._flat = flatten_parameters(params, self._flat_capacity(sum(p.numel() for p in params)))
         ends, offset = [], 0
         for g in self.param_groups:
             offset += sum(p.numel() for p in g["params"] if p.requires_grad)
             ends.append(offset)
         self._group_ends = ends
         self._segments = self.owned_segments()
-        self._pieces = self._split_by_group(self._segments)
-        owned = sum(length for _, length in self._segments)
+        self._pieces = self._split_by_group()
+        owned = self._owned_size()
         device, dtype = params[0].device, params[0].dtype
         # fp32 parameters are their own master: the owned pieces of the flat buffer are updated in place (no copy;
         # one launch per piece when the pieces are not contiguous, as ZeRO-2's per-bucket pieces). Low-precision
@@ -369,6 +398,14 @@ class _FlatShardOptimizer(ShardedOptimizer):
     def _replicated(self) -> bool:
         """Whether every rank holds all parameters (so their layout must agree); ZeRO-3's shards differ by rank."""
         return True
+
+    def _flat_capacity(self, numel: int) -> int:
+        """Elements of the flat parameter buffer: ``numel`` and the padding after it (ZeRO-1: whole even shards)."""
+        return 0
+
+    def _owned_size(self) -> int:
+        """Elements of the owned buffer: the segments' slots, padding included."""
+        return sum(length for _, length in self._segments)
 
     def _master_of(self, lo: int, hi: int) -> torch.Tensor:
         """The fp32 master values of owned[lo:hi]. Without a master buffer, owned[lo:hi] must also be contiguous in
@@ -416,21 +453,21 @@ class _FlatShardOptimizer(ShardedOptimizer):
         return self._grad
 
     def _segment_spans(self):
+        """``(flat offset, length, owned offset)`` of every segment, in owned order (back to back by default)."""
         at = 0
         for start, length in self._segments:
             yield start, length, at
             at += length
 
-    def _split_by_group(self, segments) -> list[_Piece]:
-        pieces, at = [], 0
-        for start, length in segments:
+    def _split_by_group(self) -> list[_Piece]:
+        pieces = []
+        for start, length, at in self._segment_spans():
             begin = 0
             for g, end in enumerate(self._group_ends):
                 lo, hi = max(start, begin), min(start + length, end)
                 if lo < hi:
                     pieces.append(_Piece(g, lo, at + lo - start, hi - lo))
                 begin = end
-            at += length
         return pieces
 
     def _hyper(self, group: int) -> dict:
@@ -467,8 +504,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
         again after ``_grad`` was a view of the model's gradients (which a copy must not overwrite)."""
         grad, model = self._grad, self.model()
         borrowed = model is not None and grad.numel() and grad.untyped_storage().data_ptr() == self._storage_of(model)
-        if grad.numel() != self._owned_numel or borrowed:
-            self._grad = torch.empty(self._owned_numel, dtype=grad.dtype, device=grad.device)
+        if grad.numel() != self._owned_numel or borrowed:  # zeros: the padding slots are never written
+            self._grad = torch.zeros(self._owned_numel, dtype=grad.dtype, device=grad.device)
         return self._grad
 
     def _owned_gradient_view(self, model) -> torch.Tensor | None:
@@ -483,6 +520,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
             if p.grad is None or p.grad.data_ptr() != base + offset * size:
                 return None  # e.g. dropped by zero_grad and no backward since: take the copying path
         start, length = self._segments[0]
+        if start + length > flat.numel():  # ZeRO-1's padded range of a model whose gradient buffer has no padding
+            return None
         return flat[start : start + length]
 
     @staticmethod
@@ -569,7 +608,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _update_and_send(self, scale: float, regions: list[tuple[int, int, int]]) -> None:
         """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
-        split evenly over the ranks (:func:`shard_range`) and this rank's range is updated in chunks of at most
+        split over the ranks as its owned pieces are (:func:`~gpudist.flat.padded_range`) and this rank's range is updated in chunks of at most
         4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one async broadcast per rank's
         matching chunk, straight into the flat buffer) while the next chunk is updated. Same bytes as all-gathering
         every region after the whole update, which on 2 Gloo processes left the update's time exposed
@@ -580,7 +619,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         works = []
         with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
             for offset, numel, owned_at in regions:
-                ranges = [shard_range(numel, world, r) for r in range(world)]
+                ranges = [padded_range(numel, world, r) for r in range(world)]
                 widest = max(end - start for start, end in ranges)
                 chunks = max(1, min(8, -(-widest * flat.element_size() // chunk_bytes)))
                 mine = ranges[rank][1] - ranges[rank][0]
@@ -644,15 +683,19 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _by_group(self) -> dict[int, list[tuple[int, int]]]:
         merged: dict[int, list[tuple[int, int]]] = {}
-        flat_end = -1
+        previous = None
         for p in self._pieces:
             spans = merged.setdefault(p.group, [])
-            # adjacent in the owned buffer (and, without a master buffer, in the flat parameters too): one launch
-            if spans and spans[-1][1] == p.owned_offset and (self._master is not None or flat_end == p.flat_offset):
+            # The next piece of the same group in owned order: one launch over both when the owned buffers are the
+            # optimizer's own (a master copy; the padding slot between them is zeros, and stays zero), or when they
+            # are adjacent in the owned buffer and in the flat parameters too.
+            follows = previous is not None and previous.group == p.group
+            adjacent = follows and spans[-1][1] == p.owned_offset and previous.flat_offset + previous.length == p.flat_offset
+            if follows and (self._master is not None or adjacent):
                 spans[-1] = (spans[-1][0], p.owned_offset + p.length)
             else:
                 spans.append((p.owned_offset, p.owned_offset + p.length))
-            flat_end = p.flat_offset + p.length
+            previous = p
         return merged
 
     def _generic_step(self, scale: float) -> None:
@@ -880,16 +923,23 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
 
     strategy = "zero1"
 
+    def _flat_capacity(self, numel: int) -> int:
+        return self.comm.world_size * padded_shard(numel, self.comm.world_size)
+
     def owned_segments(self) -> list[tuple[int, int]]:
-        start, end = shard_range(self._flat.layout.total, self.comm.world_size, self.comm.rank)
-        return [(start, end - start)]
+        """This rank's padded shard of the flat parameters (:func:`~gpudist.flat.padded_shard`): the same size on
+        every rank, so the gradients' reduce-scatter and the parameters' all-gather are even collectives; the
+        padding after the last parameter is zeros that no parameter, checkpoint or norm sees."""
+        size = padded_shard(self._flat.layout.total, self.comm.world_size)
+        return [(self.comm.rank * size, size)]
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
-        return {0: BufferSpec.of(self._flat_params, "reduce_scatter")}
+        return {0: BufferSpec.of(self._flat_params, "reduce_scatter", size=self._flat.data.numel())}
 
     def _reduce_scatter_gradients(self) -> None:
         owned = self._private_grad()
-        full = torch.empty(self._flat.layout.total, dtype=owned.dtype, device=owned.device)
+        full = torch.empty(self._flat.data.numel(), dtype=owned.dtype, device=owned.device)
+        full[self._flat.layout.total :].zero_()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._flat_params]
         if self._comm_hook is not None:
             kernels.pack(grads, full)
@@ -947,6 +997,20 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         )
         return sorted(part.segment for part in self._parts)
 
+    def _owned_size(self) -> int:
+        if not self._parts:  # ZeRO-3's shards: its own segments
+            return super()._owned_size()
+        return sum(part.shard for part in self._parts)
+
+    def _segment_spans(self):
+        """Each bucket's owned piece at the start of its padded slot (``BucketPartition.owned_at``)."""
+        if not self._parts:
+            yield from super()._segment_spans()
+            return
+        for part in sorted(self._parts, key=lambda part: part.flat_offset):
+            start, length = part.segment
+            yield start, length, part.owned_at
+
     def reduce_gradients(self) -> None:
         """Fill the owned gradient buffer: the paired ZeRO2Model's reduce-scattered pieces (stepped in place), or,
         with a plain module, reduce-scatter the gradients here.
@@ -968,8 +1032,11 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         self._grad = model.owned_gradients()  # the model's reduce-scattered pieces, same order: stepped in place
 
     def gradient_buffers(self) -> dict[int, BufferSpec]:
+        world = self.comm.world_size
         return {
-            i: BufferSpec.of(self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel)
+            i: BufferSpec.of(
+                self._flat_params, "reduce_scatter", part.flat_offset, part.flat_offset + part.numel, world * part.shard
+            )
             for i, part in enumerate(self._parts)
         }
 
@@ -977,8 +1044,9 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         hook, owned = self._comm_hook, self._private_grad()
         for i, part in enumerate(self._parts):
             views = self._grad_views_for(part.flat_offset, part.numel)
-            sent = torch.empty(part.numel, dtype=owned.dtype, device=owned.device)
-            out = owned[part.owned_at : part.owned_at + part.owned_numel]
+            sent = torch.empty(self.comm.world_size * part.shard, dtype=owned.dtype, device=owned.device)
+            sent[part.numel :].zero_()
+            out = owned[part.owned_at : part.owned_at + part.shard]
             kernels.pack(views, sent, scale=1.0 if hook is not None else 1.0 / self.comm.world_size)
             if hook is not None:
                 hook.reduce_scatter(i, sent, out)
@@ -986,12 +1054,20 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
                 self.comm.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
-        dtype = self._flat.data.dtype
+        dtype, world = self._flat.data.dtype, self.comm.world_size
         for part in self._parts:
+            region = self._flat.data[part.flat_offset : part.flat_offset + part.numel]
             piece = self._master_of(part.owned_at, part.owned_at + part.owned_numel)
-            src = piece if self._master_is_view else piece.to(dtype)  # fp32: in place, as ZeRO-1
+            if part.numel == world * part.shard:  # even already: straight into the parameters (fp32: in place)
+                src, out = (piece if self._master_is_view else piece.to(dtype)), region
+            else:  # the padded pieces through a staging buffer: one even all-gather, not a broadcast per rank
+                src = torch.zeros(part.shard, dtype=dtype, device=region.device)
+                src[: part.owned_numel].copy_(piece)
+                out = torch.empty(world * part.shard, dtype=dtype, device=region.device)
             with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-                self.comm.all_gather(src, self._flat.data[part.flat_offset : part.flat_offset + part.numel])
+                self.comm.all_gather(src, out)
+            if out is not region:
+                region.copy_(out[: part.numel])
 
     def _update_and_gather(self, scale: float) -> None:
         """Fused fp32 path: each bucket is a gathered region (:meth:`_update_and_send`), in launch order."""
