@@ -14,6 +14,10 @@ Two modes pick the same set (up to ties between equal magnitudes):
   kept go back into the residual. Every entry outside the buffer is below the threshold, hence below every
   candidate, so the result is the exact top-k. If fewer than ``k`` entries passed, or more than the buffer
   holds, the candidates are put back and the exact mode finishes the job: rare, and never loses anything.
+
+Host syncs: none in ``"exact"`` mode. ``"threshold"`` mode makes one per call, reading the candidate count:
+``torch.topk`` over the candidates needs their number on the host (a shape), and so does the overflow check.
+The threshold itself stays on the device (the compaction kernel reads it from memory).
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ class TopKResult:
     """``acc`` at ``indices``, in the gradient's dtype."""
     indices: torch.Tensor
     """Positions of the selected entries, ascending (int64 unless ``index_dtype`` says otherwise)."""
-    threshold: float | None
-    """Magnitude threshold used in ``"threshold"`` mode; None in ``"exact"`` mode or when nothing was selected."""
+    threshold: torch.Tensor | None
+    """Magnitude threshold used in ``"threshold"`` mode (a 1-element float32 tensor on the gradient's device); None
+    in ``"exact"`` mode or when nothing was selected."""
     candidates: int
     """How many entries passed the threshold (``"threshold"`` mode), else ``k``."""
 
@@ -81,13 +86,14 @@ def _threshold_compact_kernel(
     cand_indices_ptr,
     counter_ptr,
     n,
-    threshold,
+    threshold_ptr,
     capacity,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    threshold = tl.load(threshold_ptr)  # on the device: the estimate never goes through the host
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # acc is rounded to the residual's dtype first: candidates and residual then hold the same numbers.
@@ -139,7 +145,7 @@ def _accumulate_reference(grad: torch.Tensor, residual: torch.Tensor) -> None:
 
 
 def _compact_triton(
-    grad: torch.Tensor, residual: torch.Tensor | None, threshold: float, capacity: int
+    grad: torch.Tensor, residual: torch.Tensor | None, threshold: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     acc_dtype = grad.dtype if residual is None else residual.dtype
     values = torch.empty(capacity, dtype=acc_dtype, device=grad.device)
@@ -163,7 +169,7 @@ def _compact_triton(
 
 
 def _compact_reference(
-    grad: torch.Tensor, residual: torch.Tensor | None, threshold: float, capacity: int
+    grad: torch.Tensor, residual: torch.Tensor | None, threshold: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     if residual is None:
         acc = grad
@@ -205,8 +211,9 @@ _REFERENCE_PASSES = (_accumulate_reference, _compact_reference, _take_reference)
 
 def _estimate_threshold(
     grad: torch.Tensor, residual: torch.Tensor | None, k: int, generator: torch.Generator | None
-) -> tuple[float, int]:
-    """A magnitude that about ``1.1 k`` entries of ``acc`` reach, and a candidate capacity that fits them.
+) -> tuple[torch.Tensor, int]:
+    """A magnitude that about ``1.1 k`` entries of ``acc`` reach (a 1-element tensor on the device: no host sync),
+    and a candidate capacity that fits them.
 
     From the sample's r-th largest magnitude, with r = 1.1 m0 + 3 sqrt(m0) + 1: the number of entries at or
     above it is about ``r n / s`` with a relative spread of ``1 / sqrt(r)``, so it falls below k only
@@ -223,7 +230,7 @@ def _estimate_threshold(
         sample = sample + residual[positions].float()
     expected = size * k / n
     rank = min(size, math.ceil(1.1 * expected + 3 * math.sqrt(expected)) + 1)
-    threshold = torch.kthvalue(sample.abs(), size - rank + 1).values.item()
+    threshold = torch.kthvalue(sample.abs(), size - rank + 1).values.reshape(1)
     capacity = min(n, math.ceil((rank + 4 * math.sqrt(rank)) * n / size) + 256)
     return threshold, capacity
 

@@ -206,7 +206,7 @@ class HybridShardedOptimizer(DataParallelWrapper):
         if config.max_grad_norm is not None:  # the inner optimizer sees the data group only: it clips (and ZeRO
             self.inner.gradient_norm_fn = self._global_norm  # skips non-finite steps) with the whole model's norm
         model.reduce_data_parallel = False  # the inner optimizer averages (or reduce-scatters) over replicas
-        self.last_grad_norm = math.nan
+        self._norm: torch.Tensor | None = None
         if zero_stage == 0:  # the replicas' averaged gradients are equal: replica 0 counts them
             first = model.data_parallel_rank == 0
             self._norm_params = [p for p in self._params() if p.requires_grad and first and model.counts_in_norm(p)]
@@ -223,8 +223,15 @@ class HybridShardedOptimizer(DataParallelWrapper):
                     spans.append((at, at + length))
         return spans
 
-    def _global_norm(self) -> float:
-        """The whole model's gradient norm, from the squares this rank counts (collective over all ranks)."""
+    @property
+    def last_grad_norm(self) -> float:
+        """The whole model's gradient norm in the last step (NaN before the first, or without ``max_grad_norm``).
+        Reading it waits for the device: the step itself keeps the norm there."""
+        return math.nan if self._norm is None else float(self._norm.reshape(()))
+
+    def _global_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm, from the squares this rank counts (collective over all ranks), as a
+        1-element float64 tensor on the device (the inner optimizer clips and skips with it there)."""
         if self.zero_stage == 0:
             grads = [p.grad.reshape(-1) for p in self._norm_params if p.grad is not None]
         else:
@@ -234,8 +241,8 @@ class HybridShardedOptimizer(DataParallelWrapper):
             total += kernels.squared_norm(g.contiguous()).double()
         with self.comm.unchecked():  # one float64 on every rank, by construction
             self.comm.all_reduce(total, ReductionOperation.SUM)
-        self.last_grad_norm = math.sqrt(total.item())
-        return self.last_grad_norm
+        self._norm = total.sqrt_()
+        return self._norm
 
     def step(self, closure=None):
         """Step the data-parallel optimizer (collective): average or reduce-scatter over the replicas, clip by the

@@ -173,21 +173,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- stepping ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip_gradients(self) -> float | None:
-        """Clip to ``config.max_grad_norm`` (global L2 norm over every rank's gradients).
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Clip to ``config.max_grad_norm`` (global L2 norm over every rank's gradients), on the device: no host sync.
 
         Returns:
-            The gradient norm before clipping, or None when ``config.max_grad_norm`` is None (nothing clipped).
+            The gradient norm before clipping (a tensor on the gradients' device, as
+            ``torch.nn.utils.clip_grad_norm_`` returns), or None when ``config.max_grad_norm`` is None.
         """
         if self.config.max_grad_norm is None:
             return None
         grads = [p.grad for p in self._params() if p.grad is not None]
         if self.gradient_norm_fn is None:
-            return float(torch.nn.utils.clip_grad_norm_(grads, self.config.max_grad_norm))
-        norm = self.gradient_norm_fn()
-        scale = self.config.max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule, NaN included
-        if scale < 1.0 or math.isnan(scale):
-            torch._foreach_mul_(grads, scale)
+            return torch.nn.utils.clip_grad_norm_(grads, self.config.max_grad_norm)
+        norm = torch.as_tensor(self.gradient_norm_fn()).reshape(())
+        # torch.nn.utils.clip_grad_norm_'s rule, NaN included: a coefficient of at most 1, applied on the device
+        coefficient = (self.config.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device, grads[0].dtype))
         return norm
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

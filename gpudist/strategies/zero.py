@@ -311,6 +311,51 @@ _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD:
 
 
 @dataclass(frozen=True)
+class _Scale:
+    """What a fused step multiplies the gradients by and whether it skips, as device tensors (no host sync)."""
+
+    clip: torch.Tensor | None
+    """The clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1 element), or None: no clipping."""
+    found_inf: torch.Tensor | None
+    """1.0 when the global norm is not finite (every rank skips), else 0.0 (1 element); None: decided on the host."""
+
+
+class _Verdict:
+    """A step's global gradient norm: the device tensor, copied to the host without blocking (pinned memory and an
+    event on CUDA) so that reading it later, when the copy is long done, does not stall the device's queue."""
+
+    def __init__(self, norm: torch.Tensor | None):
+        self._host, self._event, self._value, self._stepped = None, None, math.nan, norm is not None
+        if norm is None:
+            return
+        if norm.is_cuda:
+            self._host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(norm.reshape(1), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = norm.reshape(1)
+
+    @classmethod
+    def none(cls) -> _Verdict:
+        return cls(None)
+
+    @classmethod
+    def of(cls, norm: torch.Tensor) -> _Verdict:
+        return cls(norm)
+
+    def value(self) -> float:
+        if self._host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value, self._host, self._event = float(self._host.numpy()[0]), None, None  # numpy: no dispatch
+        return self._value
+
+    def skipped(self) -> bool:
+        return self._stepped and not math.isfinite(self.value())
+
+
+@dataclass(frozen=True)
 class _Piece:
     """Part of a parameter group that this rank owns: flat[flat_offset : +length] <-> owned[owned_offset : +length]."""
 
@@ -387,7 +432,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._state = {"momentum_buffer": fp32_state()}
         self._inner: torch.optim.Optimizer | None = None
         self._comm_hook = None
-        self.last_step_skipped, self.last_grad_norm = False, math.nan
+        self._verdict = _Verdict.none()
+        """The last step's global gradient norm, on the device (and on its way to the host)."""
+        self._counted: list[int] = []
+        """Groups whose step count the last fused step incremented (taken back if the device skipped it)."""
         if self._kind is None:
             self._views = [
                 nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length)) for p in self._pieces
@@ -568,28 +616,51 @@ class _FlatShardOptimizer(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._settle()
         self.reduce_gradients()
-        # One all-reduce of the owned squared norms gives both the global norm (for clipping) and the
-        # non-finite verdict every rank shares (a NaN anywhere makes every rank skip the step).
+        # One all-reduce of the owned squared norms gives both the global norm (for clipping) and the non-finite
+        # verdict every rank shares (a NaN anywhere makes every rank skip the step). Both stay on the device: the
+        # fused kernels take the clip coefficient and the skip flag as tensors, so the step makes no host sync.
         if self.gradient_norm_fn is not None:
             norm = self.gradient_norm_fn()
+            norm = torch.as_tensor(norm, dtype=torch.float64, device=self._grad.device).reshape(1)
         else:
             total = kernels.squared_norm(self._grad).reshape(1).double()
             with self.comm.unchecked():  # one float64 on every rank, by construction: no per-step signature check
                 self.comm.all_reduce(total, ReductionOperation.SUM)
-            norm = math.sqrt(total.item())
-        if not math.isfinite(norm):
-            self.last_step_skipped = True
-            return loss
-        self.last_step_skipped = False
-        scale = 1.0
-        if self.config.max_grad_norm is not None:
-            scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-        self.last_grad_norm = norm
-        self._update_and_gather(scale)
+            norm = total.sqrt_()
+        self._verdict = _Verdict.of(norm)
+        found_inf = (~torch.isfinite(norm)).float()
+        scale = None
+        if self.config.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s rule
+            scale = (self.config.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0).float()
+        if self._kind is None:  # torch's own step over views cannot take a device flag: decide on the host
+            if self.last_step_skipped:
+                return loss
+            found_inf = None
+        self._update_and_gather(_Scale(scale, found_inf))
         return loss
 
-    def _update_and_gather(self, scale: float) -> None:
+    @property
+    def last_grad_norm(self) -> float:
+        """The global gradient norm of the last step, before clipping (NaN before the first). Reading it waits for
+        the norm to reach the host: ask after the step, not inside a tight loop that should not sync."""
+        return self._verdict.value()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped on every rank because the gradient norm was not finite."""
+        return self._verdict.skipped()
+
+    def _settle(self) -> None:
+        """Take back the step counts of a step the device skipped (its verdict is on the host by now: it was
+        computed a whole forward and backward ago, so this does not wait)."""
+        if self._counted and self._verdict.skipped():
+            for g in self._counted:
+                self._steps[g] -= 1
+        self._counted = []
+
+    def _update_and_gather(self, scale: _Scale) -> None:
         """Update the owned values, then bring every rank's updated parameters to all ranks."""
         if self._kind is not None:
             self._count_steps()
@@ -606,7 +677,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._kind is not None and self._master_is_view and self.comm.world_size > 1 and self.comm.chunked_overlap
         )
 
-    def _update_and_send(self, scale: float, regions: list[tuple[int, int, int]]) -> None:
+    def _update_and_send(self, scale: _Scale, regions: list[tuple[int, int, int]]) -> None:
         """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
         split over the ranks as its owned pieces are (:func:`~gpudist.flat.padded_range`) and this rank's range is updated in chunks of at most
         4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one async broadcast per rank's
@@ -636,10 +707,11 @@ class _FlatShardOptimizer(ShardedOptimizer):
             work.wait()
 
     def _count_steps(self) -> None:
-        for g in self._by_group():
+        self._counted = list(self._by_group())
+        for g in self._counted:
             self._steps[g] += 1
 
-    def _fused_step(self, scale: float, window: tuple[int, int] | None = None) -> None:
+    def _fused_step(self, scale: _Scale, window: tuple[int, int] | None = None) -> None:
         """One fused launch per contiguous owned piece, restricted to owned[window[0]:window[1]] if given."""
         for g, pieces in self._by_group().items():
             h = self.param_groups[g]
@@ -651,7 +723,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 args = {
                     "param": self._master_of(lo, hi),
                     "grad": self._grad[lo:hi],
-                    "grad_scale": scale,
+                    "grad_scale_tensor": scale.clip,
+                    "found_inf": scale.found_inf,
                     "check_finite": False,
                     "maximize": h.get("maximize", False),
                     "lr": h["lr"],
@@ -698,10 +771,12 @@ class _FlatShardOptimizer(ShardedOptimizer):
             previous = p
         return merged
 
-    def _generic_step(self, scale: float) -> None:
+    def _generic_step(self, scale: _Scale) -> None:
         for view, piece, inner_group in zip(self._views, self._pieces, self._inner.param_groups, strict=True):
             inner_group.update(self._hyper(piece.group))  # LR schedulers edit our groups: follow them
-            view.grad = self._grad[piece.owned_offset : piece.owned_offset + piece.length].to(torch.float32) * scale
+            view.grad = self._grad[piece.owned_offset : piece.owned_offset + piece.length].to(torch.float32)
+            if scale.clip is not None:
+                view.grad.mul_(scale.clip)
         self._inner.step()
 
     def _gather_parameters(self) -> None:
@@ -772,6 +847,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
                         elif (s := scalar_of(value)) is not None:
                             scalars.setdefault(name, {})[key] = s
         else:
+            self._settle()
             for g, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     for _, _, name, _ in segmap.get(id(p), []):
@@ -845,7 +921,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         def finish() -> None:
             for group, hyper in zip(self.param_groups, saved["groups"], strict=True):
                 group.update(hyper)
-            self._steps = steps
+            self._steps, self._counted = steps, []
             if not any(reader.has("state.master", name) for _, _, name, _ in owned):
                 self._refresh_master()  # no fp32 copy saved: start from the loaded parameters
             if inner_state is not None:
@@ -862,6 +938,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             optimizer's state (generic path) and the groups' hyper-parameters. Loads back only at the same world
             size (:meth:`load_state_dict`).
         """
+        self._settle()
         return {
             "strategy": self.strategy,
             "world_size": self.comm.world_size,
@@ -892,7 +969,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             )
         for key, value in state_dict["state"].items():
             self._state[key].copy_(value)
-        self._steps = list(state_dict["steps"])
+        self._steps, self._counted = list(state_dict["steps"]), []
         if self._inner is not None:
             self._inner.load_state_dict(state_dict["inner"])
         for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
@@ -954,7 +1031,7 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
         with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
             self.comm.all_gather(src, self._flat.data)
 
-    def _update_and_gather(self, scale: float) -> None:
+    def _update_and_gather(self, scale: _Scale) -> None:
         """Fused fp32 path: the flat buffer is one gathered region (:meth:`_update_and_send`)."""
         if not self._overlaps_gather():
             super()._update_and_gather(scale)
@@ -1069,7 +1146,7 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
             if out is not region:
                 region.copy_(out[: part.numel])
 
-    def _update_and_gather(self, scale: float) -> None:
+    def _update_and_gather(self, scale: _Scale) -> None:
         """Fused fp32 path: each bucket is a gathered region (:meth:`_update_and_send`), in launch order."""
         if not self._parts or not self._overlaps_gather():  # ZeRO-3's own shards: nothing to gather
             super()._update_and_gather(scale)
