@@ -487,6 +487,23 @@ def test_zero1_sends_its_update_in_one_collective_over_nccl():
     assert calls["allGather"] == world, calls  # the parameters' all-gather, one call on each rank
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+def test_uneven_models_make_one_collective_per_bucket_or_unit_over_nccl(strategy, world):
+    """Catches a shard that is not padded to the same size on every rank: NCCL has no uneven reduce-scatter or
+    all-gather, so the backend turns one into a reduce or broadcast per rank (a ZeRO-3 step at 4 ranks issued 112
+    reduces and 224 broadcasts). Every bucket and unit here is uneven (layers of 9x33, 33, 33x17, ... elements, tiny
+    buckets), so each must be padded for its collective to be one call: no reduce or broadcast in a steady step."""
+    fake = FakeNccl()
+    results = run_nccl(
+        _steady_steps, world, fake, strategy=strategy, nccl=fake, gate=threading.Barrier(world), seen={}
+    )
+    calls = results[0]["calls_per_step"]
+    assert "reduce" not in calls and "broadcast" not in calls, calls
+    assert calls.get("reduceScatter", 0) > 0 or strategy == "zero1", calls  # ZeRO-1's model all-reduces
+    assert calls["allGather"] % world == 0, calls
+
+
 @pytest.mark.parametrize("views", [False, True])
 def test_ddp_folds_the_average_into_a_pass_it_makes_anyway(views):
     """DDP packs gradients into its buckets unless they are bucket views: the 1/N rides on that pack and the wire
