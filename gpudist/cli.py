@@ -1,4 +1,5 @@
-"""The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives`` and ``gpudist bench kernels``."""
+"""The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives``, ``gpudist bench kernels`` and
+``gpudist bench gpu`` (every GPU number in one go: gpudist/bench/gpu.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ def _info(_: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import parse_size, run_collectives
 
+    if args.name == "gpu":
+        from .bench.gpu import run_from_args
+
+        return run_from_args(args)
     if args.name == "kernels":
         from .bench.kernels import OPS, run_kernels
 
@@ -50,9 +55,6 @@ def _bench(args: argparse.Namespace) -> int:
         elements = parse_size(args.elements) if args.elements else None
         run_kernels(args.device, elements, ops, args.rounds, json_path=args.json)
         return 0
-    if args.name != "collectives":
-        print(f"gpudist bench: unknown benchmark {args.name!r}; available: collectives, kernels", file=sys.stderr)
-        return 2
     args.ops = args.ops or "all_reduce,reduce_scatter,all_gather"
     ops = tuple(args.ops.split(","))
     unknown = [o for o in ops if o not in ("all_reduce", "reduce_scatter", "all_gather")]
@@ -79,30 +81,41 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices and available backends")
     info.set_defaults(func=_info)
     bench = sub.add_parser("bench", help="run a benchmark and print an nccl-tests-style table")
-    bench.add_argument("name", help="benchmark name: collectives or kernels")
-    bench.add_argument("--backend", default="gloo", help="gloo (default), inmemory, nccl, mpi")
-    bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument(
+    names = bench.add_subparsers(dest="name", required=True, metavar="{collectives,kernels,gpu}")
+    # collectives and kernels share one set of options (each reads its own); gpu has its own.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--backend", default="gloo", help="gloo (default), inmemory, nccl, mpi")
+    common.add_argument("--world-size", type=int, default=2)
+    common.add_argument(
         "--ops",
         default=None,
         help="collectives: all_reduce,reduce_scatter,all_gather (default all); "
         "kernels: a subset of the kernel ops (default all)",
     )
-    bench.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")
-    bench.add_argument("--elements", default=None, help="kernels: elements per op (default 64M on CUDA, 4M on CPU)")
-    bench.add_argument("--min-bytes", default="1K")
-    bench.add_argument("--max-bytes", default="64M")
-    bench.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
-    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
-    bench.add_argument("--no-baseline", action="store_true", help="skip the torch.distributed comparison")
-    bench.add_argument("--json", default=None, help="also write the results to this JSON file")
-    bench.set_defaults(func=_bench)
+    common.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")
+    common.add_argument("--elements", default=None, help="kernels: elements per op (default 64M on CUDA, 4M on CPU)")
+    common.add_argument("--min-bytes", default="1K")
+    common.add_argument("--max-bytes", default="64M")
+    common.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
+    common.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    common.add_argument("--no-baseline", action="store_true", help="skip the torch.distributed comparison")
+    common.add_argument("--json", default=None, help="also write the results to this JSON file")
+    for name, what in (
+        ("collectives", "an nccl-tests-style sweep against the transport's own calls"),
+        ("kernels", "each kernel against its PyTorch baseline"),
+    ):
+        names.add_parser(name, parents=[common], help=what).set_defaults(func=_bench)
+    from .bench.gpu import add_arguments as gpu_arguments
+
+    gpu = names.add_parser("gpu", help="on a GPU machine: the GPU tests and every GPU number, into one JSON")
+    gpu_arguments(gpu)
+    gpu.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "world_size", 1) < 1:
+    if getattr(args, "world_size", None) is not None and args.world_size < 1:
         print("gpudist: --world-size must be >= 1", file=sys.stderr)
         return 2
     return args.func(args)

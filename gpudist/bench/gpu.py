@@ -1,0 +1,1024 @@
+"""One command for a GPU runner: ``gpudist bench gpu`` (or ``python -m benchmarks.gpu``, run from the repository root)
+runs the GPU test tier and measures every GPU number in one go, into one JSON file with the machine, the versions and
+the date beside the numbers.
+
+Parts, in this order, each in its own spawned process, so that a crash, a sticky CUDA error or a hang in one is
+recorded as that part's error (with its traceback or exit code) and the parts after it still run:
+
+- ``tests``: ``pytest -m gpu tests/`` as a subprocess; its pass/fail/skip counts and the failing test ids.
+- ``kernels``: each gpudist kernel (pack, unpack, Adam, SGD, squared norm, int8/1-bit quantize, int8 dequantize,
+  top-k) at each size, timed with CUDA events after warm-up (median of rounds); its GB/s (bytes it must read plus
+  write) as a fraction of ``dst.copy_(src)`` measured in the same process at the same size.
+- ``collectives``: all-reduce, all-gather, reduce-scatter and broadcast through gpudist's NCCL backend (with its
+  cross-rank check, and ``unchecked()``) against raw ``cupy.cuda.nccl`` calls on the same communicator and buffers;
+  algbw and busbw as nccl-tests defines them. World size: every visible GPU, one spawned rank each.
+- ``strategies``: step times of gpudist DDP and FSDP against torch DDP (``gradient_as_bucket_view=True``,
+  ``static_graph=True``, fused AdamW) and FSDP2 (``fully_shard`` per unit and the root, fused AdamW) on the models of
+  ``benchmarks/workloads.py``, gpudist over its NCCL backend and torch over its own NCCL process group, every GPU
+  one rank.
+
+Exit codes (what a CI runner acts on; the JSON is written in every case but a usage error):
+
+- 0: every part ran and the GPU tests passed; also when there is no CUDA device at all, so that a CPU job which
+  runs the command stays green (the JSON and the output say ``skipped`` and why).
+- 1: a part failed or the GPU test tier had failures; the other parts' numbers are in the JSON all the same.
+- 2: usage error (bad option).
+- 3: no CUDA device and ``--require-gpu`` was given: a GPU runner that lost its GPU must not pass as a skip.
+
+``--check`` runs nothing: it prints which parts would run and what each lacks (imports, the repository), exiting 0
+when nothing is missing, 1 otherwise (CUDA itself aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..fileio import atomic_write_json
+from .collectives import BUS_FACTORS as _RING_FACTORS
+from .collectives import _raw_call, environment, interleaved_times, parse_size
+
+__all__ = [
+    "BUS_FACTORS",
+    "EXIT_NO_GPU",
+    "EXIT_PART_FAILED",
+    "NO_CUDA",
+    "PARTS",
+    "GPUSettings",
+    "bandwidth_GBps",
+    "bus_bandwidth",
+    "check_plan",
+    "collective_rows",
+    "fraction_of_copy",
+    "junit_counts",
+    "main",
+    "run_gpu",
+    "run_parts",
+    "strategy_rows",
+]
+
+NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
+EXIT_OK, EXIT_PART_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
+
+BUS_FACTORS: dict[str, Callable[[int], float]] = {**_RING_FACTORS, "broadcast": lambda n: 1.0}
+"""busbw = algbw x factor(n), as nccl-tests: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1.
+At n = 1 the ring factors are 0: one rank moves nothing between GPUs, and its time is launch overhead."""
+
+GOOD_FRACTION = 0.8
+"""A memory-bound kernel should reach this fraction of the copy bandwidth (one read and one write of each byte)."""
+COMPUTE_BOUND = ("topk_exact_1pct", "topk_threshold_1pct")
+"""Top-k selects (a sort or a threshold search) as well as streams: its fraction of copy is reported, not judged."""
+
+
+def bandwidth_GBps(nbytes: float, seconds: float) -> float:
+    """GB/s (10^9 bytes per second) of moving ``nbytes`` in ``seconds``."""
+    return nbytes / seconds / 1e9
+
+
+def fraction_of_copy(op_GBps: float, copy_GBps: float) -> float:
+    """A kernel's GB/s over the device-to-device copy's, both counting bytes read plus written (1.0: as fast as a
+    copy, the most a memory-bound kernel can do)."""
+    return op_GBps / copy_GBps
+
+
+def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s of one ``op`` of ``nbytes`` (nccl-tests' size: the all-reduce and broadcast buffer,
+    the all-gather output, the reduce-scatter input) taking ``seconds`` on ``world_size`` ranks."""
+    algbw = bandwidth_GBps(nbytes, seconds)
+    return algbw, algbw * BUS_FACTORS[op](world_size)
+
+
+# -- settings --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPUSettings:
+    """What ``gpudist bench gpu`` runs; every part gets it (it crosses into the part's process, so it pickles)."""
+
+    parts: tuple[str, ...] = ("tests", "kernels", "collectives", "strategies")
+    """The parts to run, in order."""
+    kernel_elements: tuple[int, ...] = (1 << 24, 1 << 26)
+    """Elements per kernel op (fp32): 16M and 64M, both well past the L2 cache (50 MiB on H100)."""
+    kernel_ops: tuple[str, ...] | None = None
+    """A subset of ``gpudist.bench.kernels.OPS``; None: all of them."""
+    collective_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
+    """Collective sizes in bytes (fp32): 64 KiB is latency-bound, 256 MiB saturates NVLink."""
+    workloads: tuple[str, ...] = ("mlp", "gpt")
+    """Models from ``benchmarks/workloads.py`` for the strategy step times."""
+    batch: dict[str, int] = field(default_factory=lambda: {"mlp": 256, "gpt": 8, "gpt-deep": 8})
+    """Samples per rank per step on the GPU (GPT: sequences of 128 tokens); the CPU benchmarks' batches (32, 2)
+    leave an H100 idle between launches."""
+    model_overrides: dict = field(default_factory=dict)
+    """Keyword arguments for ``workloads.make``/``batch`` (the CPU tests shrink the model)."""
+    rounds: int = 7
+    """Interleaved rounds per measurement; the median is reported."""
+    steps: int = 5
+    """Training steps per variant per round."""
+    world_size: int | None = None
+    """Ranks for collectives and strategies; None: ``torch.cuda.device_count()``."""
+    timeouts: dict[str, float] = field(
+        default_factory=lambda: {"tests": 3600.0, "kernels": 1200.0, "collectives": 900.0, "strategies": 1200.0}
+    )
+    """Seconds each part may take before its process is killed and the part recorded as timed out."""
+    repo: str | None = None
+    """The repository root (holding ``tests/`` and ``benchmarks/``); None: found from the working directory."""
+
+
+def find_repo(start: Path | None = None) -> Path | None:
+    """The gpudist checkout: the working directory or the one this editable install lives in, whichever holds
+    ``tests/test_gpu.py`` and ``benchmarks/workloads.py``."""
+    for root in (start or Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "tests" / "test_gpu.py").is_file() and (root / "benchmarks" / "workloads.py").is_file():
+            return root.resolve()
+    return None
+
+
+def _repo(settings: GPUSettings) -> Path:
+    if settings.repo is None:
+        raise RuntimeError(
+            "this part needs the gpudist repository (tests/, benchmarks/); run from its root or pass --repo"
+        )
+    if settings.repo not in sys.path:
+        sys.path.insert(0, settings.repo)
+    return Path(settings.repo)
+
+
+def _world(settings: GPUSettings) -> int:
+    return settings.world_size or torch.cuda.device_count()
+
+
+def _cupy_nccl() -> None:
+    """Raise, naming the extra to install, when CuPy's NCCL (what gpudist's NCCL backend drives) is missing."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise RuntimeError(
+            f"{e}; install the extra matching your CUDA: pip install 'gpudist[cuda13]' (or [cuda12])"
+        ) from e
+    if not getattr(nccl, "available", True):
+        raise RuntimeError("CuPy is installed but libnccl was not found: pip install 'gpudist[cuda13]' (or [cuda12])")
+
+
+def _error_text(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
+
+
+# -- part: the GPU test tier ------------------------------------------------------------------------------------------
+
+
+def junit_counts(path: str | os.PathLike) -> dict:
+    """Pass/fail/error/skip counts, the failing test ids and the commonest skip reasons from a pytest JUnit XML."""
+    counts: Counter = Counter()
+    failed, skips = [], Counter()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        kind = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(getattr(outcome, "tag", ""), "passed")
+        counts[kind] += 1
+        if kind in ("failed", "errors"):
+            failed.append(name)
+        elif kind == "skipped":
+            skips[(outcome.get("message") or "").strip()[:200]] += 1
+    return {
+        "total": sum(counts.values()),
+        **{k: counts[k] for k in ("passed", "failed", "errors", "skipped")},
+        "failed_tests": failed,
+        "skip_reasons": dict(skips.most_common(10)),
+    }
+
+
+def _run_streaming(cmd: list[str], cwd: Path, timeout: float, tail_lines: int = 200) -> tuple[int | None, str]:
+    """Run ``cmd``, echoing its output as it comes (a runner's log shows progress); (return code or None when it
+    was killed at ``timeout``, the last ``tail_lines`` lines)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    tail: deque[str] = deque(maxlen=tail_lines)
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line)
+        proc.wait()
+    finally:
+        timed_out = not killer.is_alive()
+        killer.cancel()
+    return (None if timed_out else proc.returncode), "".join(tail)
+
+
+def tests_part(settings: GPUSettings) -> dict:
+    """``pytest -m gpu tests/`` in the repository; its counts from the JUnit report."""
+    import tempfile
+
+    repo = _repo(settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider"]
+        code, tail = _run_streaming([*cmd, f"--junitxml={report}"], repo, settings.timeouts["tests"] - 30)
+        counts = junit_counts(report) if report.is_file() else None
+    if code is None:
+        raise RuntimeError(f"pytest -m gpu did not finish within {settings.timeouts['tests'] - 30:.0f}s:\n{tail}")
+    if counts is None:
+        raise RuntimeError(f"pytest exited with {code} and wrote no report:\n{tail}")
+    # pytest exits 5 when nothing was collected: a runner where the marker selects nothing has tested nothing.
+    return {"command": " ".join(cmd), "returncode": code, **counts, "output_tail": tail[-6000:]}
+
+
+# -- part: kernel bandwidth ---------------------------------------------------------------------------------------
+
+
+def kernels_part(settings: GPUSettings, device: str = "cuda") -> dict:
+    """Every kernel op at every size against the copy bandwidth of that size; an op that fails is a row with its
+    error (a sticky CUDA error then fails the ops after it too, each recorded)."""
+    from .. import kernels as K
+    from .kernels import OPS, copy_bandwidth, time_variants
+
+    dev = torch.device(device)
+    implementation = "triton" if K.use_triton(torch.empty(0, device=dev)) else "torch"
+    ops = list(settings.kernel_ops or OPS)
+    rows, copies = [], {}
+    for n in settings.kernel_elements:
+        torch.manual_seed(0)
+        try:
+            copies[str(n)] = copy = copy_bandwidth(n, dev, settings.rounds)
+        except Exception as e:  # e.g. out of memory at this size: the other sizes still run
+            copies[str(n)] = None
+            rows.append({"op": "copy", "elements": n, "error": _error_text(e)})
+            continue
+        for op in ops:
+            try:
+                moved, variants, extra = OPS[op](n, dev)
+                times, iters = time_variants(variants, dev, settings.rounds)
+            except Exception as e:
+                rows.append({"op": op, "elements": n, "error": _error_text(e)})
+                continue
+            finally:
+                variants = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            gbps = bandwidth_GBps(moved, times["gpudist"])
+            frac = fraction_of_copy(gbps, copy)
+            rows.append(
+                {
+                    "op": op,
+                    "elements": n,
+                    "bytes_moved": moved,
+                    "iters": iters,
+                    "gpudist_us": times["gpudist"] * 1e6,
+                    "gpudist_GBps": gbps,
+                    "copy_GBps": copy,
+                    "fraction_of_copy": frac,
+                    "torch_us": times["torch"] * 1e6,
+                    "speedup_vs_torch": times["torch"] / times["gpudist"],
+                    "memory_bound": op not in COMPUTE_BOUND,
+                    "good": frac >= GOOD_FRACTION if op not in COMPUTE_BOUND else None,
+                    **{k: v for k, v in extra.items() if isinstance(v, (int, float, str))},
+                }
+            )
+    return {
+        "implementation": implementation,
+        "device": str(dev),
+        "copy_GBps": copies,
+        "good_fraction": GOOD_FRACTION,
+        "rounds": settings.rounds,
+        "rows": rows,
+    }
+
+
+# -- part: NCCL collectives -------------------------------------------------------------------------------------------
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def _collective_buffers(comm, op: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, dev = comm.world_size, comm.device
+    if op == "all_gather":
+        return torch.zeros(count // n, device=dev), torch.empty(count, device=dev)
+    if op == "reduce_scatter":
+        return torch.zeros(count, device=dev), torch.empty(count // n, device=dev)
+    buf = torch.zeros(count, device=dev)  # zeros: repeated sums stay finite
+    return buf, buf
+
+
+def _collective_variants(comm, op: str, inp: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """raw cupy.cuda.nccl, gpudist without and with its cross-rank check: the same op on the same buffers."""
+    ours = {
+        "all_reduce": lambda: comm.all_reduce(inp),
+        "all_gather": lambda: comm.all_gather(inp, out),
+        "reduce_scatter": lambda: comm.reduce_scatter(inp, out),
+        "broadcast": lambda: comm.broadcast(inp, 0),
+    }[op]
+    if op == "broadcast":  # not in the sweep of `gpudist bench collectives`: CuPy's call, on the backend's stream
+        nccl, lib = comm._comm, comm._lib
+        raw = lambda: nccl.broadcast(inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, 0, comm._stream())
+    else:
+        raw = _raw_call(comm, op, inp, out)
+
+    def unchecked() -> None:
+        with comm.unchecked():
+            ours()
+
+    return {"raw": raw, "gpudist_nocheck": unchecked, "gpudist": ours}
+
+
+def collective_rows(
+    comm, sizes: tuple[int, ...], rounds: int, ops: tuple[str, ...] = COLLECTIVE_OPS, target_s: float = 0.05
+) -> list[dict]:
+    """On every rank of an NCCL backend: per op and size, seconds per call of each variant (median of interleaved
+    rounds, each at its slowest rank), algbw, busbw and raw time / gpudist time (1.0: no overhead)."""
+    n = comm.world_size
+    rows = []
+    for nbytes in sizes:
+        count = max(n, nbytes // 4 // n * n)  # fp32 elements, a multiple of the world size
+        for op in ops:
+            row = {"op": op, "bytes": count * 4, "count": count, "world_size": n, "rounds": rounds}
+            try:  # a failure the ranks share (a bad call) leaves the other rows to run; a one-sided one times out
+                inp, out = _collective_buffers(comm, op, count)
+                variants = _collective_variants(comm, op, inp, out)
+                once = interleaved_times(comm, {"gpudist": variants["gpudist"]}, 1, 1)["gpudist"]
+                row["iters"] = iters = int(min(200, max(2, target_s / max(once, 1e-6))))
+                times = interleaved_times(comm, variants, iters, rounds)
+            except Exception as e:
+                rows.append({**row, "error": _error_text(e)})
+                continue
+            for name, seconds in times.items():
+                algbw, busbw = bus_bandwidth(op, count * 4, seconds, n)
+                row.update({f"{name}_us": seconds * 1e6, f"{name}_algbw_GBps": algbw, f"{name}_busbw_GBps": busbw})
+            row["raw_over_gpudist"] = times["raw"] / times["gpudist"]
+            row["raw_over_gpudist_nocheck"] = times["raw"] / times["gpudist_nocheck"]
+            rows.append(row)
+    return rows
+
+
+def _on_nccl(gloo, body: Callable, **kwargs):
+    """On a spawned rank: its GPU (rank modulo the GPUs), the NCCL group of the same ranks, then ``body``."""
+    from ..comm.nccl import NCCLCommunicationBackend
+
+    device = gloo.rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    nccl = NCCLCommunicationBackend.from_bootstrap(gloo, device=device)
+    try:
+        return body(gloo, nccl, **kwargs)
+    finally:
+        nccl.shutdown()
+
+
+def _collectives_body(gloo, nccl, sizes, rounds):
+    return collective_rows(nccl, sizes, rounds)
+
+
+def collectives_part(settings: GPUSettings) -> dict:
+    from ..comm.nccl import nccl_version
+    from ..launch import spawn
+
+    _cupy_nccl()  # missing: one clear line here rather than the same traceback from every rank
+    world = _world(settings)
+    timeout = settings.timeouts["collectives"] - 60
+    rows = spawn(
+        _on_nccl,
+        world,
+        body=_collectives_body,
+        sizes=settings.collective_bytes,
+        rounds=settings.rounds,
+        timeout=timeout,
+    )[0]
+    version = nccl_version()
+    return {
+        "world_size": world,
+        "nccl": ".".join(map(str, version)) if version else None,
+        "baseline": "cupy.cuda.nccl on the same communicator, stream and buffers",
+        "note": (
+            "world size 1: NCCL moves nothing between GPUs, so busbw is 0 by definition and each time is launch "
+            "and bookkeeping overhead; raw_over_gpudist is the meaningful number here"
+            if world == 1
+            else None
+        ),
+        "rows": rows,
+    }
+
+
+# -- part: strategy step times ---------------------------------------------------------------------------------------
+
+
+def _strategy_variants(
+    comm, torch_group, device: torch.device, workload: str, x, y, overrides: dict
+) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> one training step, name -> its last loss, name -> why it could not be built): gpudist DDP and FSDP
+    over ``comm``, torch DDP and FSDP2 over ``torch_group``, each from the same seeded model with fused AdamW,
+    stepping on the same batch. A variant that fails to build on any rank is left out on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks import peers
+    from benchmarks import workloads as W
+
+    from ..config import ShardingConfiguration
+    from ..strategies import DATA_PARALLEL_PAIRS
+
+    def net():
+        return W.make(workload, **overrides).to(device)
+
+    def gpudist_pair(strategy: str):
+        config = ShardingConfiguration(comm, bucket_cap_mb=25.0)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        wrap = {"auto_wrap_policy": peers.gpudist_units(workload)} if strategy == "fsdp" else {}
+        model = model_cls(net(), config, **wrap)
+        return model, opt_cls(peers.adamw(model.parameters(), fused=True), config)
+
+    def torch_ddp():
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(
+            net(),
+            device_ids=ids,
+            process_group=torch_group,
+            bucket_cap_mb=25.0,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+        )
+        return model, peers.adamw(model.parameters(), fused=True)
+
+    def fsdp2():
+        model, mesh = net(), DeviceMesh.from_group(torch_group, device.type)
+        for unit in peers.fsdp_units(workload, model):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, peers.adamw(model.parameters(), fused=True)
+
+    builders = {
+        "gpudist_ddp": lambda: gpudist_pair("ddp"),
+        "torch_ddp": torch_ddp,
+        "gpudist_fsdp": lambda: gpudist_pair("fsdp"),
+        "fsdp2": fsdp2,
+    }
+    built, errors = {}, {}
+    for name, build in builders.items():
+        try:
+            built[name] = build()
+        except Exception as e:
+            errors[name] = _error_text(e)
+    # Every rank must time the same variants, or their collectives would pair up wrongly.
+    ok = torch.tensor([name in built for name in builders], dtype=torch.float32, device=comm.device)
+    comm.all_reduce(ok, "min")
+    for name, flag in zip(builders, ok.tolist(), strict=True):
+        if not flag and name in built:
+            del built[name]
+            errors[name] = "failed on another rank"
+
+    losses: dict[str, torch.Tensor] = {}
+
+    def step_of(name, model, opt):
+        def step() -> None:
+            loss = W.loss(workload, model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name] = loss.detach()
+
+        return step
+
+    return {name: step_of(name, *pair) for name, pair in built.items()}, losses, errors
+
+
+PEERS = (("gpudist_ddp", "torch_ddp"), ("gpudist_fsdp", "fsdp2"))
+
+
+def strategy_rows(
+    comm, torch_group, device: torch.device, workload: str, batch: int, steps: int, rounds: int, overrides: dict
+) -> dict:
+    """On every rank: median step time of each variant (interleaved rounds, each at its slowest rank), the loss each
+    reached after the same number of steps (the variants train the same function, so these agree to rounding),
+    and peer time / gpudist time (> 1: gpudist faster)."""
+    from benchmarks import workloads as W
+
+    generator = torch.Generator().manual_seed(1234 + comm.rank)  # each rank its own batch, as benchmarks/peers.py
+    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
+    steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides)
+    times = interleaved_times(comm, steps_by_name, steps, rounds) if steps_by_name else {}
+    final = {name: float(loss) for name, loss in losses.items()}
+    spread = (max(final.values()) - min(final.values())) / abs(statistics.mean(final.values())) if final else None
+    return {
+        "workload": workload,
+        "model": W.describe(W.make(workload, **overrides)),
+        "batch_per_rank": batch,
+        "world_size": comm.world_size,
+        "step_ms": {name: t * 1e3 for name, t in times.items()},
+        "final_loss": final,
+        "final_loss_relative_spread": spread,
+        "peer_over_gpudist": {
+            f"{peer}/{ours}": times[peer] / times[ours] for ours, peer in PEERS if {ours, peer} <= set(times)
+        },
+        "errors": errors,
+    }
+
+
+def _strategies_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
+    import torch.distributed as dist
+
+    _repo(settings)
+    group = dist.new_group(backend="nccl", device_id=nccl.device)
+    rows = []
+    for workload in settings.workloads:
+        batch = settings.batch.get(workload, 8)
+        overrides = settings.model_overrides
+        try:
+            rows.append(
+                strategy_rows(nccl, group, nccl.device, workload, batch, settings.steps, settings.rounds, overrides)
+            )
+        except Exception as e:  # the next workload still runs (unless the groups are broken: then it fails too)
+            rows.append({"workload": workload, "error": _error_text(e)})
+    return rows
+
+
+def strategies_part(settings: GPUSettings) -> dict:
+    from ..launch import spawn
+
+    _repo(settings)
+    world = _world(settings)
+    timeout = settings.timeouts["strategies"] - 60
+    rows = spawn(_on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
+    return {
+        "world_size": world,
+        "peers": {
+            "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25) "
+            "over torch's NCCL group, AdamW(fused=True)",
+            "fsdp2": "fully_shard per unit (each Linear of the MLP, each GPT block) and the root, AdamW(fused=True)",
+            "gpudist_ddp": "DDPModel + DDPOptimizer(AdamW(fused=True)), 25 MiB buckets, gpudist's NCCL backend",
+            "gpudist_fsdp": "FSDPModel (same units) + ZeRO3Optimizer, gpudist's NCCL backend",
+        },
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "steps_per_round": settings.steps,
+        "rounds": settings.rounds,
+        "rows": rows,
+    }
+
+
+PARTS: dict[str, Callable[[GPUSettings], dict]] = {
+    "tests": tests_part,
+    "kernels": kernels_part,
+    "collectives": collectives_part,
+    "strategies": strategies_part,
+}
+
+
+# -- running the parts ------------------------------------------------------------------------------------------------
+
+
+def _part_child(fn: Callable, settings: GPUSettings, conn) -> None:
+    try:
+        reply = ("ok", fn(settings))
+    except BaseException as e:
+        reply = ("error", _error_text(e))
+    try:
+        conn.send(reply)
+    except Exception as e:  # a result that does not pickle is the part's error, not a silent death
+        conn.send(("error", f"the part's result could not be sent back: {_error_text(e)}"))
+    conn.close()
+
+
+def _isolated(fn: Callable, settings: GPUSettings, timeout: float) -> tuple[str, object]:
+    """``fn(settings)`` in a spawned process: ("ok", result) or ("error", traceback / how the process ended)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_part_child, args=(fn, settings, child), name=f"gpudist-bench-{fn.__name__}")
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            return "error", f"timed out after {timeout:.0f}s (process killed)"
+        try:
+            return parent.recv()
+        except EOFError:
+            proc.join(10)
+            code = proc.exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return "error", f"the part's process died ({how}) before reporting: a crash in native code or os._exit"
+    finally:
+        if proc.is_alive():
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+
+
+def run_parts(
+    settings: GPUSettings,
+    parts: dict[str, Callable[[GPUSettings], dict]] | None = None,
+    isolate: bool = True,
+    on_result: Callable[[dict[str, dict]], None] | None = None,
+) -> dict[str, dict]:
+    """Run ``settings.parts`` one after the other; each result is ``{"status": "ok", "seconds", **numbers}`` or
+    ``{"status": "error", "seconds", "error"}``. A failing part never stops the ones after it. ``on_result`` gets
+    the results so far after each part (``run_gpu`` rewrites the JSON, so a killed run keeps what it measured)."""
+    parts = PARTS if parts is None else parts
+    results = {}
+    for name in settings.parts:
+        print(f"# --- {name} ---", flush=True)
+        start = time.perf_counter()
+        if isolate:
+            status, value = _isolated(parts[name], settings, settings.timeouts.get(name, 1200.0))
+        else:
+            try:
+                status, value = "ok", parts[name](settings)
+            except Exception as e:
+                status, value = "error", _error_text(e)
+        seconds = round(time.perf_counter() - start, 1)
+        results[name] = (
+            {"status": "ok", "seconds": seconds, **value}
+            if status == "ok"
+            else {"status": "error", "seconds": seconds, "error": value}
+        )
+        print(_safely(_part_table, name, results[name]), flush=True)
+        if on_result is not None:
+            on_result(results)
+    return results
+
+
+# -- plan, machine, versions ------------------------------------------------------------------------------------------
+
+
+def check_plan(settings: GPUSettings) -> dict[str, dict]:
+    """Per part: whether it would run here and what it needs that is missing (imports, the repository, CUDA).
+    Imports only; nothing touches a GPU."""
+    import importlib
+    import importlib.util
+
+    def need(problems: list[str], what: str, check: Callable[[], object]) -> None:
+        try:
+            check()
+        except Exception as e:
+            problems.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def repo_file(rel: str) -> Callable[[], None]:
+        def check() -> None:
+            if settings.repo is None or not (Path(settings.repo) / rel).is_file():
+                raise FileNotFoundError(f"{rel} not found; run from the repository root or pass --repo")
+
+        return check
+
+    def kernel_ops() -> None:
+        from .kernels import OPS
+
+        unknown = [o for o in settings.kernel_ops or () if o not in OPS]
+        if unknown:
+            raise ValueError(f"unknown kernel op(s) {unknown}; available: {', '.join(OPS)}")
+
+    def workloads() -> None:
+        _repo(settings)
+        W = importlib.import_module("benchmarks.workloads")
+        importlib.import_module("benchmarks.peers")
+        unknown = [w for w in settings.workloads if w not in W.WORKLOADS]
+        if unknown:
+            raise ValueError(f"unknown workload(s) {unknown}; available: {', '.join(W.WORKLOADS)}")
+
+    def torch_nccl() -> None:
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise RuntimeError(f"torch {torch.__version__} is built without NCCL")
+
+    checks: dict[str, list[tuple[str, Callable[[], object]]]] = {
+        "tests": [
+            ("pytest", lambda: importlib.import_module("pytest")),
+            ("tests/test_gpu.py", repo_file("tests/test_gpu.py")),
+        ],
+        "kernels": [
+            ("gpudist.kernels", lambda: importlib.import_module("gpudist.kernels")),
+            ("triton", lambda: importlib.import_module("triton")),
+            ("kernel ops", kernel_ops),
+        ],
+        "collectives": [("cupy.cuda.nccl", _cupy_nccl)],
+        "strategies": [
+            ("cupy.cuda.nccl", _cupy_nccl),
+            ("torch NCCL", torch_nccl),
+            ("fully_shard", lambda: importlib.import_module("torch.distributed.fsdp").fully_shard),
+            (
+                "DeviceMesh.from_group",
+                lambda: importlib.import_module("torch.distributed.device_mesh").DeviceMesh.from_group,
+            ),
+            ("benchmarks.workloads", workloads),
+        ],
+    }
+    cuda = torch.cuda.is_available()
+    plan = {}
+    for name in settings.parts:
+        problems: list[str] = []
+        for what, check in checks[name]:
+            need(problems, what, check)
+        plan[name] = {"would_run": cuda, "problems": problems}
+        if not cuda:
+            plan[name]["reason"] = NO_CUDA
+    return plan
+
+
+def _nvidia_smi() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def versions() -> dict:
+    """torch, CUDA, triton, cupy, NCCL (CuPy's libnccl, which gpudist drives, and torch's own), the driver."""
+    from ..comm.nccl import nccl_version
+
+    env = environment()
+    cupy_nccl = nccl_version()
+    torch_nccl = None
+    with contextlib.suppress(Exception):
+        v = torch.cuda.nccl.version()
+        torch_nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return {
+        "gpudist": env["gpudist"],
+        "torch": env["torch"],
+        "cuda": env["cuda"],
+        "triton": env["triton"],
+        "cupy": env["cupy"],
+        "nccl_cupy": ".".join(map(str, cupy_nccl)) if cupy_nccl else None,
+        "nccl_torch": torch_nccl if torch.cuda.is_available() else None,
+        "driver": _nvidia_smi() if torch.cuda.is_available() else None,
+        "python": env["python"],
+    }
+
+
+def machine() -> dict:
+    env = environment()
+    info = {"platform": env["platform"], "cpu": env["cpu"], "cpu_count": env["cpu_count"], "gpus": []}
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        p = torch.cuda.get_device_properties(i)
+        info["gpus"].append(
+            {
+                "name": p.name,
+                "capability": f"{p.major}.{p.minor}",
+                "memory_GiB": round(p.total_memory / 2**30, 1),
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
+    return info
+
+
+def default_out(repo: str | None, device_name: str | None) -> Path:
+    """``<repo>/benchmarks/results/gpu_<device>.json`` (the working directory without a repository); ``no_cuda``
+    stands for the device when there is none."""
+    slug = re.sub(r"[^a-z0-9]+", "_", (device_name or "no cuda").lower()).strip("_")
+    folder = Path(repo) / "benchmarks" / "results" if repo else Path.cwd()
+    return folder / f"gpu_{slug}.json"
+
+
+# -- the command --------------------------------------------------------------------------------------------------
+
+
+def run_gpu(
+    settings: GPUSettings, out: str | os.PathLike | None = None, require_gpu: bool = False
+) -> tuple[dict, Path, int]:
+    """Run every part (or record the skip), print the tables, write the JSON; (document, its path, exit code)."""
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if cuda else None
+    path = Path(out) if out is not None else default_out(settings.repo, name)
+    if path.is_dir() or not path.suffix:  # a folder: the default file name inside it
+        path = path / default_out(None, name).name
+    doc = {
+        "benchmark": "gpu",
+        "date": environment()["date"],
+        "machine": machine(),
+        "versions": versions(),
+        "settings": dataclasses.asdict(settings),
+        "command": " ".join(sys.argv),
+    }
+    if not cuda:
+        doc.update(status="skipped", reason=NO_CUDA, plan=check_plan(settings))
+        doc["parts"] = {p: {"status": "skipped", "reason": NO_CUDA} for p in settings.parts}
+        code = EXIT_NO_GPU if require_gpu else EXIT_OK
+        print(f"# skipped: {NO_CUDA} (exit {code}{'' if require_gpu else f'; {EXIT_NO_GPU} with --require-gpu'})")
+    else:
+        doc["status"] = "running"
+        doc["parts"] = run_parts(settings, on_result=lambda so_far: atomic_write_json(path, {**doc, "parts": so_far}))
+        failed = [p for p, r in doc["parts"].items() if r["status"] != "ok"]
+        tests = doc["parts"].get("tests", {})
+        if tests.get("status") == "ok" and (tests["failed"] or tests["errors"] or tests["returncode"] != 0):
+            failed.append("tests (failures)")
+        doc.update(status="failed" if failed else "ok", failed_parts=failed)
+        code = EXIT_PART_FAILED if failed else EXIT_OK
+    written = atomic_write_json(path, doc)
+    print(_safely(format_summary, doc))
+    print(f"# wrote {written}")
+    return doc, path, code
+
+
+# -- tables -----------------------------------------------------------------------------------------------------------
+
+
+def _safely(render: Callable[..., str], *args) -> str:
+    """``render(*args)``, or why it could not draw its table: printing must never cost the numbers (the JSON has
+    them all)."""
+    try:
+        return render(*args)
+    except Exception as e:
+        return f"(table not printed: {type(e).__name__}: {e}; the numbers are in the JSON)"
+
+
+def _part_summary(name: str, r: dict) -> str:
+    if r["status"] == "skipped":
+        return r["reason"]
+    if r["status"] == "error":
+        return "ERROR: " + (r["error"].strip().splitlines() or [""])[-1][:100]
+    if name == "tests":
+        return f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+    if name == "kernels":
+        good = [row for row in r["rows"] if row.get("good") is not None]
+        errs = sum("error" in row for row in r["rows"])
+        copy = ", ".join(f"{v:.0f}" if v is not None else "failed" for v in r["copy_GBps"].values())
+        return (
+            f"{len(r['rows'])} rows; copy {copy} GB/s; memory-bound >= {GOOD_FRACTION} of copy: "
+            f"{sum(row['good'] for row in good)}/{len(good)}" + (f"; {errs} errors" if errs else "")
+        )
+    done = [row for row in r.get("rows", ()) if "error" not in row]
+    errs = f"; {len(r['rows']) - len(done)} rows failed" if len(done) < len(r.get("rows", ())) else ""
+    if name == "collectives":
+        big = [row for row in done if row["bytes"] == max(x["bytes"] for x in done)]
+        return (
+            f"world {r['world_size']}, NCCL {r['nccl']}; largest size: "
+            + ", ".join(
+                f"{row['op']} "
+                + (
+                    f"{row['gpudist_us']:.1f} us"
+                    if r["world_size"] == 1
+                    else f"busbw {row['gpudist_busbw_GBps']:.1f} GB/s"
+                )
+                + f" (raw/ours {row['raw_over_gpudist']:.2f})"
+                for row in big
+            )
+            + errs
+        )
+    if name == "strategies":
+        ratios = "; ".join(
+            f"{row['workload']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["peer_over_gpudist"].items())
+            for row in done
+        )
+        return f"world {r['world_size']}; peer time / gpudist time: {ratios}{errs}"
+    return "ok"
+
+
+def _part_table(name: str, r: dict) -> str:
+    """The detail table of one finished part."""
+    if r["status"] != "ok":
+        return f"# {name}: {r['status']}\n{r.get('error') or r.get('reason')}"
+    lines = [f"# {name}: {_part_summary(name, r)} ({r['seconds']:.0f}s)"]
+    if name == "tests":
+        lines += [f"  FAILED {t}" for t in r["failed_tests"]]
+    elif name == "kernels":
+        lines.append(f"{'op':>28} {'elements':>10} {'us':>9} {'GB/s':>8} {'of copy':>8} {'vs torch':>8}")
+        for row in r["rows"]:
+            if "error" in row:
+                lines.append(f"{row['op']:>28} {row['elements']:>10}  ERROR {row['error'].strip().splitlines()[-1]}")
+                continue
+            mark = {True: "", False: "  < " + str(GOOD_FRACTION), None: "  (not memory-bound)"}[row["good"]]
+            lines.append(
+                f"{row['op']:>28} {row['elements']:>10} {row['gpudist_us']:>9.1f} {row['gpudist_GBps']:>8.1f} "
+                f"{row['fraction_of_copy']:>8.2f} {row['speedup_vs_torch']:>8.2f}{mark}"
+            )
+    elif name == "collectives":
+        lines.append(
+            f"{'op':>15} {'bytes':>11} {'ours(us)':>9} {'algbw':>8} {'busbw':>8} {'nocheck':>8} {'raw(us)':>9} "
+            f"{'busbw':>8} {'raw/ours':>8} {'raw/nocheck':>11}"
+        )
+        for row in r["rows"]:
+            if "error" in row:
+                lines.append(f"{row['op']:>15} {row['bytes']:>11}  ERROR {row['error'].strip().splitlines()[-1]}")
+                continue
+            lines.append(
+                f"{row['op']:>15} {row['bytes']:>11} {row['gpudist_us']:>9.1f} {row['gpudist_algbw_GBps']:>8.2f} "
+                f"{row['gpudist_busbw_GBps']:>8.2f} {row['gpudist_nocheck_us']:>8.1f} {row['raw_us']:>9.1f} "
+                f"{row['raw_busbw_GBps']:>8.2f} {row['raw_over_gpudist']:>8.2f} "
+                f"{row['raw_over_gpudist_nocheck']:>11.2f}"
+            )
+        if r["note"]:
+            lines.append(f"# {r['note']}")
+    elif name == "strategies":
+        for row in r["rows"]:
+            failures = {"all": row["error"]} if "error" in row else row["errors"]
+            if "step_ms" in row:
+                times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["step_ms"].items())
+                spread = row["final_loss_relative_spread"]
+                lines.append(
+                    f"  {row['workload']} ({row['model']['parameters'] / 1e6:.1f}M parameters, batch "
+                    f"{row['batch_per_rank']}/rank): {times}; final losses agree to {spread or 0:.1e}"
+                )
+            lines += [f"  {row['workload']} {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in failures.items()]
+    return "\n".join(lines)
+
+
+def format_summary(doc: dict) -> str:
+    v, gpus = doc["versions"], doc["machine"]["gpus"]
+    where = f"{gpus[0]['name']} x{len(gpus)}" if gpus else "no GPU"
+    lines = [
+        f"# gpudist bench gpu: {where}; torch {v['torch']}, CUDA {v['cuda']}, triton {v['triton']}, cupy {v['cupy']}, "
+        f"NCCL {v['nccl_cupy']} (torch's {v['nccl_torch']}); {doc['date']}",
+        f"{'part':<12} {'status':<8} {'seconds':>8}  summary",
+    ]
+    for name, r in doc["parts"].items():
+        lines.append(f"{name:<12} {r['status']:<8} {r.get('seconds', 0):>8.1f}  {_part_summary(name, r)}")
+    for name, p in (doc.get("plan") or {}).items():
+        lines += [f"# plan: {name} would need {problem}" for problem in p["problems"]]
+    return "\n".join(lines)
+
+
+# -- command line -----------------------------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(t) for t in text.split(","))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GPUSettings()
+    parser.add_argument("--parts", default=",".join(d.parts), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument(
+        "--out", default=None, help="JSON file or folder (default benchmarks/results/gpu_<device>.json)"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="print which parts would run and what they lack; run nothing"
+    )
+    parser.add_argument("--require-gpu", action="store_true", help=f"exit {EXIT_NO_GPU} instead of 0 without CUDA")
+    parser.add_argument("--elements", default="16M,64M", help="kernel sizes in elements (default 16M,64M)")
+    parser.add_argument("--kernel-ops", default=None, help="subset of the kernel ops (default all)")
+    parser.add_argument("--bytes", default="64K,1M,16M,256M", help="collective sizes in bytes")
+    parser.add_argument("--workloads", default=",".join(d.workloads), help="benchmarks/workloads.py models")
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="interleaved rounds; the median is reported")
+    parser.add_argument("--steps", type=int, default=d.steps, help="training steps per variant per round")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: every visible GPU)")
+    parser.add_argument("--repo", default=None, help="the repository root (default: found from the working dir)")
+    parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every part's time limit")
+
+
+def settings_from(args: argparse.Namespace) -> GPUSettings:
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; available: {', '.join(PARTS)}")
+    if args.rounds < 1 or args.steps < 1 or (args.world_size is not None and args.world_size < 1):
+        raise ValueError(f"--rounds ({args.rounds}), --steps ({args.steps}) and --world-size must be >= 1")
+    repo = Path(args.repo).resolve() if args.repo else find_repo()
+    defaults = GPUSettings()
+    return GPUSettings(
+        parts=parts,
+        kernel_elements=_sizes(args.elements),
+        kernel_ops=tuple(args.kernel_ops.split(",")) if args.kernel_ops else None,
+        collective_bytes=_sizes(args.bytes),
+        workloads=tuple(args.workloads.split(",")),
+        rounds=args.rounds,
+        steps=args.steps,
+        world_size=args.world_size,
+        timeouts={k: v * args.timeout_scale for k, v in defaults.timeouts.items()},
+        repo=str(repo) if repo else None,
+    )
+
+
+def main(argv: list[str] | None = None, prog: str = "gpudist bench gpu") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from(args)
+    except ValueError as e:
+        print(f"gpudist bench gpu: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.check:
+        plan = check_plan(settings)
+        for name, p in plan.items():
+            state = "would run" if p["would_run"] else f"would skip ({p['reason']})"
+            lack = "; ".join(p["problems"]) or "imports resolve"
+            print(f"{name:<12} {state}: {lack}")
+        return EXIT_OK if not any(p["problems"] for p in plan.values()) else EXIT_PART_FAILED
+    _, _, code = run_gpu(settings, args.out, args.require_gpu)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

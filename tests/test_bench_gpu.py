@@ -1,0 +1,210 @@
+"""``gpudist bench gpu`` on the CPU tier: the skip a machine without CUDA prints and writes, the arithmetic behind every
+number (busbw, bandwidth as a fraction of copy, JUnit counts), each part's code on CPU stand-ins (the collectives over
+the simulated NCCL of tests/fakenccl.py, the strategy step times over Gloo on a tiny model), and a failing or crashing
+part being recorded while the parts after it still run. What only a GPU can show (CUDA-event timings, real NCCL, the
+numbers themselves) is the command's job on a GPU runner (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpudist import cli
+from gpudist.bench import gpu as G
+
+from .fakenccl import FakeNccl, run_nccl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _no_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_command_skips_without_cuda_and_writes_the_reason(tmp_path, monkeypatch, capsys):
+    """Catches a command that crashes, or exits non-zero, on a machine without CUDA (a CPU CI job running it would go
+    red), one that skips without saying why, and a GPU runner that lost its GPU passing as a skip (--require-gpu)."""
+    _no_cuda(monkeypatch)
+    assert cli.main(["bench", "gpu", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert G.NO_CUDA in out
+    doc = json.loads((tmp_path / "gpu_no_cuda.json").read_text())
+    assert doc["status"] == "skipped" and doc["reason"] == G.NO_CUDA
+    assert {p: r["status"] for p, r in doc["parts"].items()} == dict.fromkeys(G.PARTS, "skipped")
+    assert doc["versions"]["torch"] == torch.__version__ and doc["date"]
+    assert set(doc["plan"]) == set(G.PARTS)  # what would run, and what it lacks here
+    assert cli.main(["bench", "gpu", "--require-gpu", "--out", str(tmp_path / "x.json")]) == G.EXIT_NO_GPU
+    assert json.loads((tmp_path / "x.json").read_text())["status"] == "skipped"
+    assert cli.main(["bench", "gpu", "--parts", "kernels,bogus", "--out", str(tmp_path)]) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_python_m_benchmarks_gpu_is_the_same_command(tmp_path, monkeypatch, capsys):
+    """Catches ``python -m benchmarks.gpu`` drifting from ``gpudist bench gpu`` (a broken entry point would otherwise
+    be found on the GPU runner): run as ``__main__``, it takes the same options and exits with the same code."""
+    _no_cuda(monkeypatch)
+    out = tmp_path / "skip.json"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/gpu.py", "--parts", "kernels", "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("benchmarks.gpu", run_name="__main__")
+    assert exit_.value.code == 0
+    assert G.NO_CUDA in capsys.readouterr().out
+    assert json.loads(out.read_text())["parts"] == {"kernels": {"status": "skipped", "reason": G.NO_CUDA}}
+
+
+def test_check_names_what_a_part_lacks():
+    """Catches a plan that says a part is ready while the runner lacks what it needs: here no repository (the tests
+    and strategies parts read tests/ and benchmarks/) and a kernel op that does not exist."""
+    plan = G.check_plan(G.GPUSettings(repo=None, kernel_ops=("adam", "no_such_op"), parts=("tests", "kernels")))
+    assert any("repository root" in p for p in plan["tests"]["problems"])
+    assert any("no_such_op" in p for p in plan["kernels"]["problems"])
+    ready = G.check_plan(G.GPUSettings(repo=str(REPO), parts=("tests", "kernels")))
+    assert ready["tests"]["problems"] == [] and ready["kernels"]["problems"] == []
+
+
+def test_bus_bandwidth_uses_the_nccl_tests_factors():
+    """Catches swapped or off-by-one bus factors (n instead of n-1, all-gather's factor on all-reduce) and a
+    broadcast given a ring factor: 1 GB in 10 ms is 100 GB/s algbw; at 8 ranks all-reduce moves 2*7/8 of it over
+    each link, all-gather and reduce-scatter 7/8, broadcast all of it; one rank moves nothing."""
+    cases = {"all_reduce": 175.0, "all_gather": 87.5, "reduce_scatter": 87.5, "broadcast": 100.0}
+    for op, busbw in cases.items():
+        assert G.bus_bandwidth(op, 10**9, 0.01, 8) == pytest.approx((100.0, busbw))
+    assert G.bus_bandwidth("all_reduce", 10**9, 0.01, 2)[1] == pytest.approx(100.0)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert G.bus_bandwidth(op, 10**9, 0.01, 1) == (pytest.approx(100.0), 0.0)
+
+
+def test_kernel_rows_divide_by_the_copy_of_the_same_size(monkeypatch):
+    """Catches the fraction of copy computed against the wrong copy (another size's), an inverted speedup, and the
+    0.8 judgement applied to top-k (not memory-bound). Timings are fixed: squared_norm reads 4 bytes per element;
+    at 2^20 elements in 1 us that is 4194.3 GB/s, 0.8 of a 5242.88 GB/s copy; torch at 2 us is 2x slower."""
+    from gpudist.bench import kernels as BK
+
+    copies = {1 << 20: 5242.88, 1 << 12: 1.0}
+    monkeypatch.setattr(BK, "copy_bandwidth", lambda n, dev, rounds: copies[n])
+    monkeypatch.setattr(BK, "time_variants", lambda variants, dev, rounds: ({"gpudist": 1e-6, "torch": 2e-6}, 3))
+    settings = G.GPUSettings(kernel_elements=(1 << 12, 1 << 20), kernel_ops=("squared_norm", "topk_exact_1pct"))
+    rows = {(r["op"], r["elements"]): r for r in G.kernels_part(settings, device="cpu")["rows"]}
+    big = rows[("squared_norm", 1 << 20)]
+    assert big["gpudist_GBps"] == pytest.approx(4194.304)
+    assert big["fraction_of_copy"] == pytest.approx(0.8) and big["good"] is True
+    assert big["speedup_vs_torch"] == pytest.approx(2.0)
+    assert rows[("squared_norm", 1 << 12)]["fraction_of_copy"] == pytest.approx(4 * 4096 / 1e-6 / 1e9)
+    assert rows[("topk_exact_1pct", 1 << 20)]["good"] is None
+
+
+def test_kernel_op_error_is_a_row_and_the_others_run(monkeypatch):
+    """Catches one kernel's failure (a Triton compile error, an out-of-memory) losing the whole table."""
+    from gpudist.bench import kernels as BK
+
+    def broken(n, device):
+        raise RuntimeError("triton compile failed")
+
+    monkeypatch.setitem(BK.OPS, "adam", broken)
+    settings = G.GPUSettings(kernel_elements=(1024,), kernel_ops=("adam", "squared_norm"), rounds=1)
+    rows = G.kernels_part(settings, device="cpu")["rows"]
+    assert "triton compile failed" in rows[0]["error"]
+    assert rows[1]["op"] == "squared_norm" and rows[1]["gpudist_GBps"] > 0
+
+
+def test_collective_rows_over_simulated_nccl():
+    """Catches a raw cupy.cuda.nccl call with the wrong pointer, count or root (the simulated NCCL refuses ranks that
+    disagree and overlaps NCCL does not allow), a missing broadcast baseline, and busbw not following algbw. Two
+    ranks; every rank reports the same rows (each time is the slowest rank's)."""
+    fake = FakeNccl()
+    results = run_nccl(G.collective_rows, 2, fake, sizes=(4096, 1000), rounds=1, target_s=1e-3)
+    rows = results[0]
+    assert [r["op"] for r in rows] == list(G.COLLECTIVE_OPS) * 2
+    assert [r["bytes"] for r in rows] == [4096] * 4 + [1000] * 4
+    for r in rows:
+        for v in ("raw", "gpudist", "gpudist_nocheck"):
+            factor = G.BUS_FACTORS[r["op"]](2)
+            assert r[f"{v}_busbw_GBps"] == pytest.approx(r[f"{v}_algbw_GBps"] * factor)
+        assert r["raw_over_gpudist"] == pytest.approx(r["raw_us"] / r["gpudist_us"])
+    assert results[1] == rows
+    assert fake.calls["broadcast"] > 0 and fake.calls["reduceScatter"] > 0
+
+
+def test_strategy_step_times_on_cpu():
+    """The strategies part's rank code with Gloo and the CPU standing in for NCCL and CUDA (one rank in this process, a
+    2-layer MLP). Catches a variant that cannot be built (every one must time), peers paired wrongly, and a variant
+    that trains a different function: all four start from the same seed, step on the same batch, and must end at
+    the same loss."""
+    import torch.distributed as dist
+
+    from gpudist.comm import GlooCommunicationBackend
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = GlooCommunicationBackend()
+        tiny = {"width": 32, "depth": 2}
+        row = G.strategy_rows(comm, dist.group.WORLD, torch.device("cpu"), "mlp", 4, 1, 2, tiny)
+    finally:
+        dist.destroy_process_group()
+    assert row["errors"] == {}
+    assert set(row["step_ms"]) == {"gpudist_ddp", "torch_ddp", "gpudist_fsdp", "fsdp2"}
+    assert set(row["peer_over_gpudist"]) == {"torch_ddp/gpudist_ddp", "fsdp2/gpudist_fsdp"}
+    assert row["final_loss_relative_spread"] < 1e-5, row["final_loss"]
+
+
+def _raises(settings):
+    raise ValueError("cupy missing")
+
+
+def _dies(settings):
+    os._exit(7)  # what a segfault or a sticky CUDA error looks like from outside: no reply, the process gone
+
+
+def _works(settings):
+    return {"rows": [], "world_size": 1, "value": 42}
+
+
+def test_failing_part_is_recorded_and_the_rest_run():
+    """Catches one part's exception ending the run (a GPU runner gets one shot): the error is that part's record,
+    and the parts after it run."""
+    settings = G.GPUSettings(parts=("kernels", "collectives"))
+    seen = []
+    results = G.run_parts(settings, {"kernels": _raises, "collectives": _works}, isolate=False, on_result=seen.append)
+    assert results["kernels"]["status"] == "error" and "cupy missing" in results["kernels"]["error"]
+    assert results["collectives"]["status"] == "ok" and results["collectives"]["value"] == 42
+    assert len(seen) == 2  # the JSON is rewritten after every part
+
+
+def test_crashing_part_process_is_recorded_and_the_rest_run():
+    """Catches a crash in native code (segfault, sticky CUDA error, os._exit) taking the whole command down, or being
+    reported as success: each part runs in its own process, its death is recorded with the exit code, and the next
+    part's result comes back whole from its own process."""
+    settings = G.GPUSettings(parts=("kernels", "collectives"))
+    results = G.run_parts(settings, {"kernels": _dies, "collectives": _works})
+    assert results["kernels"]["status"] == "error" and "exit code 7" in results["kernels"]["error"]
+    assert results["collectives"]["status"] == "ok" and results["collectives"]["value"] == 42
+
+
+def test_junit_counts(tmp_path):
+    """Catches skips or errors counted as passes and failing test ids lost from the GPU tier's record."""
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
+        <testcase classname="tests.test_gpu" name="test_a"/>
+        <testcase classname="tests.test_gpu" name="test_b"><failure message="assert 1 == 2"/></testcase>
+        <testcase classname="tests.test_gpu" name="test_c"><error message="fixture broke"/></testcase>
+        <testcase classname="tests.test_gpu" name="test_d"><skipped message="NCCL 2.27 refuses"/></testcase>
+        <testcase classname="tests.test_kernels" name="test_e[cuda]"><skipped message="NCCL 2.27 refuses"/></testcase>
+        </testsuite></testsuites>"""
+    )
+    counts = G.junit_counts(report)
+    assert {k: counts[k] for k in ("total", "passed", "failed", "errors", "skipped")} == {
+        "total": 5,
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 2,
+    }
+    assert counts["failed_tests"] == ["tests.test_gpu::test_b", "tests.test_gpu::test_c"]
+    assert counts["skip_reasons"] == {"NCCL 2.27 refuses": 2}
