@@ -8,6 +8,7 @@ here use its tolerance: single-process training in float64, within a multiple of
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -21,6 +22,7 @@ from gpudist.flat import padded_shard
 from gpudist.testing import run_ranks
 
 from .helpers import (
+    STAGES,
     STEPS,
     batch,
     flat,
@@ -67,7 +69,6 @@ def test_zero3_memory_and_bytes_follow_the_formulas(world):
     results = run_ranks(train_zero1, world, "inmemory", state=state, steps=2, stage=3)
     sizes = [t.numel() for t in state.values()]  # per-layer units here: fc1 (w, b), fc2 (w, b), norm (w, b)
     unit_sizes = [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5]]
-    n_params = sum(sizes)
     padded = [padded_shard(n, world) for n in unit_sizes]  # every rank's shard of a unit: the same 16k elements
     assert all(n <= world * s < n + 16 * world for n, s in zip(unit_sizes, padded, strict=True))
     shard = sum(padded) * 4
@@ -272,3 +273,49 @@ def test_zero3_full_state_dict_clone_and_set_parameters():
         for k, v in reference.items():
             assert torch.equal(full[k], v), k
         assert torch.equal(params, flat(tiny_lm())) and not zeros.any()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_padding_is_never_written_to_checkpoints(tmp_path, stage):
+    """Catches the padding of ZeRO's even shards leaking into a checkpoint (as values of no parameter, or
+    optimizer state over it): a save at 3 ranks, where every shard is padded, holds exactly the elements a
+    single-process save of the same model and optimizer holds, and loads into that plain model unchanged."""
+    from safetensors import safe_open
+
+    state = initial_state()
+
+    def save(comm, folder):
+        config = ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
+        model_cls, opt_cls = STAGES[stage]
+        model = model_cls(fresh_net(state), config)
+        opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+        for step in range(2):
+            x, y = batch(step, comm.rank, comm.world_size)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        gpudist.save_checkpoint(folder, model, opt, step=2)
+        return model.gather_full_parameters()
+
+    def elements(folder):
+        total = 0
+        for file in sorted(folder.glob("rank-*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                names = f.keys()
+                total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+        return total
+
+    full = run_ranks(save, 3, "inmemory", folder=tmp_path / "sharded")[0]
+    net = fresh_net(state)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = batch(step)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    gpudist.save_checkpoint(tmp_path / "plain", net, opt, step=2)
+    n_params = sum(t.numel() for t in state.values())
+    assert elements(tmp_path / "sharded") == elements(tmp_path / "plain") >= 3 * n_params  # values, 2 moments
+    loaded = fresh_net(state)
+    gpudist.load_checkpoint(tmp_path / "sharded", loaded, torch.optim.Adam(loaded.parameters(), lr=1e-2))
+    assert torch.equal(flat(loaded), full)

@@ -5,8 +5,10 @@ parameters live as one flat vector per (dtype, trainable) kind, and each rank st
 ``nn.Parameter`` of this wrapper: that is what ``model.parameters()`` yields and what the optimizer steps. Shards
 are padded (:func:`gpudist.flat.padded_shard`): every rank's is the same size, a multiple of 16 elements, with
 zeros after the vector's end, so each gather and reduce-scatter is one even collective and every shard starts
-aligned for the kernels' 128-bit loads. The padding is never a parameter's, a checkpoint's or a norm's. Around each unit's forward the full vector is all-gathered and the module's parameter
-attributes become views of it; after the forward it is dropped. Autograd saves those views for backward:
+aligned for the kernels' 128-bit loads. The padding is never a parameter's, a checkpoint's or a norm's.
+
+Around each unit's forward the full vector is all-gathered and the module's parameter attributes become views of
+it; after the forward it is dropped. Autograd saves those views for backward:
 a saved-tensor hook records *where* in the unit they point instead of keeping the memory, and backward
 all-gathers the unit again when it first needs them. When all of a unit's gradients are in, one
 reduce-scatter leaves each rank the average of its range, accumulated into the shard's ``.grad``. While a

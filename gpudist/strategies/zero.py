@@ -40,7 +40,15 @@ from ..checkpoint import (
 )
 from ..comm import ReductionOperation, Work, shard_range, stable_hash
 from ..config import ShardingConfiguration
-from ..flat import BufferSpec, FlatLayout, GradientBucket, assign_buckets, flatten_parameters, padded_range, padded_shard
+from ..flat import (
+    BufferSpec,
+    FlatLayout,
+    GradientBucket,
+    assign_buckets,
+    flatten_parameters,
+    padded_range,
+    padded_shard,
+)
 from .ddp import DDPModel, DDPOptimizer
 from .model import ShardedModel, same_on_every_rank
 from .optimizer import ShardedOptimizer
@@ -679,9 +687,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _update_and_send(self, scale: _Scale, regions: list[tuple[int, int, int]]) -> None:
         """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
-        split over the ranks as its owned pieces are (:func:`~gpudist.flat.padded_range`) and this rank's range is updated in chunks of at most
-        4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one async broadcast per rank's
-        matching chunk, straight into the flat buffer) while the next chunk is updated. Same bytes as all-gathering
+        split over the ranks as its owned pieces are (:func:`~gpudist.flat.padded_range`) and this rank's range is
+        updated in chunks of at most 4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one
+        async broadcast per rank's matching chunk, straight into the flat buffer) while the next chunk is updated. Same bytes as all-gathering
         every region after the whole update, which on 2 Gloo processes left the update's time exposed
         (``benchmarks/zero.py``)."""
         world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
@@ -763,7 +771,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
             # optimizer's own (a master copy; the padding slot between them is zeros, and stays zero), or when they
             # are adjacent in the owned buffer and in the flat parameters too.
             follows = previous is not None and previous.group == p.group
-            adjacent = follows and spans[-1][1] == p.owned_offset and previous.flat_offset + previous.length == p.flat_offset
+            adjacent = (
+                follows and spans[-1][1] == p.owned_offset and previous.flat_offset + previous.length == p.flat_offset
+            )
             if follows and (self._master is not None or adjacent):
                 spans[-1] = (spans[-1][0], p.owned_offset + p.length)
             else:
