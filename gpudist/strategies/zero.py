@@ -416,10 +416,11 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._pieces = self._split_by_group()
         owned = self._owned_size()
         device, dtype = params[0].device, params[0].dtype
-        # fp32 parameters are their own master: the owned pieces of the flat buffer are updated in place (no copy;
-        # one launch per piece when the pieces are not contiguous, as ZeRO-2's per-bucket pieces). Low-precision
-        # parameters get one contiguous fp32 master buffer.
-        self._master_is_view = dtype == torch.float32
+        # fp32 (and fp64) parameters are their own master: the owned pieces of the flat buffer are updated in place
+        # (no copy; one launch per piece when the pieces are not contiguous, as ZeRO-2's per-bucket pieces).
+        # Low-precision parameters get one contiguous fp32 master buffer. State is kept in the master's dtype.
+        self._master_is_view = dtype in (torch.float32, torch.float64)
+        self._state_dtype = dtype if self._master_is_view else torch.float32
         if self._master_is_view:
             start, length = self._segments[0] if len(self._segments) == 1 else (0, 0)
             self._master = self._flat.data[start : start + length] if len(self._segments) == 1 else None
@@ -433,7 +434,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._kind = _fused_kind(optimizer)
         self._steps = [0] * len(self.param_groups)
         self._state: dict[str, torch.Tensor] = {}
-        fp32_state = lambda: torch.zeros(owned, dtype=torch.float32, device=device)
+        fp32_state = lambda: torch.zeros(owned, dtype=self._state_dtype, device=device)
         if self._kind in ("adam", "adamw"):
             self._state = {"exp_avg": fp32_state(), "exp_avg_sq": fp32_state()}
         elif self._kind == "sgd" and any(g["momentum"] != 0 for g in self.param_groups):
@@ -784,7 +785,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
     def _generic_step(self, scale: _Scale) -> None:
         for view, piece, inner_group in zip(self._views, self._pieces, self._inner.param_groups, strict=True):
             inner_group.update(self._hyper(piece.group))  # LR schedulers edit our groups: follow them
-            view.grad = self._grad[piece.owned_offset : piece.owned_offset + piece.length].to(torch.float32)
+            view.grad = self._grad[piece.owned_offset : piece.owned_offset + piece.length].to(self._state_dtype)
             if scale.clip is not None:
                 view.grad.mul_(scale.clip)
         self._inner.step()
@@ -902,12 +903,12 @@ class _FlatShardOptimizer(ShardedOptimizer):
             for i, (view, piece) in enumerate(zip(self._views, self._pieces, strict=True)):
                 entry: dict[str, Any] = {}
                 for key in keys:
-                    values = torch.zeros(piece.length, dtype=torch.float32, device="cpu")
+                    values = torch.zeros(piece.length, dtype=self._state_dtype, device="cpu")
                     for pos, n, name, c in owned:
                         a, b = max(pos, piece.owned_offset), min(pos + n, piece.owned_offset + piece.length)
                         if a < b:
                             values[a - piece.owned_offset : b - piece.owned_offset] = reader.read(
-                                f"state.{key}", name, c + a - pos, b - a, torch.float32
+                                f"state.{key}", name, c + a - pos, b - a, self._state_dtype
                             )
                     entry[key] = values.view_as(view)
                 name = next(
