@@ -34,6 +34,8 @@ and optimizer: a truncated, bit-flipped or mismatched checkpoint raises and chan
 
 from __future__ import annotations
 
+import collections
+import copy
 import hashlib
 import json
 import os
@@ -324,7 +326,10 @@ def saved_optimizer(body: dict, reader: Reader, groups: list[dict], kind: str) -
 def stage_torch_optimizer(
     torch_opt: torch.optim.Optimizer, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list
 ) -> Callable[[], None]:
-    """:func:`stage_optimizer` of a torch optimizer: its whole per-parameter state, installed by load_state_dict."""
+    """:func:`stage_optimizer` of a torch optimizer: its whole per-parameter state, installed by load_state_dict.
+
+    The state is built and then loaded into a throwaway copy of the optimizer over meta tensors, so whatever torch's
+    loader would refuse (a missing ``step``, ...) is found here, before anything is changed."""
     saved, scalars, keys = saved_optimizer(body, reader, torch_opt.param_groups, type(torch_opt).__name__)
     state: dict[int, dict[str, Any]] = {}
     index = 0
@@ -338,18 +343,61 @@ def stage_torch_optimizer(
                     for pos, n, name, c in canonical(segs, 0, p.numel()):
                         values[pos : pos + n] = reader.read(f"state.{key}", name, c, n, torch.float32)
                     entry[key] = values.view_as(p)
-                for key, value in scalars.get(segs[0][2], {}).items():
+                own = scalars.get(segs[0][2])
+                if own is None and p.numel() == 0:  # no shard owns an element of it: its group's common scalars
+                    own = _common_scalars(scalars, [s[0][2] for q in group["params"] if (s := segmap.get(id(q)))])
+                for key, value in (own or {}).items():
                     entry[key] = torch.tensor(float(value), device="cpu")
             if entry:
                 state[index] = entry
             index += 1
+    _check_state_keys(state, torch_opt, segmap, reader.path)
+    sd = torch_opt.state_dict()
+    groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
+    loaded = {"state": state, "param_groups": groups_sd}
+    _try_load(torch_opt, loaded, reader.path)
 
     def finish() -> None:
-        sd = torch_opt.state_dict()
-        groups_sd = [{**g, **hyper} for g, hyper in zip(sd["param_groups"], saved["groups"], strict=True)]
-        load_keeping_identity(torch_opt, {"state": state, "param_groups": groups_sd})
+        load_keeping_identity(torch_opt, loaded)
 
     return finish
+
+
+def _common_scalars(scalars: dict[str, dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The scalars (``step``, ...) that every one of ``names`` that has any holds with the same value."""
+    held = [scalars[n] for n in names if n in scalars]
+    return {k: v for k, v in held[0].items() if all(h.get(k) == v for h in held)} if held else {}
+
+
+def _check_state_keys(state: dict[int, dict[str, Any]], torch_opt, segmap: dict[int, Segments], path: Path) -> None:
+    """Every parameter's staged state has the same keys: a parameter the checkpoint gave fewer (a scalar missing for
+    it) is named here rather than failing in torch's loader or the next step()."""
+    params = [p for g in torch_opt.param_groups for p in g["params"]]
+    every = set().union(*(e.keys() for e in state.values())) if state else set()
+    for i, entry in state.items():
+        if entry.keys() != every:
+            name = segmap[id(params[i])][0][2]
+            raise CheckpointError(
+                f"{path}: the optimizer state of {name!r} lacks {sorted(every - entry.keys())} that the other "
+                "parameters have (a checkpoint written without them?)"
+            )
+
+
+def _try_load(torch_opt: torch.optim.Optimizer, state_dict: dict[str, Any], path: Path) -> None:
+    """Load ``state_dict`` into a throwaway copy of ``torch_opt`` whose parameters are meta tensors (no memory, no
+    copy), so a state that torch's loader or the optimizer's ``__setstate__`` refuses fails before anything changed:
+    their failure would come after the optimizer had already dropped its old state."""
+    probe = copy.copy(torch_opt)  # Optimizer.__getstate__: defaults, state, param_groups; no hooks
+    probe.param_groups = [
+        {**g, "params": [torch.empty_like(p, device="meta") for p in g["params"]]} for g in torch_opt.param_groups
+    ]
+    probe.state = collections.defaultdict(dict)
+    try:
+        probe.load_state_dict(state_dict)
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: the optimizer state does not load into {type(torch_opt).__name__} ({type(e).__name__}: {e})"
+        ) from e
 
 
 def load_keeping_identity(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

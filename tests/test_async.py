@@ -7,15 +7,21 @@ float32 run's own error (tests/tolerances.py): the shards differ from one proces
 from __future__ import annotations
 
 import copy
+import os
+import random
+import signal
+import socket
 import threading
 import time
+from multiprocessing.connection import Connection, answer_challenge
 
 import pytest
 import torch
 from torch import nn
 
 import gpudist
-from gpudist.testing import run_ranks
+from gpudist.strategies import async_sgd
+from gpudist.testing import RanksFailedError, run_ranks
 
 from .tolerances import assert_matches_reference, reference_pair
 
@@ -210,3 +216,134 @@ def test_bad_input_is_refused(case, message):
     """Bad settings raise an error naming the value and the fix, before any shard starts serving."""
     with pytest.raises(gpudist.testing.RanksFailedError, match=message):
         run_ranks(_bad, 2, "inmemory", case=case)
+
+
+# -- hardened setup and dead shards (issue 23, item 2) ----------------------------------------------------------------
+
+
+def _intrude(address) -> list:
+    """Open three foreign connections to a shard before any worker does: a wrong key (answering the challenge in a
+    thread), a silent one, and random bytes. Returns what to close afterwards."""
+    wrong = socket.create_connection(address)
+    silent = socket.create_connection(address)
+    garbage = socket.create_connection(address)
+    garbage.sendall(b"\xff\xff\xff\x7f" + random.Random(0).randbytes(60))  # claims a 2 GiB message, then noise
+    conn = Connection(wrong.detach())
+
+    def answer_with_the_wrong_key():
+        try:
+            answer_challenge(conn, b"not the job's key" * 2)
+        except Exception:
+            pass  # refused, as it should be
+
+    threading.Thread(target=answer_with_the_wrong_key, daemon=True).start()
+    return [conn, silent, garbage]
+
+
+def _train_briefly(comm, template: nn.Module):
+    x, y = _data()
+    model = copy.deepcopy(template)
+    start = time.monotonic()
+    opt = gpudist.AsyncSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), gpudist.ShardingConfiguration(comm), max_staleness=0
+    )
+    setup = time.monotonic() - start
+    for i in range(2):
+        nn.functional.mse_loss(model(x[i * 4 : (i + 1) * 4]), y[i * 4 : (i + 1) * 4]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    return setup, _flat(model)
+
+
+@pytest.mark.faults
+def test_intruders_do_not_break_or_hang_the_setup(monkeypatch):
+    """A wrong key, a silent connection and random bytes reach every shard before the real workers do; setup still
+    completes for the real workers without waiting for the intruders' handshake timeout, and they train. Catches
+    the acceptor that gave the first `world` comers the slots: the wrong key killed it (every rank then got
+    ConnectionRefusedError) and the silent connection hung every rank in the constructor."""
+    opened = []
+    real_init = async_sgd._ShardServer.__init__
+
+    def init_then_intrude(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        opened.extend(_intrude(self.address))  # before the addresses are exchanged: the intruders come first
+
+    monkeypatch.setattr(async_sgd._ShardServer, "__init__", init_then_intrude)
+    try:
+        results = run_ranks(_train_briefly, 2, "inmemory", timeout=30.0, template=_template())
+    finally:
+        for s in opened:
+            s.close()
+    for setup, flat in results:
+        assert setup < async_sgd._HANDSHAKE_SECONDS, f"setup waited {setup:.1f}s: an intruder held it up"
+        torch.testing.assert_close(flat, results[0][1], atol=0, rtol=0)
+
+
+def _wrong_key_from_rank_1(comm):
+    real_connect = async_sgd.AsyncSGDOptimizer._connect
+
+    def connect(self, shard, host, port, authkey):
+        if self.comm.rank == 1 and shard == 0:
+            authkey = bytes(32)  # as if rank 1 belonged to another job
+        return real_connect(self, shard, host, port, authkey)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(async_sgd.AsyncSGDOptimizer, "_connect", connect)
+            gpudist.AsyncSGDOptimizer(
+                torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), gpudist.ShardingConfiguration(comm)
+            )
+    except gpudist.CommunicationError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.faults
+def test_a_worker_that_never_connects_is_named_on_every_rank():
+    """Rank 1 cannot authenticate with rank 0's shard: after the setup deadline (the backend's timeout) every rank
+    raises CommunicationError naming shard 0 and the missing rank 1. Catches a setup that waits forever, or that
+    fails on one rank only (the others would hang in the next collective)."""
+    start = time.monotonic()
+    errors = run_ranks(_wrong_key_from_rank_1, 2, "inmemory", timeout=2.0)
+    assert time.monotonic() - start < 15.0
+    for error in errors:
+        assert error is not None and "AsyncSGDOptimizer setup failed" in error
+        assert "ranks [1] never connected to the parameter-server shard of rank 0" in error, error
+
+
+def _push_to_a_dead_shard(comm):
+    model = nn.Linear(100, 200)  # 20200 parameters: each shard's push is over 16 KiB, header and payload written apart
+    opt = gpudist.AsyncSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), gpudist.ShardingConfiguration(comm), max_staleness=8
+    )
+    x = torch.randn(4, 100)
+    model(x).sum().backward()
+    opt.step()
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # the kernel has closed rank 1's sockets
+    start = time.monotonic()
+    try:
+        for _ in range(50):
+            opt.step()
+    except Exception as e:
+        return {"type": type(e).__name__, "error": str(e), "elapsed": time.monotonic() - start}
+    finally:
+        opt.close()
+    return {"type": None}
+
+
+@pytest.mark.faults
+def test_a_dead_shard_gives_a_named_communication_error():
+    """Rank 1 is SIGKILLed after a step; rank 0's next push or pull raises CommunicationError naming rank 1's shard
+    and the op, within seconds (the op timeout is 60 s). Catches the raw BrokenPipeError of a push, and EOFError
+    or ConnectionResetError of a pull."""
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks(_push_to_a_dead_shard, 2, "gloo")
+    assert list(info.value.failures) == [1] and "killed by signal 9" in info.value.failures[1]
+    result = info.value.results[0]
+    assert result["type"] == "CommunicationError", result
+    assert "parameter-server shard of rank 1" in result["error"] and "async_pu" in result["error"], result
+    assert result["elapsed"] < 10.0

@@ -175,6 +175,7 @@ def damage(path, how):
         ("no manifest", "no checkpoint"),
     ],
 )
+@pytest.mark.faults
 @pytest.mark.parametrize("stage", ["ddp", 3])
 def test_damaged_checkpoint_is_refused_and_nothing_changes(saved, how, message, stage):
     """Catches a damaged checkpoint loading silently, or loading half way (some tensors or some ranks changed).
@@ -187,6 +188,7 @@ def test_damaged_checkpoint_is_refused_and_nothing_changes(saved, how, message, 
     assert any(message in error for error, _ in results), [e for e, _ in results]
 
 
+@pytest.mark.faults
 def test_mismatched_checkpoint_is_refused(saved, tmp_path):
     """Catches loading into another architecture or another optimizer class (state that does not fit)."""
     state, path = saved
@@ -204,6 +206,7 @@ def test_mismatched_checkpoint_is_refused(saved, tmp_path):
     assert all("does not match the model" in e for e in run_ranks(other_model, 2, "inmemory"))
 
 
+@pytest.mark.faults
 def test_interrupted_save_leaves_the_previous_checkpoint(saved, tmp_path):
     """Catches a save that overwrites in place: a crash half way must leave the previous checkpoint loadable and
     never be picked as the latest."""

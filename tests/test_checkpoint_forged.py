@@ -15,6 +15,8 @@ from torch import nn
 
 from gpudist import CheckpointError, load_checkpoint, save_checkpoint
 
+pytestmark = pytest.mark.faults
+
 
 def _saved(tmp_path):
     torch.manual_seed(0)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
 from gpudist import (
     CheckpointError,
     DDPModel,
+    FSDPModel,
     ShardingConfiguration,
+    ZeRO3Optimizer,
     latest_checkpoint,
     load_checkpoint,
     read_manifest,
@@ -20,6 +23,8 @@ from gpudist import (
 )
 from gpudist.checkpoint import remove_stale_staging
 from gpudist.testing import run_ranks
+
+pytestmark = pytest.mark.faults
 
 
 def _model(seed: int) -> nn.Module:
@@ -111,3 +116,88 @@ def test_a_full_disk_at_commit_reaches_every_rank(tmp_path):
     assert all("No space left on device" in e for e in errors), errors
     assert read_manifest(tmp_path / "ckpt")["step"] == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# -- a partial load (issue 23, item 7) ---------------------------------------------------------------------------------
+
+
+class _WithEmpty(nn.Module):
+    """A zero-size parameter between two layers: no FSDP shard owns an element of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.empty = nn.Parameter(torch.zeros(0, 5))
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.empty.sum()
+
+
+def _x(step: int) -> torch.Tensor:
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+
+
+def _fsdp_save(comm, path: str):
+    torch.manual_seed(0)
+    config = ShardingConfiguration(comm)
+    model = FSDPModel(_WithEmpty(), config)
+    opt = ZeRO3Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    for step in range(2):
+        model(_x(step).chunk(comm.world_size)[comm.rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(path, model, opt, step=2)
+    return model.gather_full_parameters()
+
+
+def _plain_after_one_step(seed: int, opt_cls=torch.optim.AdamW):
+    torch.manual_seed(seed)
+    net = _WithEmpty()
+    opt = opt_cls(net.parameters(), lr=1e-2)
+    net(_x(9)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt
+
+
+def test_fsdp_checkpoint_with_a_zero_size_parameter_loads_into_a_plain_module(tmp_path):
+    """An FSDP checkpoint of a model with a zero-size parameter (no shard holds its `step`) loads into a plain module
+    and AdamW: every parameter as saved, and the zero-size one's state gets its group's step. Catches the load that
+    overwrote the parameters and then raised KeyError: 'step' from torch's loader."""
+    saved = run_ranks(_fsdp_save, 2, "inmemory", path=str(tmp_path / "ckpt"))[0]
+    net, opt = _plain_after_one_step(seed=1)
+    load_checkpoint(tmp_path / "ckpt", net, opt)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), saved)
+    assert {float(opt.state[p]["step"]) for p in net.parameters()} == {2.0}
+    assert opt.state[net.empty]["exp_avg"].shape == (0, 5)
+    net(_x(2)).pow(2).mean().backward()
+    opt.step()  # and training goes on
+
+
+class AdamW(torch.optim.AdamW):
+    """Named like the saved class, but its loader refuses every state (as torch's does a malformed one)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if state.get("state"):
+            raise ValueError("this state does not suit me")
+
+
+def test_an_optimizer_load_that_fails_changes_nothing(tmp_path):
+    """When the optimizer's own loader refuses the checkpoint's state, load_checkpoint raises a CheckpointError and
+    neither the parameters nor the optimizer's state changed. Catches the parameters copied before the optimizer
+    state was built and tried (a partial load), and torch's loader failing after it had dropped the old state."""
+    run_ranks(_fsdp_save, 2, "inmemory", path=str(tmp_path / "ckpt"))
+    net, opt = _plain_after_one_step(seed=1, opt_cls=AdamW)
+    params = [p.detach().clone() for p in net.parameters()]
+    state = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()}
+    groups, state_map = opt.param_groups, opt.state
+    with pytest.raises(CheckpointError, match="does not suit me"):
+        load_checkpoint(tmp_path / "ckpt", net, opt)
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters(), strict=True)), "parameters changed"
+    assert opt.param_groups is groups and opt.state is state_map
+    for p in net.parameters():
+        assert opt.state[p].keys() == state[p].keys() and all(
+            torch.equal(opt.state[p][k], state[p][k]) for k in state[p]
+        )

@@ -107,6 +107,8 @@ MISMATCHES = {
     ),
     "reduction": lambda c: c.all_reduce(torch.ones(3), "max" if c.rank == 1 else "sum"),
     "root": lambda c: c.broadcast(torch.ones(3), src=1 if c.rank == 1 else 0),
+    # more dimensions than the signature holds (8): the tail is folded into a hash, which must still tell them apart
+    "shape_10d": lambda c: c.all_reduce(torch.ones([1] * 9 + [2 + (c.rank == 1)])),
 }
 
 
@@ -121,6 +123,7 @@ def _mismatch(comm, kind: str) -> dict:
     return {"error": raised, "after": t.tolist(), "healthy": comm.healthy}
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("kind", list(MISMATCHES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatch_raises_on_every_rank(backend, kind):
@@ -183,6 +186,36 @@ def _absent_rank(comm) -> dict:
     return {"error": error, "elapsed": elapsed, "again": again, "healthy": comm.healthy}
 
 
+@pytest.mark.faults
+def test_ten_dimensional_shapes_that_agree_pass_the_check():
+    """Two ranks with the same 10-dimensional shape are not a mismatch (the folded tail hashes alike in every
+    process), and the op runs. Catches a fold that breaks the equal case while fixing the unequal one."""
+    for backend in ("inmemory", "gloo"):
+        assert run_ranks(_ten_dims_sum, 2, backend) == [6.0, 6.0]
+
+
+def _ten_dims_sum(comm) -> float:
+    t = torch.ones([1] * 9 + [3])
+    comm.all_reduce(t)
+    return t.sum().item()
+
+
+@pytest.mark.faults
+def test_gloo_application_timeout_is_a_timeout():
+    """Gloo's "Application timeout caused pair closure" (what a peer sees when a pair's wait gave up) is classed
+    as CommunicationTimeoutError, like Gloo's other timeout wordings; a closed connection stays a plain
+    CommunicationError. Catches the classification that matched only "Timed out"/"timed out"/"Timeout"."""
+    comm = GlooCommunicationBackend.__new__(GlooCommunicationBackend)  # _translate needs no process group
+    comm.rank, comm.world_size, comm.group, comm.timeout = 0, 2, "g", SHORT
+    error = comm._translate(
+        RuntimeError("[../gloo/transport/tcp/pair.cc:598] Application timeout caused pair closure"), "all_reduce"
+    )
+    assert type(error) is CommunicationTimeoutError and "timed out after 2s" in str(error)
+    error = comm._translate(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:1234"), "all_reduce")
+    assert type(error) is CommunicationError and "closed its connection" in str(error)
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_that_never_calls_times_out(backend):
     """Two ranks call all_reduce, the third never does: both raise CommunicationTimeoutError within the timeout,
@@ -197,6 +230,7 @@ def test_rank_that_never_calls_times_out(backend):
         assert "ranks [2]" in results[0]["error"]  # the in-memory backend knows exactly who is missing
 
 
+@pytest.mark.faults
 def test_inmemory_rank_that_never_joins():
     """Only 2 of 3 ranks construct their backend; the others raise naming the absent rank within the timeout."""
     group, errors = f"never-{uuid.uuid4().hex}", {}
@@ -231,6 +265,7 @@ def test_inmemory_rank_that_never_joins():
     assert len(res) == 2
 
 
+@pytest.mark.faults
 def test_gloo_rank_that_never_joins():
     """Rank 0 of a 2-rank Gloo job whose rank 1 never starts raises CommunicationTimeoutError within the join
     timeout. Catches a rendezvous that waits forever."""
@@ -286,6 +321,7 @@ def _one_rank_dies(comm) -> dict:
         return {"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - start}
 
 
+@pytest.mark.faults
 def test_killed_gloo_rank():
     """Rank 1 is SIGKILLed; rank 0's next all_reduce raises CommunicationError (not a hang, not an abort) and the
     harness reports rank 1's death. Uses a long op timeout to show the error comes from the dead socket, not the
@@ -312,6 +348,7 @@ def _raise_on_rank_2(comm):
     comm.all_reduce(torch.ones(2))
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_exception_on_one_rank_fails_run_ranks_with_its_traceback(backend):
     """The root cause (rank 2's KeyError) is reported first, with its traceback; the other ranks are released

@@ -18,6 +18,8 @@ from gpudist.testing import RanksFailedError, run_ranks
 
 from .helpers import fresh_net, initial_state
 
+pytestmark = pytest.mark.faults
+
 DRIFTS = {
     "communication_dtype": torch.bfloat16,
     "bucket_cap_mb": 0.0001,

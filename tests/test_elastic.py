@@ -68,6 +68,7 @@ def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: boo
     return start, flat, opt.history, opt.samples_seen, lr
 
 
+@pytest.mark.faults
 def test_restart_falls_back_to_an_older_checkpoint_when_the_newest_is_damaged(tmp_path):
     """Catches a restart that keeps failing on a damaged newest checkpoint (a rank file corrupted after it was
     committed) although an older intact one is kept: it must resume from the older one, on every rank, and say so."""
@@ -133,6 +134,7 @@ def _write_then_fail(comm, root: str, failing_rank: int):
     return None
 
 
+@pytest.mark.faults
 def test_a_failed_write_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
     """One rank's file cannot be written: every rank gets a CheckpointError naming it, and the checkpoint of the
     same name from before stays complete and loadable. Catches a commit that goes ahead with a missing file."""
@@ -150,6 +152,7 @@ def _crash_during_save(comm, root: str):
     return None
 
 
+@pytest.mark.faults
 def test_an_uncommitted_save_is_never_loaded(tmp_path):
     """A save whose files were written but that was never committed (the job died before the next step) is not a
     checkpoint: latest_checkpoint still returns the one before, and remove_stale_staging clears the leftovers.

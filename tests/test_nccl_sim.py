@@ -495,9 +495,7 @@ def test_uneven_models_make_one_collective_per_bucket_or_unit_over_nccl(strategy
     reduces and 224 broadcasts). Every bucket and unit here is uneven (layers of 9x33, 33, 33x17, ... elements, tiny
     buckets), so each must be padded for its collective to be one call: no reduce or broadcast in a steady step."""
     fake = FakeNccl()
-    results = run_nccl(
-        _steady_steps, world, fake, strategy=strategy, nccl=fake, gate=threading.Barrier(world), seen={}
-    )
+    results = run_nccl(_steady_steps, world, fake, strategy=strategy, nccl=fake, gate=threading.Barrier(world), seen={})
     calls = results[0]["calls_per_step"]
     assert "reduce" not in calls and "broadcast" not in calls, calls
     assert calls.get("reduceScatter", 0) > 0 or strategy == "zero1", calls  # ZeRO-1's model all-reduces

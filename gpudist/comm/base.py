@@ -292,39 +292,59 @@ class Signature:
     reduction: ReductionOperation | None = None
     root: int = -1
     extra: int = 0
+    ndim: int = -1
+    """Only in a decoded signature whose shape had more than ``_MAX_DIMS`` dimensions: how many (``shape`` then
+    holds the first ``_MAX_DIMS - 1``); -1 otherwise."""
+    tail: int = 0
+    """With ``ndim``: the hash ``encode`` folded the remaining dimensions into."""
 
     def encode(self) -> list[int]:
-        dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
-        if len(self.shape) > _MAX_DIMS:  # fold the tail into the last slot so different tails still differ
-            dims[-1] = hash(tuple(self.shape[_MAX_DIMS - 1 :])) & ((1 << 62) - 1)
+        if self.ndim > len(self.shape):  # a decoded folded signature encodes back to what it was decoded from
+            dims, ndim = [*self.shape, self.tail], self.ndim
+        else:
+            dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
+            ndim = len(self.shape)
+            if ndim > _MAX_DIMS:  # fold the tail into the last slot so different tails still differ
+                dims[-1] = stable_hash(self.shape[_MAX_DIMS - 1 :])
         return [
             _OP_CODES[self.op],
             _DTYPE_CODES.get(self.dtype, 0) if self.dtype is not None else 0,
             _RED_CODES[self.reduction] if self.reduction is not None else 0,
             self.root,
-            len(self.shape),
+            ndim,
             *dims,
             self.extra,
         ]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Signature:
+        """The signature ``encode`` gave, except that a shape of more than ``_MAX_DIMS`` dimensions comes back with
+        ``ndim`` and the hash of its tail in ``tail`` (its first ``_MAX_DIMS - 1`` sizes as they were): two such
+        shapes that differ anywhere still decode unequal."""
         values = [int(v) for v in values]
         ndim = values[4]
         dims = values[5 : 5 + min(ndim, _MAX_DIMS)]
+        folded = ndim > _MAX_DIMS
         return cls(
             op=_CODE_OPS.get(values[0], f"op#{values[0]}"),
             dtype=_CODE_DTYPES.get(values[1]),
-            shape=tuple(dims) if ndim <= _MAX_DIMS else (*dims[:-1], -1),
+            shape=tuple(dims[:-1] if folded else dims),
             reduction=_CODE_REDS.get(values[2]),
             root=values[3],
             extra=values[-1],
+            ndim=ndim if folded else -1,
+            tail=dims[-1] if folded else 0,
         )
 
     def describe(self) -> str:
         parts = []
         if self.dtype is not None:
-            parts += [f"shape={tuple(self.shape)}", f"dtype={str(self.dtype).removeprefix('torch.')}"]
+            shape = tuple(self.shape)
+            if self.ndim > len(shape):  # decoded from a folded encoding: the tail is known only by its hash
+                shape_text = f"({', '.join(map(str, shape))}, ... {self.ndim} dims, tail hash {self.tail:x})"
+            else:
+                shape_text = str(shape)
+            parts += [f"shape={shape_text}", f"dtype={str(self.dtype).removeprefix('torch.')}"]
         if self.reduction is not None:
             parts.append(f"op={self.reduction.name}")
         if self.root >= 0:
@@ -473,7 +493,17 @@ class CommunicationBackend(ABC):
         self.stats.record_check(everyone.numel() * 8)
         rows = everyone.view(self.world_size, SIGNATURE_LEN)
         if not bool((rows == mine).all()):
-            raise mismatch_error([Signature.decode(r) for r in rows.tolist()], group=self.group, rank=self.rank)
+            error = mismatch_error([Signature.decode(r) for r in rows.tolist()], group=self.group, rank=self.rank)
+            if error is None:  # rows that decode alike (an unknown code): still a mismatch, named by the raw rows
+                error = CollectiveMismatchError(
+                    f"{sig.op} mismatch on group '{self.group}': the ranks' encoded signatures differ "
+                    f"({rows.tolist()}); every rank must call the same op with the same shape, dtype and root "
+                    f"(raised on rank {self.rank}, before anything was sent)",
+                    op=sig.op,
+                    group=self.group,
+                    rank=self.rank,
+                )
+            raise error
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
         """Map a transport's native exception to a CommunicationError (backends refine this)."""

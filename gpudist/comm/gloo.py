@@ -344,7 +344,9 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
         text = first_line(error)
-        if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        # Gloo words its timeouts several ways: "Timed out waiting ...", "... timed out ...", and on the pair a wait
+        # gave up on, "Application timeout caused pair closure".
+        if any(s in text.lower() for s in ("timed out", "timeout")):
             return self._error(
                 f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died ({text})",
                 op,

@@ -19,7 +19,13 @@ The rules, per shard (each shard keeps its own version counter):
 With ``max_staleness=0`` every round holds exactly one gradient of each worker, all computed on the same version:
 synchronous SGD on the global batch, for any wrapped optimizer. With ``max_staleness >= 1`` a slow worker no longer
 holds the others back: the fast ones fill rounds with up to ``max_staleness + 1`` gradients each per version.
-A worker that stops (``finish()``), or dies, leaves the quorum, so the others go on.
+A worker that stops (``finish()``) leaves the quorum, so the others go on. A rank that dies takes its shard with it:
+every other worker's next push or pull to that shard raises :class:`CommunicationError` naming the shard's rank.
+
+Setup is hardened against other local processes: each shard accepts connections until every worker has
+authenticated (a shared random key) and said which rank it is, within the backend's timeout; a connection with a
+wrong key, garbage or nothing at all is dropped after at most ``_HANDSHAKE_SECONDS`` without holding up the others.
+When a worker never connects, every rank raises one error naming the shards and the ranks missing from them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import socket
 import struct
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import numpy as np
@@ -55,12 +62,38 @@ _TIMED_OUT = -2
 """The version in a pull's reply when the shard gave up waiting; the reply carries the reason."""
 
 
-def _no_delay(conn: Connection) -> Connection:
-    """Turn off Nagle's algorithm: a Connection writes a length header and then the payload, and with Nagle plus
-    delayed ACKs every large message waited ~40 ms for the peer's ACK of the header."""
+_HANDSHAKE_SECONDS = 10.0
+"""Bound (with the backend's timeout, whichever is shorter) on one connection's setup: authentication both ways and
+the hello naming the worker's rank. A real worker needs milliseconds; a silent or foreign connection is dropped
+after this, in its own thread, so it never delays the real workers."""
+
+
+def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make blocking reads and writes on ``sock`` give up after ``seconds`` (0: never). Set as SO_RCVTIMEO/SO_SNDTIMEO
+    because a Connection reads and writes the descriptor with os.read/os.write, which Python's socket timeouts (a
+    non-blocking descriptor) would turn into immediate BlockingIOErrors; these make them wait, then fail."""
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _connection(sock: socket.socket, timeout: float) -> Connection:
+    """A Connection over a connected socket, Nagle off (a Connection writes a length header and then the payload;
+    with Nagle plus delayed ACKs every large message waited ~40 ms for the peer's ACK of the header) and reads and
+    writes bounded by ``timeout`` seconds until :func:`_unbounded`."""
+    sock.setblocking(True)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _set_io_timeout(sock, timeout)
+    return Connection(sock.detach())
+
+
+def _unbounded(conn: Connection) -> Connection:
+    """Lift the setup bound of :func:`_connection`: once set up, a pull may wait as long as the staleness rule says
+    (``_receive`` bounds it with the backend's timeout)."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _set_io_timeout(sock, 0)
     return conn
 
 
@@ -93,6 +126,7 @@ class _ShardServer:
 
     def __init__(self, owner: AsyncSGDOptimizer, lo: int, hi: int, values: torch.Tensor, authkey: bytes):
         self.owner, self.lo, self.hi = owner, lo, hi
+        self.rank = owner.comm.rank
         self.world = owner.comm.world_size
         self.max_staleness = owner.max_staleness
         self.master = values.detach().to(torch.float32).clone()
@@ -102,7 +136,6 @@ class _ShardServer:
         self.active = set(range(self.world))
         self.cond = threading.Condition()
         self.stats = {"rounds": 0, "accepted": 0, "dropped": 0, "max_staleness_seen": 0}
-        self.error: BaseException | None = None
         # The wrapped optimizer's algorithm over views of the master values, one param group per piece.
         self.pieces: list[tuple[int, int, int]] = []  # (group, start, end) in shard coordinates
         begin = 0
@@ -114,38 +147,83 @@ class _ShardServer:
         self.views = [nn.Parameter(self.master[a:b]) for _, a, b in self.pieces]
         groups = [{"params": [v], **owner._hyper(g)} for v, (g, _, _) in zip(self.views, self.pieces, strict=True)]
         self.inner = _same_algorithm(owner.optimizer, groups) if groups else None
-        self.listener = Listener((_ps_host(), 0), authkey=authkey)
-        self.address = self.listener.address
-        self.handlers: list[threading.Thread] = []
-        self.acceptor = threading.Thread(target=self._accept, name=f"gpudist-ps{owner.comm.rank}", daemon=True)
+        self.authkey = authkey
+        self.handshake_seconds = min(_HANDSHAKE_SECONDS, owner.comm.timeout)
+        self.deadline = time.monotonic() + owner.comm.timeout
+        self.connected: set[int] = set()  # workers that authenticated and said hello
+        self.dropped: list[str] = []  # why foreign connections were dropped, for the setup error
+        self.closed = False
+        host = _ps_host()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.create_server((host, 0), family=family, backlog=max(128, self.world))
+        self.listener.settimeout(0.2)  # the acceptor looks at the deadline and `closed` this often
+        self.address = self.listener.getsockname()[:2]
+        self.acceptor = threading.Thread(target=self._accept, name=f"gpudist-ps{self.rank}", daemon=True)
         self.acceptor.start()
 
     # -- connections ------------------------------------------------------------------------------------------------
 
     def _accept(self) -> None:
+        """Accept until every worker has connected (or the setup deadline passes, or close()); each connection is set
+        up in its own thread, so a silent one cannot hold up the others."""
         try:
-            for _ in range(self.world):
-                conn = _no_delay(self.listener.accept())
-                t = threading.Thread(
-                    target=self._serve, args=(conn,), daemon=True, name=f"gpudist-ps{self.owner.comm.rank}-conn"
-                )
-                t.start()
-                self.handlers.append(t)
-        except (OSError, EOFError) as e:  # listener closed while accepting
-            self.error = self.error or e
+            while not self.closed and time.monotonic() < self.deadline:
+                with self.cond:
+                    if len(self.connected) == self.world:
+                        break
+                try:
+                    sock, peer = self.listener.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(
+                    target=self._handshake, args=(sock, peer), daemon=True, name=f"gpudist-ps{self.rank}-conn"
+                ).start()
+        except OSError:
+            pass  # the listener was closed (close())
         finally:
             self.listener.close()
+            with self.cond:
+                self.cond.notify_all()
 
-    def _serve(self, conn: Connection) -> None:
-        worker = -1
+    def _handshake(self, sock: socket.socket, peer: Any) -> None:
+        """Authenticate a new connection both ways and read its hello (within ``handshake_seconds``); then serve it,
+        or drop it when anything is wrong: a wrong key, garbage, silence, an unknown or duplicate rank."""
+        conn = _connection(sock, self.handshake_seconds)
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            kind, worker, _ = _HEADER.unpack(conn.recv_bytes(_HEADER.size))
+            if kind != _HELLO or not 0 <= worker < self.world:
+                raise ValueError(f"a hello of kind {kind} from rank {worker}")
+            with self.cond:
+                if worker in self.connected:
+                    raise ValueError(f"a second connection claiming rank {worker}")
+                self.connected.add(worker)
+                self.cond.notify_all()
+        except Exception as e:  # whatever a foreign peer sent or did not send: drop it, keep accepting
+            with self.cond:
+                if len(self.dropped) < 8:
+                    self.dropped.append(f"{peer}: {type(e).__name__}: {e}")
+            conn.close()
+            return
+        self._serve(_unbounded(conn), worker)
+
+    def wait_for_workers(self) -> list[int]:
+        """Wait until every worker has connected or the setup deadline passed; return the ranks still missing."""
+        with self.cond:
+            self.cond.wait_for(
+                lambda: len(self.connected) == self.world or self.closed, max(0.0, self.deadline - time.monotonic())
+            )
+            return sorted(set(range(self.world)) - self.connected)
+
+    def _serve(self, conn: Connection, worker: int) -> None:
         try:
             while True:
                 msg = conn.recv_bytes()
-                kind, sender, tag = _HEADER.unpack_from(msg)
-                worker = sender
+                kind, _, tag = _HEADER.unpack_from(msg)  # the sender is `worker`, as authenticated
                 if kind == _PUSH:
                     grad = torch.from_numpy(np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size).copy())
-                    self._push(sender, tag, grad)
+                    self._push(worker, tag, grad)
                 elif kind == _PULL:
                     try:
                         version, values = self._pull(tag)
@@ -154,14 +232,13 @@ class _ShardServer:
                         continue
                     conn.send_bytes(struct.pack("<q", version) + values.numpy().tobytes())
                 elif kind == _DONE:
-                    self._leave(sender)
+                    self._leave(worker)
                     conn.send_bytes(b"ok")
         except (EOFError, OSError):
             pass  # the worker closed its connection (finished) or died: either way it leaves the quorum
         finally:
             conn.close()
-            if worker >= 0:
-                self._leave(worker)
+            self._leave(worker)
 
     # -- the parameter-server rules ---------------------------------------------------------------------------------
 
@@ -223,6 +300,9 @@ class _ShardServer:
             return self.version, self.master.clone()
 
     def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         try:
             self.listener.close()
         except OSError:
@@ -254,6 +334,8 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         ValueError: When ``max_staleness`` is not an int >= 0, ``config.max_grad_norm`` is set, the optimizer has
             no parameter that requires grad or has parameters that are not fp32, or another rank's parameter
             groups or shapes differ.
+        CommunicationError: (On every rank) When a worker did not connect to every shard within the backend's
+            timeout; the message names the shards and the missing ranks.
     """
 
     strategy = "async"
@@ -304,22 +386,83 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         self._ranges = [shard_range(total, comm.world_size, r) for r in range(comm.world_size)]
         lo, hi = self._ranges[comm.rank]
         authkey = exchange_bytes(comm, secrets.token_bytes(32))[0]
+        self._conns: list[Connection] = []
+        self._finished = False
         self._server = _ShardServer(self, lo, hi, self._flat()[lo:hi], authkey)
         host, port = self._server.address
         addresses = [b.decode().rsplit(":", 1) for b in exchange_bytes(comm, f"{host}:{port}".encode())]
-        self._conns: list[Connection] = []
-        for h, p in addresses:
-            conn = _no_delay(Client((h, int(p)), authkey=authkey))
-            conn.send_bytes(_HEADER.pack(_HELLO, comm.rank, 0))
-            self._conns.append(conn)
+        self._set_up([(h, int(p)) for h, p in addresses], authkey)
         self._versions = [0] * comm.world_size  # per shard: the version this worker's parameters come from
         self._used = [0] * comm.world_size  # per shard: gradients pushed on that version
-        self._finished = False
         self.wait_seconds = 0.0
         self.steps = 0
         self.bytes_moved = 0
         """Bytes this worker sent to and received from the shards (gradients out, parameters in)."""
-        comm.barrier()  # every worker is connected to every shard before anyone trains
+
+    # -- setup ------------------------------------------------------------------------------------------------------
+
+    def _set_up(self, addresses: list[tuple[str, int]], authkey: bytes) -> None:
+        """Connect to every shard, wait until every worker has connected to this rank's shard, and agree on the
+        outcome with the other ranks: every rank returns, or every rank raises the same error naming what failed."""
+        comm = self.comm
+        problem = ""
+        try:
+            for r, (host, port) in enumerate(addresses):
+                self._conns.append(self._connect(r, host, port, authkey))
+            missing = self._server.wait_for_workers()
+            if missing:
+                dropped = f"; connections dropped: {self._server.dropped}" if self._server.dropped else ""
+                problem = (
+                    f"ranks {missing} never connected to the parameter-server shard of rank {comm.rank} within "
+                    f"{comm.timeout:g}s{dropped}"
+                )
+        except CommunicationError as e:
+            problem = str(e)
+        problems = [b.decode() for b in exchange_bytes(comm, problem.encode()) if b]
+        if problems:
+            self.close()
+            raise CommunicationError(
+                "AsyncSGDOptimizer setup failed: " + "; ".join(problems) + " (check that every rank builds the "
+                "optimizer, and that nothing blocks the shards' addresses)",
+                op="async_setup",
+                group=comm.group,
+                rank=comm.rank,
+            )
+
+    def _connect(self, shard: int, host: str, port: int, authkey: bytes) -> Connection:
+        """This worker's connection to ``shard``'s server: authenticated both ways and introduced by a hello, each
+        step bounded by the handshake timeout."""
+        seconds = min(_HANDSHAKE_SECONDS, self.comm.timeout)
+        try:
+            conn = _connection(socket.create_connection((host, port), timeout=seconds), seconds)
+            try:
+                answer_challenge(conn, authkey)
+                deliver_challenge(conn, authkey)
+                conn.send_bytes(_HEADER.pack(_HELLO, self.comm.rank, 0))
+            except BaseException:
+                conn.close()
+                raise
+        except (OSError, EOFError, AuthenticationError) as e:
+            raise self._shard_error(
+                shard, "async_setup", f"could not connect to {host}:{port}, the address", e
+            ) from None
+        return _unbounded(conn)
+
+    def _shard_error(self, shard: int, op: str, what: str, cause: BaseException | None = None) -> CommunicationError:
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        return CommunicationError(
+            f"{op} on rank {self.comm.rank} failed: {what} of the parameter-server shard of rank {shard}{detail}; "
+            f"rank {shard} died, closed its optimizer or cannot be reached",
+            op=op,
+            group=self.comm.group,
+            rank=self.comm.rank,
+        )
+
+    def _send(self, shard: int, payload: bytes, op: str) -> None:
+        try:
+            self._conns[shard].send_bytes(payload)
+        except OSError as e:  # BrokenPipeError, ConnectionResetError, ...
+            raise self._shard_error(shard, op, "the connection went away while sending to", e) from None
 
     # -- helpers ----------------------------------------------------------------------------------------------------
 
@@ -337,31 +480,28 @@ class AsyncSGDOptimizer(ShardedOptimizer):
             ]
         )
 
-    def _receive(self, conn: Connection, what: str) -> bytes:
-        if not conn.poll(self.comm.timeout + 5.0):  # the shard's own timeout answers first, with its reason
-            raise CommunicationTimeoutError(
-                f"rank {self.comm.rank}: no reply to {what} within {self.comm.timeout:g}s",
-                op="async_pull",
-                group=self.comm.group,
-                rank=self.comm.rank,
-            )
+    def _receive(self, shard: int, op: str) -> bytes:
+        conn = self._conns[shard]
         try:
+            if not conn.poll(self.comm.timeout + 5.0):  # the shard's own timeout answers first, with its reason
+                raise CommunicationTimeoutError(
+                    f"{op} on rank {self.comm.rank} failed: no reply from the parameter-server shard of rank {shard} "
+                    f"within {self.comm.timeout:g}s",
+                    op=op,
+                    group=self.comm.group,
+                    rank=self.comm.rank,
+                )
             return conn.recv_bytes()
-        except (EOFError, OSError) as e:
-            raise CommunicationError(
-                f"rank {self.comm.rank}: a parameter-server shard went away during {what} ({e}); its rank died",
-                op="async_pull",
-                group=self.comm.group,
-                rank=self.comm.rank,
-            ) from None
+        except (EOFError, OSError) as e:  # EOFError, ConnectionResetError, ...
+            raise self._shard_error(shard, op, "the connection went away while waiting for a reply", e) from None
 
-    def _pull_all(self, needs: list[int]) -> None:
+    def _pull_all(self, needs: list[int], op: str = "async_pull") -> None:
         start = time.perf_counter()
-        for conn, need in zip(self._conns, needs, strict=True):
-            conn.send_bytes(_HEADER.pack(_PULL, self.comm.rank, need))
+        for r, need in enumerate(needs):
+            self._send(r, _HEADER.pack(_PULL, self.comm.rank, need), op)
         shards = []
-        for r, conn in enumerate(self._conns):
-            reply = self._receive(conn, f"the pull from shard {r}")
+        for r in range(len(self._conns)):
+            reply = self._receive(r, op)
             (version,) = struct.unpack_from("<q", reply)
             if version == _TIMED_OUT:
                 raise CommunicationTimeoutError(
@@ -402,12 +542,11 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._server.error is not None and not isinstance(self._server.error, (OSError, EOFError)):
-            raise self._server.error
         grads = self._flat_grads()
-        for r, conn in enumerate(self._conns):
+        for r in range(len(self._conns)):
             lo, hi = self._ranges[r]
-            conn.send_bytes(_HEADER.pack(_PUSH, self.comm.rank, self._versions[r]) + grads[lo:hi].numpy().tobytes())
+            header = _HEADER.pack(_PUSH, self.comm.rank, self._versions[r])
+            self._send(r, header + grads[lo:hi].numpy().tobytes(), "async_push")
             self._used[r] += 1
             self.bytes_moved += (hi - lo) * 4
         # Another gradient on the same version is allowed up to max_staleness + 1 times; then wait for the next one.
@@ -427,11 +566,11 @@ class AsyncSGDOptimizer(ShardedOptimizer):
         """
         if self._finished:
             return
-        for conn in self._conns:
-            conn.send_bytes(_HEADER.pack(_DONE, self.comm.rank, 0))
-        for r, conn in enumerate(self._conns):
-            self._receive(conn, f"finish on shard {r}")
-        self._pull_all([_FINAL] * len(self._conns))
+        for r in range(len(self._conns)):
+            self._send(r, _HEADER.pack(_DONE, self.comm.rank, 0), "async_finish")
+        for r in range(len(self._conns)):
+            self._receive(r, "async_finish")
+        self._pull_all([_FINAL] * len(self._conns), "async_finish")
         self._finished = True
         for conn in self._conns:
             conn.close()

@@ -46,6 +46,17 @@ def same_on_every_rank(comm, value: int) -> bool:
     return seen[0].item() == value and -seen[1].item() == value
 
 
+def _check_materialized(module: nn.Module, wrapper: str) -> None:
+    """Refuse a module with parameters or buffers on the ``meta`` device (shapes without data): every strategy
+    copies or broadcasts the values at wrap time, where torch would only say "Cannot copy out of meta tensor"."""
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.device.type == "meta":
+            raise ValueError(
+                f"{wrapper}: {name} is on the meta device (no data); materialize the module before wrapping it, "
+                "e.g. module.to_empty(device='cpu') and then initialize its parameters"
+            )
+
+
 class ShardedModel(nn.Module):
     """Base of all model strategies: wraps ``module`` and communicates through ``config.backend``.
 
@@ -75,6 +86,7 @@ class ShardedModel(nn.Module):
             )
         if not isinstance(config, ShardingConfiguration):
             raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
+        _check_materialized(module, type(self).__name__)
         self.module = module
         self.config = config
         self.last_step_bytes = 0
@@ -159,7 +171,7 @@ class ShardedModel(nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         optimizer: torch.optim.Optimizer | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """One step on this rank's slice of the batch: forward, loss, backward (gradients synchronized as the
         strategy does), then ``optimizer.step()`` and ``zero_grad()`` if an optimizer is given.
 
@@ -170,7 +182,9 @@ class ShardedModel(nn.Module):
             optimizer: Stepped and zeroed after backward; None leaves the step to the caller.
 
         Returns:
-            This rank's loss as a float.
+            This rank's loss, detached: a 0-dim tensor on the model's device that reads as a number
+            (``float(loss)``, ``f"{loss:.3f}"``). It stays on the device, so the step makes no host sync; the
+            read, when you make it, waits for the step.
 
         Raises:
             ValueError: When ``loss_fn`` does not return a tensor of one element.
@@ -185,7 +199,7 @@ class ShardedModel(nn.Module):
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
-        return float(loss.detach())
+        return loss.detach().reshape(())
 
     def traffic_settings(self) -> dict[str, Any]:
         """Everything besides the module that shapes this strategy's collectives (bucket sizes, the wire dtype, the
