@@ -27,6 +27,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 1000-element gradient still costs a single program. (Tuned on GPU by benchmarks/kernels.py.)
 BLOCK = 4096
 NUM_WARPS = 4
+# Elements per step of the masked path (a chunk's ragged end, or a chunk whose addresses are not 16-byte
+# aligned): 8 per thread. Masking all 4096 at once kept 32 scalar loads, their 64-bit addresses and predicates
+# live per thread: 148-168 registers, 3 blocks of 4 warps per SM (19% occupancy on sm_90); in steps of 1024 the
+# kernel needs 32-40 registers (75-100%). From tests/kernel_compile.py's SASS report, triton 3.9 and 3.6.
+MASKED_STEP = 1024
 
 
 @triton.jit
@@ -41,21 +46,41 @@ def _bucket_copy_kernel(
     TENSOR_DTYPE: tl.constexpr,
     PACK: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
     BLOCK: tl.constexpr,
+    MASKED_STEP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     index = tl.load(chunk_tensor_ptr + pid)
-    start = tl.load(chunk_start_ptr + pid)
+    start = tl.multiple_of(tl.load(chunk_start_ptr + pid), BLOCK)  # chunks start at 0, BLOCK, 2 * BLOCK, ...
     numel = tl.load(numels_ptr + index)
     flat_start = tl.load(offsets_ptr + index)
-    tensor_ptr = tl.load(tensor_ptrs_ptr + index).to(tl.pointer_type(TENSOR_DTYPE))
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < numel
-    if PACK:
-        x = tl.load(tensor_ptr + offs, mask=mask).to(tl.float32) * scale
-        tl.store(flat_ptr + flat_start + offs, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
+    tensor_address = tl.load(tensor_ptrs_ptr + index)
+    flat_address = flat_ptr.to(tl.int64) + flat_start * (flat_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    if (start + BLOCK <= numel) & (tensor_address % 16 == 0) & (flat_address % 16 == 0):
+        # A whole chunk between 16-byte aligned addresses (start * element size is a multiple of 16 too): no
+        # mask, and the hints let the compiler use 128-bit loads and stores. The addresses come from a table,
+        # so Triton's launcher cannot see their alignment; the test above is what makes the hints true. Where the
+        # two dtypes differ in width (bf16 tensors, fp32 bucket) both sides are still 128-bit, and Triton moves the
+        # values between the two layouts through 4 KiB of shared memory in the direction that widens.
+        tensor_ptr = tl.multiple_of(tensor_address.to(tl.pointer_type(TENSOR_DTYPE)), 16)
+        flat_chunk_ptr = tl.multiple_of(flat_address.to(tl.pointer_type(flat_ptr.dtype.element_ty)), 16)
+        offs = start + tl.arange(0, BLOCK)
+        if PACK:
+            x = tl.load(tensor_ptr + offs).to(tl.float32) * scale
+            tl.store(flat_chunk_ptr + offs, cast_rne(x, flat_ptr.dtype.element_ty))
+        else:
+            x = tl.load(flat_chunk_ptr + offs).to(tl.float32) * scale
+            tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE))
     else:
-        x = tl.load(flat_ptr + flat_start + offs, mask=mask).to(tl.float32) * scale
-        tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
+        tensor_ptr = tensor_address.to(tl.pointer_type(TENSOR_DTYPE))
+        for step in range(0, BLOCK, MASKED_STEP):
+            offs = start + step + tl.arange(0, MASKED_STEP)
+            mask = offs < numel
+            if PACK:
+                x = tl.load(tensor_ptr + offs, mask=mask).to(tl.float32) * scale
+                tl.store(flat_ptr + flat_start + offs, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
+            else:
+                x = tl.load(flat_ptr + flat_start + offs, mask=mask).to(tl.float32) * scale
+                tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
 
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -97,6 +122,7 @@ def _launch(tensors, flat, scale, layout, pack_direction):
             TENSOR_DTYPE=getattr(tl, _TL_DTYPES[dtype]),
             PACK=pack_direction,
             BLOCK=BLOCK,
+            MASKED_STEP=MASKED_STEP,
             num_warps=NUM_WARPS,
         )
 

@@ -58,6 +58,18 @@ _INT8_MAX = 127
 _NO_FMA = {"enable_fp_fusion": False}
 
 
+def _num_warps(block_size: int, element_size: int) -> int:
+    """Warps for a program of one quantization block: enough that each thread holds 16 bytes of float data.
+
+    One program quantizes one block, so the block's elements are all there is to spread over the threads. With
+    Triton's default 4 warps a 256-element block left each thread 2 elements: 64-bit loads of fp32, 32-bit of
+    bf16 (tests/kernel_compile.py's SASS report, sm_90, triton 3.9). 16 bytes per thread is one 128-bit access:
+    2 warps for fp32 and 1 for bf16 at the default block of 256 (at most 32 blocks per SM, so 1 warp per
+    program caps occupancy at 50%, with the same bytes in flight per SM as 2 warps of 64-bit loads), at most 8.
+    """
+    return max(1, min(8, block_size * element_size // (16 * 32)))
+
+
 # ----------------------------------------------------------------------------------------------- validation
 
 
@@ -226,6 +238,7 @@ def quantize_int8_triton(
             HAS_RESIDUAL=residual is not None,
             STOCHASTIC=stochastic,
             BLOCK=block_size,
+            num_warps=_num_warps(block_size, grad.element_size()),
             **_NO_FMA,
         )
     return q, scales
@@ -395,7 +408,10 @@ def _launch_dequantize_int8(
 ) -> torch.Tensor:
     if q.numel():
         grid = (_num_blocks(q.numel(), block_size),)
-        _dequantize_int8_kernel[grid](q, scales, out, q.numel(), ACCUMULATE=accumulate, BLOCK=block_size, **_NO_FMA)
+        warps = _num_warps(block_size, out.element_size())
+        _dequantize_int8_kernel[grid](
+            q, scales, out, q.numel(), ACCUMULATE=accumulate, BLOCK=block_size, num_warps=warps, **_NO_FMA
+        )
     return out
 
 
@@ -586,6 +602,7 @@ def quantize_1bit_triton(
             n,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block_size,
+            num_warps=_num_warps(block_size, grad.element_size()),
         )
     return bits, scales
 
@@ -730,7 +747,10 @@ def _launch_dequantize_1bit(
 ) -> torch.Tensor:
     if out.numel():
         grid = (scales.numel(),)
-        _dequantize_1bit_kernel[grid](bits, scales, out, out.numel(), ACCUMULATE=accumulate, BLOCK=block_size)
+        warps = _num_warps(block_size, out.element_size())
+        _dequantize_1bit_kernel[grid](
+            bits, scales, out, out.numel(), ACCUMULATE=accumulate, BLOCK=block_size, num_warps=warps
+        )
     return out
 
 
