@@ -19,8 +19,19 @@ strict where NCCL is unforgiving:
   (``cupy_version``); each refuses the other with CuPy's TypeError. Checked against the real CuPy 14.2.0
   (cupy-cuda13x with NCCL 2.32.3, imported without a GPU): its names and argument lists are the ones here.
 
-What it cannot show: speed, CUDA streams and events, device placement (tensors live on the CPU), NCCL's own
-bugs. Those need the GPU tier (tests/test_gpu.py).
+The device: :class:`HostRuntime` runs every call at once (events are always complete). :class:`AsyncRuntime`
+behaves like a GPU where correctness depends on it: NCCL calls are enqueued on per-backend communication-stream
+queues and run in order only when something waits for an event after them (``Work.wait()``, ``synchronize()``,
+shutdown), so output read before the wait is stale and training misses the single-process result; an op issued
+without joining the current stream, a send buffer changed or a receive buffer written while its op is in flight,
+and a buffer not held (or freed) before the op ran raise an error naming the op. :func:`count_host_syncs` counts a
+rank thread's host syncs with their code locations, and :func:`stream_trace` records the order in which it enqueues
+compute and NCCL calls (overlap). What it still cannot show: compute is synchronous on the host, so a race between
+two device streams that the host never observes (compute enqueued after an op, writing its buffer on the current
+stream while the op still reads it) is only caught once the op runs, not at the moment it would race; the device is
+modelled as infinitely slow until observed, never as partially done; ``.cpu()``/``.tolist()`` are counted as
+device-to-host copies even on tensors that live on the host on a GPU; speed, device placement and NCCL's own bugs.
+Those need the GPU tier (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -28,11 +39,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import os
+import sys
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
@@ -121,6 +137,7 @@ class FakeNccl:
         self.calls = collections.Counter()  # kind -> how often it ran, for tests that check the path taken
         self.streams: collections.Counter = collections.Counter()  # calls per stream handle
         self.reductions = collections.Counter()  # NCCL op code -> how often a reduction used it
+        self.stream_errors: list[str] = []  # what AsyncRuntime streams failed with, for tests to assert none
         fake = self
 
         class NcclCommunicator(_Communicator):
@@ -149,7 +166,8 @@ class FakeNccl:
         self._local.depth = depth - 1
         if depth == 1:
             queued, self._local.queued = self._local.queued, []
-            self._execute(queued)
+            if queued:
+                self._dispatch(queued)
 
     def abort_all(self, reason: str) -> None:
         """Release every rank waiting anywhere (a test rank failed; the others should not wait for the timeout)."""
@@ -182,7 +200,19 @@ class FakeNccl:
         if getattr(self._local, "depth", 0):
             self._local.queued.append((comm, call))
         else:
-            self._execute([(comm, call)])
+            self._dispatch([(comm, call)])
+
+    def _dispatch(self, queued: list[tuple[_Communicator, _Call]]) -> None:
+        """Run the calls now, or hand them to the :class:`AsyncRuntime` whose communication stream they were issued on
+        (which runs them when something waits for them)."""
+        streams = {call.args["stream"] for _, call in queued}
+        runtime = _ASYNC_STREAMS.get(next(iter(streams)))
+        if runtime is None:
+            self._execute(queued)
+            return
+        if len(streams) != 1:
+            raise NcclError(f"fake NCCL: one group call issued on several streams {sorted(streams)}")
+        runtime._enqueue_calls(self, queued)
 
     def _wait(self, comm: _Communicator, ready, what: str) -> None:
         clique, deadline = comm._clique, time.monotonic() + self.timeout
@@ -482,6 +512,486 @@ class HostRuntime:
         return contextlib.nullcontext()
 
 
+# -- a GPU-like device: deferred NCCL calls on ordered stream queues, host syncs counted -----------------------------
+
+_ASYNC_STREAMS: weakref.WeakValueDictionary[int, AsyncRuntime] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1001)
+_host = threading.local()  # per rank thread: its runtimes, active sync counters and traces, and a "quiet" flag
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_blocked_lock, _blocked = threading.Lock(), {}  # host threads waiting in AsyncRuntime._block -> how deep
+
+
+def _every_host_blocked() -> bool:
+    """Whether every live thread that owns an :class:`AsyncRuntime` is waiting for one (a real GPU would be running
+    everything they enqueued)."""
+    owners = {rt.owner for rt in list(_ASYNC_STREAMS.values()) if rt.owner.is_alive()}
+    with _blocked_lock:
+        return owners <= set(_blocked)
+
+
+def _span_bytes(span: tuple[int, int]) -> torch.Tensor:
+    return _view(span[0], span[1] - span[0], NCCL_UINT8).clone()
+
+
+def _buffers(comm: _Communicator, call: _Call) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The byte ranges ``call`` reads and writes on ``comm``'s rank (NCCL ignores a reduce's receive buffer off the
+    root and a broadcast's send buffer off the root)."""
+    a, kind, world, rank = call.args, call.kind, comm._clique.world, comm._rank
+    n_in, n_out = {"allGather": (1, world), "reduceScatter": (world, 1)}.get(kind, (1, 1))
+    reads, writes = [], []
+    if "sendbuf" in a and not (kind == "broadcast" and a["root"] != rank):
+        reads.append(_span(a["sendbuf"], a["count"] * n_in, a["datatype"]))
+    if "recvbuf" in a and not (kind == "reduce" and a["root"] != rank):
+        writes.append(_span(a["recvbuf"], a["count"] * n_out, a["datatype"]))
+    return [s for s in reads if s[0] != s[1]], [s for s in writes if s[0] != s[1]]
+
+
+class _Entry:
+    """One unit of work on a simulated communication stream: one NCCL (group) call, or one in-place torch op run
+    inside ``on_comm()``; with the bytes it reads and writes as they were when it was enqueued, and what was held."""
+
+    __slots__ = ("calls", "held", "op", "outputs", "reads", "what", "writes")
+
+    def __init__(self, what: str, reads, writes, calls=(), op=None):
+        self.what, self.calls, self.op, self.outputs = what, list(calls), op, list(writes)
+        self.reads: dict[tuple[int, int], torch.Tensor | None] = dict.fromkeys(reads)
+        self.writes: dict[tuple[int, int], torch.Tensor | None] = dict.fromkeys(w for w in writes if w not in reads)
+        self.held: list[tuple[torch.Tensor, int, int]] = []
+
+    def snapshot(self, touched: list[tuple[int, int]] | None = None) -> None:
+        for spans in (self.reads, self.writes):
+            for span in spans:
+                if touched is None or any(_overlap(span, t) for t in touched):
+                    spans[span] = _span_bytes(span)
+
+
+class _AsyncEvent:
+    """A CUDA event on a simulated communication stream: complete once every entry enqueued before it has run."""
+
+    def __init__(self, runtime: AsyncRuntime, upto: int):
+        self.runtime, self.upto = runtime, upto
+
+    def query(self) -> bool:
+        """Whether the work before the event has run. Asked on the rank's own thread (the host), it also lets that
+        work start (the device runs what the host looks at); asked by the watchdog, it only looks."""
+        rt = self.runtime
+        if threading.current_thread() is rt.owner:
+            rt._release(self.upto)
+        return rt._done >= self.upto or rt._error is not None
+
+    def synchronize(self) -> None:
+        _host_sync("event.synchronize")
+        self.runtime._block(self.upto)
+
+
+class _OnCommStream(TorchDispatchMode):
+    """``on_comm()``: the in-place torch ops inside are enqueued on the communication stream behind the NCCL call
+    (AVERAGE's scaling on NCCL < 2.10), instead of running on the host before it."""
+
+    def __init__(self, runtime: AsyncRuntime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else None
+        if not (func._schema.is_mutable and isinstance(target, torch.Tensor)):
+            raise NotImplementedError(
+                f"fake CUDA: only in-place ops can be enqueued on the simulated communication stream, got {func}"
+            )
+        span = (target.data_ptr(), target.data_ptr() + target.numel() * target.element_size())
+        self.runtime._push(_Entry(str(func), [span], [span], op=(func, args, kwargs or {})))
+        return target
+
+
+class AsyncRuntime:
+    """The backend's device seam as a GPU behaves, where it matters to correctness, on the CPU.
+
+    Each instance is one communication stream (its own handle, so gpudist's sub-groups get their own streams). NCCL
+    calls issued on it are not run: the simulated NCCL enqueues them, in order, and the host goes on. They run, in
+    that order (still matching their peers as :class:`FakeNccl` does), on a thread standing for the device, and only
+    once something waits for an event recorded after them: ``wait(event)`` (the current stream waits: on the CPU,
+    where compute runs on the host, that blocks the host), ``synchronize()``, or ``event.query()`` asked on the rank's
+    own thread (so shutdown completes; the watchdog's queries only look). Whatever the host does before such a wait
+    sees the buffers as they were before the op: a strategy that reads an op's output without waiting trains wrong.
+    When every rank's host has been blocked in such a wait for ``STUCK`` seconds, everything enqueued anywhere is let
+    run (a GPU runs whatever is enqueued; without this, a rank blocked on one stream would starve a peer waiting on
+    another, a deadlock no GPU has). No host can read a buffer meanwhile, so this hides nothing; ``fallbacks`` counts
+    it. An op still waiting for a peer when its communicator is aborted completes (``ncclCommAbort`` releases the
+    kernels), and so does the rest of the stream, leaving the buffers unfinished: the backend raises at its next call.
+
+    Checked, raising a :class:`NcclError` that names the op: an NCCL call issued without ``stream()`` (the join of
+    the current stream) since the previous one; a send buffer whose bytes changed between enqueue and completion;
+    a receive buffer written by someone else between enqueue and run (ops earlier on the same stream may write it);
+    a buffer not inside a tensor passed to ``hold()`` for that op, or whose storage was freed or resized since
+    (``record_stream`` keeps the caching allocator from reusing it; here the held tensors stay referenced until
+    the op ran). An error on the stream sticks: later waits raise it and the communicator reports it as its async
+    error; every error is also kept in ``errors`` and in the fake's ``stream_errors``.
+
+    Counted: ``joins`` (``stream()`` calls), ``ops`` (NCCL dispatches, a group call counting once), ``fallbacks``
+    (waits that let everything run), and host syncs (``synchronize()``, ``event.synchronize()``) into the
+    thread's :func:`count_host_syncs` counter."""
+
+    STUCK = 0.2
+
+    def __init__(self, device, group: str, rank: int):
+        self.device = torch.device("cpu")
+        self.group, self.rank = group, rank
+        self.handle = next(_HANDLES)
+        self.owner = threading.current_thread()
+        self.joins = self.ops = self.fallbacks = 0
+        self.errors: list[BaseException] = []
+        self.fake: FakeNccl | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._enqueued = self._released = self._done = 0
+        self._error: BaseException | None = None
+        self._batch: list[_Entry] = []
+        self._joined = False
+        self._worker: threading.Thread | None = None
+        _ASYNC_STREAMS[self.handle] = self
+        if not hasattr(_host, "runtimes"):
+            _host.runtimes = []
+        _host.runtimes.append(weakref.ref(self))
+
+    # -- the seam -----------------------------------------------------------------------------------------------------
+
+    def stream(self) -> int:
+        self.joins += 1
+        self._joined = True
+        return self.handle
+
+    def on_comm(self):
+        return _OnCommStream(self)
+
+    def hold(self, tensors) -> None:
+        held = [(t, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors]
+        for entry in self._batch:
+            entry.held.extend(held)
+
+    def record(self) -> _AsyncEvent:
+        self._batch = []
+        return _AsyncEvent(self, self._enqueued)
+
+    def wait(self, event: _AsyncEvent) -> None:
+        event.runtime._block(event.upto)
+
+    def synchronize(self) -> None:
+        _host_sync("synchronize")
+        self._block(self._enqueued)
+
+    def selected(self):
+        return contextlib.nullcontext()
+
+    # -- the queue ----------------------------------------------------------------------------------------------------
+
+    def _enqueue_calls(self, fake: FakeNccl, queued: list[tuple[_Communicator, _Call]]) -> None:
+        what = "+".join(dict.fromkeys(call.kind for _, call in queued))
+        if not self._joined:
+            raise NcclError(
+                f"fake CUDA: {what} issued on the communication stream of group '{self.group}' (rank {self.rank}) "
+                "without first making it wait for the current stream: it would read inputs not written yet"
+            )
+        self._joined = False
+        self.fake, self.ops = fake, self.ops + 1
+        reads, writes = [], []
+        for comm, call in queued:
+            r, w = _buffers(comm, call)
+            reads += r
+            writes += w
+        self._push(_Entry(what, reads, writes, calls=queued))
+        for _, call in queued:
+            _note("nccl", call.kind)
+
+    def _push(self, entry: _Entry) -> None:
+        with _quiet(), self._cond:  # the snapshot under the lock: the device refreshes it after ops that write there
+            entry.snapshot()
+            self._queue.append(entry)
+            self._enqueued += 1
+        self._batch.append(entry)
+
+    def _release(self, upto: int) -> None:
+        with self._cond:
+            if upto > self._released:
+                self._released = upto
+            if self._worker is None and self._done < self._released and self._error is None:
+                self._worker = threading.Thread(
+                    target=self._drain, name=f"fake-comm-stream-{self.group}-r{self.rank}", daemon=True
+                )
+                self._worker.start()
+
+    def _block(self, upto: int) -> None:
+        """Let the work before ``upto`` run and wait for it (the host waits: on the CPU, compute is the host)."""
+        self._release(upto)
+        me = threading.current_thread()
+        with _blocked_lock:
+            _blocked[me] = _blocked.get(me, 0) + 1
+        stuck_since = None
+        try:
+            while True:
+                with self._cond:
+                    if self._error is not None:
+                        raise NcclError(f"fake CUDA: the communication stream failed: {self._error}")
+                    if self._done >= upto:
+                        return
+                    self._cond.wait(0.05)
+                if not _every_host_blocked():
+                    stuck_since = None
+                elif stuck_since is None:
+                    stuck_since = time.monotonic()
+                elif time.monotonic() - stuck_since > self.STUCK:
+                    stuck_since = None
+                    self.fallbacks += 1
+                    for rt in list(_ASYNC_STREAMS.values()):
+                        rt._release(rt._enqueued)
+        finally:
+            with _blocked_lock:
+                _blocked[me] -= 1
+                if not _blocked[me]:
+                    del _blocked[me]
+
+    def _drain(self) -> None:
+        """The device: run released entries in order."""
+        while True:
+            with self._cond:
+                if self._error is not None or self._done >= self._released:
+                    self._worker = None
+                    return
+                entry = self._queue[0]
+            try:
+                self._run(entry)
+            except NcclError as e:
+                if not any(comm._clique.aborted for comm, _ in entry.calls):
+                    self._fail(entry, e)
+                    return
+                with self._cond:  # ncclCommAbort released the kernels: the rest of the stream completes, unfinished
+                    for comm, _ in entry.calls:
+                        comm.async_error = comm.async_error or f"NCCL_ERROR_REMOTE_ERROR: {e}"
+                    self._queue.clear()
+                    self._done = self._released = self._enqueued
+                    self._worker = None
+                    self._cond.notify_all()
+                return
+            except BaseException as e:
+                self._fail(entry, e)
+                return
+            with self._cond:
+                self._queue.popleft()
+                self._done += 1
+                for later in self._queue:
+                    later.snapshot(entry.outputs)
+                self._cond.notify_all()
+
+    def _fail(self, entry: _Entry, e: BaseException) -> None:
+        """The stream's error sticks: later waits raise it, the communicator reports it, the test sees it."""
+        with self._cond:
+            self._error, self._worker = e, None
+            self.errors.append(e)
+            if self.fake is not None:
+                self.fake.stream_errors.append(f"group '{self.group}' rank {self.rank}: {e}")
+            for comm, _ in entry.calls:
+                comm.async_error = comm.async_error or str(e)
+            self._cond.notify_all()
+
+    def _problem(self, entry: _Entry, text: str) -> NcclError:
+        return NcclError(f"fake CUDA: rank {self.rank}'s {entry.what} on group '{self.group}': {text}")
+
+    def _run(self, entry: _Entry) -> None:
+        for span in (*entry.reads, *entry.writes):
+            owner = next((h for h in entry.held if h[1] <= span[0] and span[1] <= h[1] + h[2]), None)
+            if owner is None:
+                raise self._problem(
+                    entry,
+                    "a buffer was not held for the communication stream (hold/record_stream): the caching allocator "
+                    "could hand its memory out while the op runs",
+                )
+            storage = owner[0].untyped_storage()
+            if (storage.data_ptr(), storage.nbytes()) != owner[1:]:
+                raise self._problem(entry, "a buffer was freed or resized while its NCCL op was in flight")
+        for spans, role in ((entry.reads, "send"), (entry.writes, "receive")):
+            for span, before in spans.items():
+                if not torch.equal(_span_bytes(span), before):
+                    raise self._problem(
+                        entry,
+                        f"its {role} buffer was modified while its NCCL op was in flight (after it was enqueued, "
+                        "before it ran); wait on the op's Work before writing the buffer",
+                    )
+        if entry.op is not None:
+            func, args, kwargs = entry.op
+            func(*args, **kwargs)
+            return
+        self.fake._execute(entry.calls)
+        for span, before in entry.reads.items():
+            if not any(_overlap(span, w) for w in entry.outputs) and not torch.equal(_span_bytes(span), before):
+                raise self._problem(entry, "its send buffer was modified while the op ran")
+
+
+# -- host syncs and the order of host work, per rank thread ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The simulation's own torch ops (snapshots) are neither compute nor host syncs."""
+    before = getattr(_host, "quiet", False)
+    _host.quiet = True
+    try:
+        yield
+    finally:
+        _host.quiet = before
+
+
+def _site() -> str | None:
+    """``path:line (function)`` of the innermost frame in this repository outside ``gpudist/comm`` (and this file)
+    that led here, with the backend's frame after "via" when the sync is the backend's own (a validated op's
+    check); None for torch.optim's reads of ``state['step']``, which torch keeps on the host (no device sync)."""
+    frame, via = sys._getframe(2), None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_get_value" and f"torch{os.sep}optim" in code.co_filename:
+            return None
+        if code.co_filename.startswith(_ROOT) and code.co_filename != __file__:
+            where = f"{os.path.relpath(code.co_filename, _ROOT)}:{frame.f_lineno} ({code.co_name})"
+            if not where.startswith(os.path.join("gpudist", "comm", "")):
+                return where if via is None else f"{where} via {via}"
+            via = via or where
+        frame = frame.f_back
+    return via or "?"
+
+
+class HostSyncs:
+    """Host syncs seen on one thread: ``sites`` counts ``"path:line (function) what"``; ``total`` sums them."""
+
+    def __init__(self):
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def add(self, what: str) -> None:
+        site = _site()
+        if site is not None:
+            self.sites[f"{site} {what}"] += 1
+
+
+def _host_sync(what: str) -> None:
+    if getattr(_host, "quiet", False):
+        return
+    for counter in getattr(_host, "syncs", ()):
+        counter.add(what)
+
+
+_SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim"}
+_COPIES = ("cpu", "numpy", "tolist", "to")
+_copies_lock, _copies_users, _copies_saved = threading.Lock(), [0], {}
+
+
+class _SyncOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in _SYNC_OPS:
+            _host_sync(func._schema.name.removeprefix("aten::"))
+        return func(*args, **(kwargs or {}))
+
+
+def _strings(*values) -> list[str]:
+    return [v for v in values if isinstance(v, str)]
+
+
+def _counting_copy(name: str, original):
+    """``torch.Tensor.<name>`` that counts a host sync on threads counting them (a method patch, not a torch
+    function mode: autograd runs backward hooks without the caller's torch function modes)."""
+
+    def method(self, *args, **kwargs):
+        if getattr(_host, "syncs", None) and (name != "to" or "cpu" in _strings(*args, kwargs.get("device"))):
+            _host_sync(f"{name}()")
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+@contextlib.contextmanager
+def _counting_copies() -> Iterator[None]:
+    with _copies_lock:
+        if _copies_users[0] == 0:
+            for name in _COPIES:
+                _copies_saved[name] = torch.Tensor.__dict__.get(name)
+                setattr(torch.Tensor, name, _counting_copy(name, getattr(torch.Tensor, name)))
+        _copies_users[0] += 1
+    try:
+        yield
+    finally:
+        with _copies_lock:
+            _copies_users[0] -= 1
+            if _copies_users[0] == 0:
+                for name, saved in _copies_saved.items():
+                    if saved is None:
+                        delattr(torch.Tensor, name)
+                    else:
+                        setattr(torch.Tensor, name, saved)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[HostSyncs]:
+    """Count this thread's host syncs inside the block: ``aten._local_scalar_dense`` (``.item()``, ``bool()``,
+    ``float()``, ``int()`` of a tensor), data-dependent shapes (``nonzero``, ``masked_select``, ``unique``),
+    device-to-host copies (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.to("cpu")`` with the string: on the CPU tier
+    every tensor is on the host, so each such call counts as the copy it is on a GPU, even where it would be a no-op
+    there; ``.to(device)`` with a ``torch.device`` is taken for the backend's device and not counted), and the
+    :class:`AsyncRuntime`'s ``synchronize()`` and event host waits. Not counted: torch.optim's reads of its
+    ``state['step']`` tensors, which torch keeps on the host. Each sync is recorded with the innermost frame of this
+    repository that made it (``HostSyncs.sites``)."""
+    counter = HostSyncs()
+    stack = getattr(_host, "syncs", [])
+    _host.syncs = [*stack, counter]
+    try:
+        with _counting_copies(), _SyncOps():
+            yield counter
+    finally:
+        _host.syncs = stack
+
+
+class StreamTrace:
+    """What one thread enqueued, in order: ``("compute", aten op)``, ``("nccl", call kind)`` and the test's own
+    ``("mark", label)`` entries."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def mark(self, label: str) -> None:
+        self.events.append(("mark", label))
+
+    def between(self, first: str, last: str) -> list[tuple[str, str]]:
+        """The events after the mark ``first`` and before the mark ``last``."""
+        at = self.events.index(("mark", first))
+        return self.events[at + 1 : self.events.index(("mark", last), at)]
+
+
+def _note(kind: str, name: str) -> None:
+    if getattr(_host, "quiet", False):
+        return
+    for trace in getattr(_host, "traces", ()):
+        trace.events.append((kind, name))
+
+
+class _ComputeOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _note("compute", func._schema.name.removeprefix("aten::"))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def stream_trace() -> Iterator[StreamTrace]:
+    """Record, on this thread, every aten op (the compute a GPU would enqueue on the current stream) and every NCCL
+    call an :class:`AsyncRuntime` enqueues, in order."""
+    trace = StreamTrace()
+    stack = getattr(_host, "traces", [])
+    _host.traces = [*stack, trace]
+    try:
+        with _ComputeOps():
+            yield trace
+    finally:
+        _host.traces = stack
+
+
 @contextlib.contextmanager
 def installed(fake: FakeNccl, runtime: type = HostRuntime):
     """Make gpudist's NCCL backend use ``fake`` as CuPy's NCCL and ``runtime`` as its device (for every thread)."""
@@ -509,10 +1019,11 @@ def _rank_on_nccl(comm, body, fake: FakeNccl, checked: bool, kwargs: dict):
         raise
 
 
-def run_nccl(fn, world_size: int, fake: FakeNccl, *, validate: bool = True, **kwargs):
+def run_nccl(fn, world_size: int, fake: FakeNccl, *, validate: bool = True, runtime: type = HostRuntime, **kwargs):
     """``run_ranks`` over the simulated NCCL: in-memory ranks bootstrap one NCCL backend each (the unique id goes
-    through ``from_bootstrap``) and run ``fn(nccl_backend, **kwargs)``; results in rank order."""
+    through ``from_bootstrap``) on ``runtime`` as their device and run ``fn(nccl_backend, **kwargs)``; results in
+    rank order."""
     from gpudist.testing import run_ranks
 
-    with installed(fake):
+    with installed(fake, runtime):
         return run_ranks(_rank_on_nccl, world_size, "inmemory", body=fn, fake=fake, checked=validate, kwargs=kwargs)
