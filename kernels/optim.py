@@ -243,15 +243,23 @@ def adam_step_triton(
 
 
 def _torch_step(body):
-    """The frame every torch-path step shares: the skip check, the update, the low-precision copy, the flag."""
+    """The frame every torch-path step shares: the skip check, the update, the low-precision copy, the flag.
+
+    A body that returns True honoured the skip flag itself, on the device (torch's fused kernels take
+    ``found_inf``), so the step makes no host sync; otherwise the frame reads the flag on the host first."""
 
     @functools.wraps(body)
     def step(param, grad, *buffers, found_inf, check_finite, param_out, **hyper):
         skip = _skip_flag(grad, found_inf, check_finite)
-        if not _skipped(skip):
+        on_device = getattr(body, "skips_on_device", None)
+        if on_device is not None and on_device(param, *buffers):
+            body(param, grad, *buffers, found_inf=skip, **hyper)
+        elif not _skipped(skip):
             body(param, grad, *buffers, **hyper)
-            if param_out is not None:
-                param_out.copy_(param)
+        else:
+            return _result(skip, param.device)
+        if param_out is not None:
+            param_out.copy_(param)  # after a skip on the device: the unchanged values, as the skip leaves them
         return _result(skip, param.device)
 
     return step
@@ -289,14 +297,19 @@ def adam_step_reference(
     param.addcdiv_(exp_avg, denom, value=s["neg_step_size"])
 
 
-@_torch_step
-def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, **hyper):
+def _same_dtype(param, *buffers) -> bool:
+    """Whether torch's fused kernel takes these buffers (every one in the parameter's dtype, or absent)."""
+    return all(b is None or b.dtype == param.dtype for b in buffers)
+
+
+def _adam_step_torch_body(param, grad, exp_avg, exp_avg_sq, found_inf=None, **hyper):
     """The torch path of :func:`adam_step` off the GPU: torch's own fused CPU kernel when the buffers allow.
 
     ``torch._fused_adam_`` makes one pass where the single-tensor reference makes seven: 1.8 ms vs
-    8.8 ms for 4M fp32 elements on this project's 2-core CPU machine (torch 2.13).
+    8.8 ms for 4M fp32 elements on this project's 2-core CPU machine (torch 2.13). It takes the skip flag as
+    a tensor (``found_inf``), so a skipped step costs no host sync here either.
     """
-    if exp_avg.dtype != param.dtype or exp_avg_sq.dtype != param.dtype:
+    if not _same_dtype(param, exp_avg, exp_avg_sq):
         return adam_step_reference.__wrapped__(param, grad, exp_avg, exp_avg_sq, **hyper)
     fused = torch._fused_adamw_ if hyper["decoupled_weight_decay"] else torch._fused_adam_
     g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
@@ -315,8 +328,13 @@ def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, **hyper):
         eps=hyper["eps"],
         amsgrad=False,
         maximize=hyper["maximize"],
+        found_inf=None if found_inf is None else found_inf.reshape(()).float(),
     )
     return None
+
+
+_adam_step_torch_body.skips_on_device = _same_dtype
+_adam_step_torch = _torch_step(_adam_step_torch_body)
 
 
 def sgd_step_triton(
@@ -397,11 +415,10 @@ def sgd_step_reference(
     param.add_(g, alpha=-lr)
 
 
-@_torch_step
-def _sgd_step_torch(param, grad, momentum_buffer, **hyper):
+def _sgd_step_torch_body(param, grad, momentum_buffer, found_inf=None, **hyper):
     """The torch path of :func:`sgd_step` off the GPU: torch's fused CPU kernel (1.1 ms for 4M elements with
-    momentum, vs ~4 ms for the single-tensor ops) when the buffers allow."""
-    if momentum_buffer is not None and momentum_buffer.dtype != param.dtype:
+    momentum, vs ~4 ms for the single-tensor ops) when the buffers allow; it takes the skip flag as a tensor."""
+    if not _same_dtype(param, momentum_buffer):
         return sgd_step_reference.__wrapped__(param, grad, momentum_buffer, **hyper)
     g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
     momentum = hyper["momentum"]
@@ -416,8 +433,13 @@ def _sgd_step_torch(param, grad, momentum_buffer, **hyper):
         nesterov=hyper["nesterov"],
         maximize=hyper["maximize"],
         is_first_step=hyper["first_step"],
+        found_inf=None if found_inf is None else found_inf.reshape(()).float(),
     )
     return None
+
+
+_sgd_step_torch_body.skips_on_device = _same_dtype
+_sgd_step_torch = _torch_step(_sgd_step_torch_body)
 
 
 def _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, dtype) -> torch.Tensor:

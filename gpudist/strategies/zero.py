@@ -16,6 +16,7 @@ does the model's part itself.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -330,7 +331,7 @@ class _Scale:
 
 class _Verdict:
     """A step's global gradient norm: the device tensor, copied to the host without blocking (pinned memory and an
-    event on CUDA) so that reading it later, when the copy is long done, does not stall the device's queue."""
+    event on CUDA), so that reading it once the copy is done does not stall the device's queue."""
 
     def __init__(self, norm: torch.Tensor | None):
         self._host, self._event, self._value, self._stepped = None, None, math.nan, norm is not None
@@ -342,7 +343,7 @@ class _Verdict:
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = norm.reshape(1)
+            self._host = norm.reshape(1).double()
 
     @classmethod
     def none(cls) -> _Verdict:
@@ -352,11 +353,18 @@ class _Verdict:
     def of(cls, norm: torch.Tensor) -> _Verdict:
         return cls(norm)
 
+    def ready(self) -> bool:
+        """Whether the norm is on the host (so reading it does not wait)."""
+        return self._host is None or self._event is None or self._event.query()
+
     def value(self) -> float:
+        """The norm; waits for the device if the copy is not done yet."""
         if self._host is not None:
             if self._event is not None:
                 self._event.synchronize()
-            self._value, self._host, self._event = float(self._host.numpy()[0]), None, None  # numpy: no dispatch
+            # Host memory (pinned on CUDA, the tensor itself on the CPU): a plain read, no device copy or dispatch.
+            self._value = ctypes.c_double.from_address(self._host.data_ptr()).value
+            self._host, self._event = None, None
         return self._value
 
     def skipped(self) -> bool:
@@ -443,8 +451,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._comm_hook = None
         self._verdict = _Verdict.none()
         """The last step's global gradient norm, on the device (and on its way to the host)."""
-        self._counted: list[int] = []
-        """Groups whose step count the last fused step incremented (taken back if the device skipped it)."""
+        self._unsettled: list[tuple[_Verdict, list[int]]] = []
+        """Fused steps whose verdict the host has not read yet, with the groups whose step count each incremented
+        (taken back if the device skipped that step)."""
         if self._kind is None:
             self._views = [
                 nn.Parameter(self._master_of(p.owned_offset, p.owned_offset + p.length)) for p in self._pieces
@@ -661,13 +670,21 @@ class _FlatShardOptimizer(ShardedOptimizer):
         """Whether the last step was skipped on every rank because the gradient norm was not finite."""
         return self._verdict.skipped()
 
-    def _settle(self) -> None:
-        """Take back the step counts of a step the device skipped (its verdict is on the host by now: it was
-        computed a whole forward and backward ago, so this does not wait)."""
-        if self._counted and self._verdict.skipped():
-            for g in self._counted:
-                self._steps[g] -= 1
-        self._counted = []
+    def _settle(self, wait: bool = False) -> None:
+        """Take back the step counts of the steps the device skipped, for every verdict that has reached the host
+        (all of them with ``wait``). A verdict is normally there by the next step (it was computed a whole forward
+        and backward earlier), so this does not wait; if the device lags further behind, the check moves to the
+        next step, and a step taken meanwhile uses a count one too high for its bias correction (only ever after a
+        skipped step, which torch's GradScaler path handles no better)."""
+        pending = []
+        for verdict, groups in self._unsettled:
+            if wait or verdict.ready():
+                if verdict.skipped():
+                    for g in groups:
+                        self._steps[g] -= 1
+            else:
+                pending.append((verdict, groups))
+        self._unsettled = pending
 
     def _update_and_gather(self, scale: _Scale) -> None:
         """Update the owned values, then bring every rank's updated parameters to all ranks."""
@@ -690,9 +707,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
         """Update the owned values and send them, overlapped: each region ``(flat offset, numel, owned offset)`` is
         split over the ranks as its owned pieces are (:func:`~gpudist.flat.padded_range`) and this rank's range is
         updated in chunks of at most 4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one
-        async broadcast per rank's matching chunk, straight into the flat buffer) while the next chunk is updated. Same bytes as all-gathering
-        every region after the whole update, which on 2 Gloo processes left the update's time exposed
-        (``benchmarks/zero.py``)."""
+        async broadcast per rank's matching chunk, straight into the flat buffer) while the next chunk is updated.
+        Same bytes as all-gathering every region after the whole update, which on 2 Gloo processes left the update's
+        time exposed (``benchmarks/zero.py``)."""
         world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
         chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
         self._count_steps()
@@ -716,9 +733,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
             work.wait()
 
     def _count_steps(self) -> None:
-        self._counted = list(self._by_group())
-        for g in self._counted:
+        groups = list(self._by_group())
+        for g in groups:
             self._steps[g] += 1
+        self._unsettled.append((self._verdict, groups))
 
     def _fused_step(self, scale: _Scale, window: tuple[int, int] | None = None) -> None:
         """One fused launch per contiguous owned piece, restricted to owned[window[0]:window[1]] if given."""
@@ -858,7 +876,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
                         elif (s := scalar_of(value)) is not None:
                             scalars.setdefault(name, {})[key] = s
         else:
-            self._settle()
+            self._settle(wait=True)
             for g, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     for _, _, name, _ in segmap.get(id(p), []):
@@ -932,7 +950,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         def finish() -> None:
             for group, hyper in zip(self.param_groups, saved["groups"], strict=True):
                 group.update(hyper)
-            self._steps, self._counted = steps, []
+            self._steps, self._unsettled = steps, []
             if not any(reader.has("state.master", name) for _, _, name, _ in owned):
                 self._refresh_master()  # no fp32 copy saved: start from the loaded parameters
             if inner_state is not None:
@@ -949,7 +967,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             optimizer's state (generic path) and the groups' hyper-parameters. Loads back only at the same world
             size (:meth:`load_state_dict`).
         """
-        self._settle()
+        self._settle(wait=True)
         return {
             "strategy": self.strategy,
             "world_size": self.comm.world_size,
@@ -980,7 +998,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             )
         for key, value in state_dict["state"].items():
             self._state[key].copy_(value)
-        self._steps, self._counted = list(state_dict["steps"]), []
+        self._steps, self._unsettled = list(state_dict["steps"]), []
         if self._inner is not None:
             self._inner.load_state_dict(state_dict["inner"])
         for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
@@ -1034,7 +1052,8 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
             self._comm_hook.reduce_scatter(0, full, owned)
             return
         kernels.pack(grads, full, scale=1.0 / self.comm.world_size)
-        self.comm.reduce_scatter(full, owned, ReductionOperation.SUM, scratch_input=True)
+        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
+            self.comm.reduce_scatter(full, owned, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
@@ -1139,7 +1158,8 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
             if hook is not None:
                 hook.reduce_scatter(i, sent, out)
             else:
-                self.comm.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
+                with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
+                    self.comm.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         dtype, world = self._flat.data.dtype, self.comm.world_size
