@@ -170,6 +170,29 @@ def test_zero1_nonfinite_gradient_skips_on_every_rank():
         assert torch.equal(r["params"], results[0]["params"])
 
 
+def _skipping_reference(state, dtype, skip):
+    """Single-process Adam that leaves out step ``skip`` (as a skipped step must: no update, no step count)."""
+    net = fresh_net(state).to(dtype)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        if step != skip:
+            train_steps(net, opt, step + 1, start=step, dtype=dtype)
+    return flat(net)
+
+
+@pytest.mark.parametrize("stage", [1, 3, "fsdp"])  # ZeRO-2 steps the same code; its model frees param.grad
+def test_a_step_skipped_on_the_device_is_not_counted(stage):
+    """The skip decision stays on the device, so the host learns of it a step later: catches a skipped step still
+    counted in Adam's bias correction (the next steps' updates come out too small), and a skip that leaves state
+    changed. One rank's gradient is NaN at step 1: the result equals single-process Adam without step 1."""
+    state = initial_state()
+    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="adam", nan_step=1, stage=stage)
+    expected = reference_pair(_skipping_reference, state, skip=1)
+    for r in results:
+        assert r["skipped"] == [step == 1 for step in range(STEPS)]
+        assert_matches_reference(r["params"], *expected)
+
+
 def test_zero1_rejects_mixed_dtypes():
     """Catches a flat buffer silently mixing dtypes."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero-dtype")
