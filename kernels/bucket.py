@@ -84,7 +84,7 @@ def _bucket_copy_kernel(
 
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+_POINTER_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -92,14 +92,24 @@ def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
 
     Cached by the pointer values: a bucket whose gradients keep their storage between steps pays
     the host-to-device copy once. A stale entry cannot be wrong, since it holds only the addresses.
+    A miss (gradients freed by ``zero_grad(set_to_none=True)`` come back at new addresses) copies
+    from pinned memory without blocking, on the current stream, ahead of the kernel that reads it:
+    no host sync. The pinned source stays in the cache with the table (torch's pinned allocator
+    also keeps a freed block until the copies using it are done).
     """
     key = (str(device), tuple(t.data_ptr() for t in tensors))
-    table = _POINTER_TABLES.get(key)
-    if table is None:
+    entry = _POINTER_TABLES.get(key)
+    if entry is None:
         if len(_POINTER_TABLES) >= 256:
             _POINTER_TABLES.pop(next(iter(_POINTER_TABLES)))
-        table = _POINTER_TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
-    return table
+        host = torch.tensor(key[1], dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+            entry = (host.to(device, non_blocking=True), host)
+        else:
+            entry = (host.to(device), host)
+        _POINTER_TABLES[key] = entry
+    return entry[0]
 
 
 def _launch(tensors, flat, scale, layout, pack_direction):

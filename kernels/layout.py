@@ -175,12 +175,18 @@ class FlatLayout:
                     chunk_start.append(start)
             offsets = [self.offsets[i] for i in members]
             numels = [self.numels[i] for i in members]
-            table = tuple(
-                torch.tensor(values, dtype=torch.int64, device=device)
-                for values in (chunk_tensor, chunk_start, offsets, numels)
-            )
+            table = tuple(_to_device(values, device) for values in (chunk_tensor, chunk_start, offsets, numels))
             self._tables[key] = table
         return table
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``device``; to a GPU from pinned memory without blocking (no host sync; the caching
+    pinned allocator keeps the source until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @lru_cache(maxsize=256)

@@ -108,6 +108,37 @@ def test_strategy_on_nccl_world_one(strategy):
         comm.shutdown()
 
 
+@needs_nccl
+@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
+def test_steady_state_step_makes_no_host_sync_on_a_real_gpu(strategy):
+    """The CPU tier counts host syncs over a simulated device (tests/test_gpu_model.py); this asks CUDA itself.
+    Under ``torch.cuda.set_sync_debug_mode("error")`` any synchronizing call (``.item()``, a blocking copy to or
+    from the host, a stream synchronize) raises. Catches a sync the simulation cannot see: a pointer table copied
+    from pageable memory on a cache miss, a verdict read that blocks, a blocking copy inside a kernel launcher."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    comm = nccl_solo()
+    try:
+        import torch.nn.functional as F
+
+        from .helpers import gpu_batch, gpu_net
+
+        config = gpudist.ShardingConfiguration(comm)
+        model_cls, opt_cls = GPU_PAIRS[strategy]
+        model = model_cls(gpu_net(comm.device), config)
+        opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+        batches = [gpu_batch(step, comm.device) for step in range(4)]  # made before: their copies are input
+        for step, (x, y) in enumerate(batches):
+            if step == 2:  # the first steps build layouts, tables and state; the steady state starts here
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        comm.shutdown()
+
+
 def _on_shared_gpu(comm, body, **kwargs):
     """``body(nccl, **kwargs)`` on an NCCL group of these Gloo ranks, all on GPU 0."""
     os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # read when the communicator is created
