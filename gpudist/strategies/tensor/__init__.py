@@ -14,8 +14,9 @@ embedding by rows (:class:`VocabParallelEmbedding`), the output head by columns,
 
 Four paired autograd primitives are the only places that communicate; each takes its communicator explicitly
 and names its forward and backward collective. :class:`TensorParallelModel` converts a module in place from a
-plan (``{"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}``), keeping parameter names and the single-process
-initialization, and runs data parallel over the ranks left over.
+plan (``{"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}``; ``"layers.*.mlp.fc1"`` for every layer's; ``"auto"``: a
+Hugging Face model's own plan from its config), keeping parameter names and the single-process initialization, and
+runs data parallel over the ranks left over.
 """
 
 from .layers import (
@@ -32,9 +33,10 @@ from .mappings import (
     scatter_to_tensor_parallel,
 )
 from .model import TensorParallelModel, VocabParallelOutput
-from .plans import PLAN_STYLES, Plan, apply_plan, validate_plan
+from .plans import HF_STYLES, PLAN_STYLES, Plan, apply_plan, expand_plan, hf_plan, validate_plan
 
 __all__ = [
+    "HF_STYLES",
     "PLAN_STYLES",
     "ColumnParallelLinear",
     "Plan",
@@ -44,8 +46,10 @@ __all__ = [
     "VocabParallelOutput",
     "apply_plan",
     "copy_to_tensor_parallel",
+    "expand_plan",
     "gather_from_tensor_parallel",
     "held_segments",
+    "hf_plan",
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",
     "validate_plan",

@@ -266,7 +266,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
         part = logits.shape[-1]
-        x, t = logits.reshape(-1, part).float(), targets.reshape(-1)
+        x, t = logits.reshape(-1, part).to(torch.promote_types(logits.dtype, torch.float32)), targets.reshape(-1)
         top = x.max(-1).values
         comm.all_reduce(top, ReductionOperation.MAX)
         shifted = x - top.unsqueeze(-1)  # exp() of it cannot overflow on any rank
@@ -307,7 +307,7 @@ def vocab_parallel_cross_entropy(
     ``targets`` (``[...]``) are full-vocabulary ids; ``ignore_index`` targets count for nothing. The full logits
     are never gathered: two all-reduces of one value per token (the max; then the sum of exponentials together
     with the target's logit). Backward, ``(softmax - onehot) / tokens`` on the shard, communicates nothing.
-    Computed in float32; every rank of ``comm`` returns the same loss.
+    Computed in float32 (float64 logits in float64); every rank of ``comm`` returns the same loss.
     """
     if logits_shard.shape[:-1] != targets.shape:
         raise ValueError(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -22,6 +23,22 @@ from .plans import Plan, apply_plan, validate_plan
 # The model
 
 
+def _logits_of(out: Any) -> torch.Tensor:
+    """The logits in a model's output: the output itself (a tensor), or its ``logits`` entry (a dict, a Hugging Face
+    ``ModelOutput``) or field (a dataclass)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, MutableMapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    if dataclasses.is_dataclass(out) and isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    raise TypeError(
+        f"the model's output is split by vocabulary, but it returned a {type(out).__name__} without logits in it; "
+        "return the logits as a tensor, or a dict, dataclass or Hugging Face output (return_dict=True) with a "
+        "'logits' entry"
+    )
+
+
 class VocabParallelOutput:
     """The loss and prediction of a model whose output layer may be split by vocabulary (``vocab_output``):
     needs ``vocab_start`` (None when the output is not split) and ``tensor_group``. Shared by
@@ -30,29 +47,59 @@ class VocabParallelOutput:
     vocab_start: int | None
     tensor_group: CommunicationBackend
 
-    def cross_entropy(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits_shard: Any, targets: torch.Tensor) -> torch.Tensor:
         """:func:`vocab_parallel_cross_entropy` of this model's split logits (a ``vocab_output`` plan) and full
         targets; flattens ``[b, t, V/tp]`` logits and ``[b, t]`` targets like ``F.cross_entropy`` on tokens.
 
         Collective within the tensor group.
 
         Args:
-            logits_shard: This rank's logits, ``[..., V/tp]`` (the model's output).
+            logits_shard: This rank's logits, ``[..., V/tp]``: the model's output, or an output holding them under
+                ``logits`` (a dict, dataclass or Hugging Face ``ModelOutput``). Targets are not shifted: for a
+                causal LM pass the next tokens.
             targets: Full-vocabulary token ids, the logits' shape without the vocabulary dimension.
 
         Returns:
             The mean cross-entropy over tokens, a float32 scalar tensor, the same on every rank of the tensor group.
 
         Raises:
-            ValueError: When the plan has no ``vocab_output`` layer, or the shapes of ``logits_shard`` and
-                ``targets`` disagree.
+            ValueError: When the plan has no ``vocab_output`` layer, or the shapes of the logits and ``targets``
+                disagree.
+            TypeError: When ``logits_shard`` is neither a tensor nor an output holding ``logits``.
         """
         if self.vocab_start is None:
             raise ValueError(
                 "cross_entropy needs a plan with a 'vocab_output' layer (the model's output split by "
                 "vocabulary); this model's output is not split: use F.cross_entropy"
             )
-        return vocab_parallel_cross_entropy(logits_shard, targets, self.tensor_group, self.vocab_start)
+        logits = _logits_of(logits_shard)
+        return vocab_parallel_cross_entropy(logits, targets, self.tensor_group, self.vocab_start)
+
+    def gather_logits(self, out: Any) -> Any:
+        """``out`` with its vocabulary-split logits gathered into full ones (collective within the tensor group;
+        differentiable: the gradient of the full logits goes back to this rank's slice). Unchanged when the output
+        is not split.
+
+        Args:
+            out: The model's output: the logits, or a dict, dataclass or Hugging Face ``ModelOutput`` holding them
+                under ``logits`` (a dict and a ``ModelOutput`` are updated in place, a dataclass replaced).
+
+        Returns:
+            ``out`` with full-vocabulary logits.
+
+        Raises:
+            TypeError: When the output is split but holds no ``logits`` (a tuple, say: which element is the
+                logits cannot be told).
+        """
+        if self.vocab_start is None or out is None:
+            return out
+        full = gather_from_tensor_parallel(_logits_of(out), self.tensor_group, -1)
+        if isinstance(out, torch.Tensor):
+            return full
+        if isinstance(out, MutableMapping):
+            out["logits"] = full  # a ModelOutput sets its attribute too
+            return out
+        return dataclasses.replace(out, logits=full)
 
     def train_step(
         self,
@@ -95,12 +142,12 @@ class VocabParallelOutput:
 
         Returns:
             The model's output, with full logits when the output layer is split by vocabulary (collective within
-            the tensor group then).
+            the tensor group then): the output itself, or its ``logits`` (:meth:`gather_logits`).
+
+        Raises:
+            TypeError: When the output is split but holds no ``logits`` (:meth:`gather_logits`).
         """
-        out = super().predict(inputs)
-        if self.vocab_start is not None and isinstance(out, torch.Tensor):
-            out = gather_from_tensor_parallel(out, self.tensor_group, -1)
-        return out
+        return self.gather_logits(super().predict(inputs))
 
 
 class TensorParallelModel(VocabParallelOutput, ShardedModel):
@@ -118,8 +165,10 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     Train with a plain optimizer over ``model.parameters()`` (each rank steps its own shard): the collectives make
     every shard's gradient complete, and replicated parameters get identical gradients on the tensor group's
     ranks. ``loss.backward(); opt.step()`` is enough. With a ``vocab_output`` layer, ``model(x)`` returns logits
-    split by vocabulary (this rank's ``[vocab_start, vocab_start + V/tp)``): take the loss with
-    :meth:`cross_entropy` (``train_step`` does when ``loss_fn`` is None); :meth:`predict` gathers full logits.
+    split by vocabulary (this rank's ``[vocab_start, vocab_start + V/tp)``; inside the output object of a model
+    that returns one): take the loss with :meth:`cross_entropy` (``train_step`` does when ``loss_fn`` is None);
+    :meth:`predict` and :meth:`gather_logits` give full logits, and ``model(x, labels=y)`` (a Hugging Face model's
+    own loss) gathers them in that forward, so the loss is the unsplit model's.
     Parameter names stay those of the module; :meth:`gather_full_parameters`, :meth:`full_state_dict` and
     ``save_model("x.safetensors")`` give the full, unsplit model; ``save_model("folder")`` and
     :func:`gpudist.save_checkpoint` write each element once (a shard divided among the replicas holding it, a
@@ -128,7 +177,9 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     Args:
         module: The full model (every rank builds the same one); its planned layers are converted in place.
         config: The settings of the wrapper; ``config.backend`` is the world group the layout divides.
-        plan: Module name -> style (:data:`PLAN_STYLES`), or a function of the module returning one.
+        plan: Module name -> style (:data:`PLAN_STYLES`; ``*`` in a name matches one component of it, e.g.
+            ``"layers.*.mlp.fc1"``), a function of the module returning one, or ``"auto"``: a Hugging Face model's
+            own plan from its config (:func:`hf_plan`).
         tensor_parallel_size: Ranks per tensor group; it must divide the world size (None: the world size, no
             data parallelism).
 
@@ -138,8 +189,9 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
             returning one) or maps a submodule to a style that does not convert its type.
         ValueError: When ``tensor_parallel_size`` is not an int >= 1 or does not divide the world size, a plan
             entry is invalid (unknown style, no such submodule, a size ``tensor_parallel_size`` does not divide,
-            a tied parameter split two ways), or ranks wrap modules whose parameter names, shapes or dtypes
-            differ.
+            a tied parameter split two ways, attention heads or key/value heads that tp does not divide, a ``*``
+            pattern matching nothing, ``"auto"`` on a model without a plan in its config), or ranks wrap modules
+            whose parameter names, shapes or dtypes differ.
     """
 
     strategy = "tensor"
@@ -163,7 +215,7 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         layout: ParallelLayout = self._setup["layout"]
         tp = layout.tensor_parallel_size
         plan = self._setup["plan"]
-        entries = validate_plan(module, plan(module) if callable(plan) else plan, tp)  # before any communication
+        entries = validate_plan(module, plan, tp)  # before any communication
         self.layout = layout
         _, self.data_parallel_rank, self.tensor_parallel_rank = layout.coords(self.rank)
         self._table = module_table(module)
@@ -215,8 +267,19 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         return any(param is p for p in self.module.parameters())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the converted module. With a ``vocab_output`` layer its logits are split by vocabulary, except in a
+        call given ``labels`` (a Hugging Face model computing its own loss from them): the output layer then
+        gathers full logits (each rank holds ``[..., V]`` for that call), so the model's loss and the returned
+        logits are the unsplit model's; the gradient of the full logits goes back to each rank's slice."""
         self._callback_queued = False  # a backward that failed half way must not keep the next one from syncing
-        return self.module(*args, **kwargs)
+        if self._vocab_output is None or kwargs.get("labels") is None:
+            return self.module(*args, **kwargs)
+        head = self.module.get_submodule(self._vocab_output)
+        head.gather_output = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            head.gather_output = False
 
     # -- training --------------------------------------------------------------------------------------------------
 
