@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ requires_transformers = pytest.mark.skipif(
 VOCAB, SEQ = 256, 16
 
 _TEMPLATES: dict[tuple, torch.nn.Module] = {}
+_LOCK = threading.Lock()  # transformers' lazy imports are not thread-safe: in-memory ranks are threads
 
 
 def _quiet() -> None:
@@ -31,6 +33,12 @@ def tiny_llama(tied: bool = False, kv_heads: int = 2, dtype: torch.dtype = torch
     """A 2-layer Llama (hidden 64, 4 query heads, ``kv_heads`` key/value heads: grouped-query attention at 2),
     vocabulary 256. Built once per shape from seed 0 and copied, so ranks (threads) and references start equal."""
     key = ("llama", tied, kv_heads, layers)
+    with _LOCK:
+        return copy.deepcopy(_llama_template(key)).to(dtype)
+
+
+def _llama_template(key: tuple) -> torch.nn.Module:
+    _, tied, kv_heads, layers = key
     if key not in _TEMPLATES:
         _quiet()
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -51,12 +59,18 @@ def tiny_llama(tied: bool = False, kv_heads: int = 2, dtype: torch.dtype = torch
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             _TEMPLATES[key] = LlamaForCausalLM(config)
-    return copy.deepcopy(_TEMPLATES[key]).to(dtype)
+    return _TEMPLATES[key]
 
 
 def tiny_gpt2(dtype: torch.dtype = torch.float32, layers: int = 2):
     """A 2-layer GPT-2 (n_embd 64, 4 heads, tied embedding and head), vocabulary 256, positions 64."""
     key = ("gpt2", layers)
+    with _LOCK:
+        return copy.deepcopy(_gpt2_template(key)).to(dtype)
+
+
+def _gpt2_template(key: tuple) -> torch.nn.Module:
+    _, layers = key
     if key not in _TEMPLATES:
         _quiet()
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -67,7 +81,7 @@ def tiny_gpt2(dtype: torch.dtype = torch.float32, layers: int = 2):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             _TEMPLATES[key] = GPT2LMHeadModel(config)
-    return copy.deepcopy(_TEMPLATES[key]).to(dtype)
+    return _TEMPLATES[key]
 
 
 def token_batch(step: int, rank: int = 0, world: int = 1, size: int = 8) -> torch.Tensor:
