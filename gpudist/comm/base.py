@@ -427,6 +427,11 @@ class CommunicationBackend(ABC):
     #: communication stream (which overlaps whatever compute is enqueued after it) is best.
     chunked_overlap: bool = True
 
+    #: Whether the cross-rank signature check of a validated op stops the host until the device catches up (NCCL:
+    #: an all-gather on the device, read back by the host). Per-step collectives whose shapes follow the data rather
+    #: than a layout checked at wrap time (tensor-parallel activations) are checked only where this is False.
+    check_syncs_host: bool = False
+
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

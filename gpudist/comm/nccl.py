@@ -215,6 +215,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
     name = "nccl"
     ordered_p2p = True  # sends and receives run in issue order on the communication stream
     chunked_overlap = False  # one collective per region: per-rank pieces would each be a launch
+    check_syncs_host = True  # the signature all-gather is read back by the host
 
     def __init__(
         self,

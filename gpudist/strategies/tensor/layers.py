@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from ...comm import CommunicationBackend, ReductionOperation
 from .mappings import (
+    activation_check,
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -268,7 +269,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         part = logits.shape[-1]
         x, t = logits.reshape(-1, part).to(torch.promote_types(logits.dtype, torch.float32)), targets.reshape(-1)
         top = x.max(-1).values
-        comm.all_reduce(top, ReductionOperation.MAX)
+        with activation_check(comm):
+            comm.all_reduce(top, ReductionOperation.MAX)
         shifted = x - top.unsqueeze(-1)  # exp() of it cannot overflow on any rank
         valid = t != ignore_index
         local = t - vocab_start
@@ -277,7 +279,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         # One all-reduce for both sums over the vocabulary: sum of exp, and the target's logit (on one rank only).
         sums = torch.stack([exp.sum(-1), shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)])
-        comm.all_reduce(sums, ReductionOperation.SUM)
+        with activation_check(comm):
+            comm.all_reduce(sums, ReductionOperation.SUM)
         losses = (sums[0].log() - sums[1]).masked_fill(~valid, 0.0)
         count = valid.sum()
         exp.div_(sums[0].unsqueeze(-1))  # this shard of softmax(logits)

@@ -6,6 +6,8 @@ Each takes its communicator explicitly and names its forward and backward collec
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...comm import CommunicationBackend, ReductionOperation
@@ -14,15 +16,25 @@ from ...comm import CommunicationBackend, ReductionOperation
 # Paired autograd collectives
 
 
+def activation_check(comm: CommunicationBackend):
+    """The context for a collective of activations, whose shapes follow the batch rather than a layout checked when
+    the model was wrapped: the cross-rank signature check where it is a host-side exchange (Gloo, MPI, in-memory:
+    a rank fed another batch shape gets a named error instead of Gloo's abort), none where it would stop the host
+    every op (NCCL: there, as in torch's tensor parallelism, every tensor-parallel rank must get the same batch)."""
+    return comm.unchecked() if comm.check_syncs_host else contextlib.nullcontext()
+
+
 def _all_reduce_sum(x: torch.Tensor, comm: CommunicationBackend) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place; autograd keeps x
-    comm.all_reduce(out, ReductionOperation.SUM)
+    with activation_check(comm):
+        comm.all_reduce(out, ReductionOperation.SUM)
     return out
 
 
 def _all_gather_along(x: torch.Tensor, comm: CommunicationBackend, dim: int) -> torch.Tensor:
     parts = x.new_empty((comm.world_size, *x.shape))
-    comm.all_gather(x.contiguous(), parts)
+    with activation_check(comm):
+        comm.all_gather(x.contiguous(), parts)
     return torch.cat(parts.unbind(0), dim=dim)
 
 
