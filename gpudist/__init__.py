@@ -28,6 +28,7 @@ from .comm import (
 from .config import ShardingConfiguration
 from .elastic import ElasticOptimizer
 from .launch import init
+from .plan import plan
 from .strategies import (
     AsyncSGDOptimizer,
     DDPModel,
@@ -92,6 +93,7 @@ __all__ = [
     "init",
     "latest_checkpoint",
     "load_checkpoint",
+    "plan",
     "read_manifest",
     "save_checkpoint",
 ]

@@ -1,5 +1,5 @@
-"""The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives``, ``gpudist bench kernels`` and
-``gpudist bench gpu`` (every GPU number in one go: gpudist/bench/gpu.py)."""
+"""The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives``, ``gpudist bench kernels``,
+``gpudist bench gpu`` (every GPU number in one go: gpudist/bench/gpu.py) and ``gpudist plan`` (gpudist/plan.py)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = names.add_parser("gpu", help="on a GPU machine: the GPU tests and every GPU number, into one JSON")
     gpu_arguments(gpu)
     gpu.set_defaults(func=_bench)
+    from .plan import add_arguments as plan_arguments
+    from .plan import run_from_args as run_plan
+
+    planner = sub.add_parser("plan", help="rank strategies and layouts by predicted memory, traffic and step time")
+    plan_arguments(planner)
+    planner.set_defaults(func=run_plan)
     return parser
 
 
