@@ -435,16 +435,16 @@ def _tp_splits(module: nn.Module, plan) -> set[str]:
     """Names of the parameters the plan splits (every other one is replicated over the tensor group)."""
     if plan is None:
         return set()
-    from .strategies.tensor.plans import _style_split, expand_plan, hf_plan
+    from .strategies.tensor.plans import expand_plan, hf_plan, style_split
 
-    # _style_split is the tensor-parallel constructors' own rule for which parameter a style splits (private in
-    # plans.py: docs/plan.md asks for it to be made public); used here rather than restated.
+    # style_split is the tensor-parallel constructors' own rule for which parameter a style splits: used here
+    # rather than restated.
     styles = hf_plan(module) if plan == "auto" else plan(module) if callable(plan) else dict(plan)
     styles = expand_plan(module, styles)
     out = set()
     for owner, sub in module.named_modules():
         for attr, p in sub._parameters.items():
-            if p is not None and _style_split(styles.get(owner), attr) is not None:
+            if p is not None and style_split(styles.get(owner), attr) is not None:
                 out.add(f"{owner}.{attr}" if owner else attr)
     return out
 
@@ -1390,12 +1390,13 @@ def build(
         blocks, tp_plan: The pipeline's blocks and the tensor-parallel plan (as the wrappers take them).
         **sharding: More :class:`~gpudist.ShardingConfiguration` settings.
     """
-    import gpudist
+    from . import strategies as gpudist  # the wrappers, as the facade exports them (not the facade: it imports us)
+    from .config import ShardingConfiguration
 
     settings = dict(bucket_cap_mb=config.bucket_mb, first_bucket_mb=config.first_bucket_mb, **sharding)
     if config.comm_dtype:
         settings["communication_dtype"] = _DTYPES[config.comm_dtype]
-    sc = gpudist.ShardingConfiguration(comm, **settings)
+    sc = ShardingConfiguration(comm, **settings)
     simple = {
         "ddp": (gpudist.DDPModel, gpudist.DDPOptimizer),
         "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer),

@@ -22,7 +22,7 @@ LAYERS = [
     ["gpudist.strategies"],
     ["gpudist.elastic", "gpudist.launch"],
     ["gpudist.testing", "gpudist.bench"],
-    ["gpudist.cli", "gpudist.testing.elastic_job", "gpudist"],
+    ["gpudist.cli", "gpudist.testing.elastic_job", "gpudist.plan", "gpudist"],
 ]
 """Lowest first; a module may import from its own layer or below. ``gpudist`` itself (the package's __init__, the
 public facade) is on top, with the command line and the elastic demo job, which use it as any training script does."""

@@ -40,7 +40,7 @@ PLAN_STYLES: dict[str, str] = {
 """The styles a tensor-parallel plan maps module names to, with what each does."""
 
 
-def _style_split(style: str | None, attr: str) -> Split | None:
+def style_split(style: str | None, attr: str) -> Split | None:
     """How a parameter named ``attr`` of a module converted with ``style`` is split (None: replicated)."""
     if style in ("colwise", "vocab_output", "vocab"):
         return Split(0)
@@ -290,7 +290,7 @@ def validate_plan(module: nn.Module, plan: Plan, tp: int) -> list[tuple[str, str
         for attr, p in sub._parameters.items():
             if p is None:
                 continue
-            name, split = f"{owner}.{attr}" if owner else attr, _style_split(plan.get(owner), attr)
+            name, split = f"{owner}.{attr}" if owner else attr, style_split(plan.get(owner), attr)
             first = seen.setdefault(id(p), (name, split))
             if first[1] != split:
                 how = [str(s) if s is not None else "replicated" for s in (first[1], split)]
@@ -316,7 +316,7 @@ def apply_plan(
             if p is not None:
                 name = f"{owner}.{attr}" if owner else attr
                 aliases.setdefault(id(p), []).append(name)
-                if (split := _style_split(styles.get(owner), attr)) is not None:
+                if (split := style_split(styles.get(owner), attr)) is not None:
                     splits[name] = split
     for name, style in sorted(entries, key=lambda e: e[1] == "heads"):  # leaves first, then their blocks
         parent, _, child = name.rpartition(".")
