@@ -23,8 +23,9 @@ parameters, gradients and optimizer state, plus the largest unit or two in fligh
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,8 @@ class _Group:
     """Deferred mode: this backward's full gradient, reduced in the end-of-backward callback."""
     used: bool = False
     reduced: bool = False
+    ready: bool = False
+    """Installed in backward, for a recomputation (activation checkpointing); cleared when released."""
     offsets: list[int] = field(default_factory=list)
 
     @property
@@ -83,6 +86,23 @@ class _Group:
         return self.padded * self.world
 
     world: int = 1
+
+
+def _expose_device_and_dtype(module: nn.Module, groups: list[_Group]) -> None:
+    """Keep ``module.device`` and ``module.dtype`` working once its parameters became the wrapper's shards: Hugging
+    Face models read them from ``next(self.parameters())``, which then raises StopIteration. Where the module's
+    class defines them as properties, the module's class becomes a subclass (same name) whose properties answer
+    from the shards (their device; the first floating-point dtype), as FSDP2's ``fully_shard`` swaps in a subclass."""
+    cls = type(module)
+    shards = [g.shard for g in groups]
+    answers = {
+        "device": property(lambda self: shards[0].device),
+        "dtype": property(lambda self: next((s.dtype for s in shards if s.is_floating_point()), shards[0].dtype)),
+    }
+    answers = {name: prop for name, prop in answers.items() if isinstance(getattr(cls, name, None), property)}
+    if shards and answers:
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        module.__class__ = type(cls.__name__, (cls,), {**names, **answers})
 
 
 class _SavedParam:
@@ -120,6 +140,18 @@ class ZeRO3Model(ShardedModel):
     torch optimizer directly (then clip with :meth:`clip_grad_norm_`). Outside forward the module's parameter
     attributes are empty; :meth:`gather_full_parameters` and :meth:`full_state_dict` give the full values.
     Every rank must run the same units in the same order (as for FSDP).
+
+    Activation checkpointing (``torch.utils.checkpoint``, re-entrant or not, around a unit's call or inside it, and
+    Hugging Face's ``gradient_checkpointing_enable()``) works on units: when gradients reach a unit's output, the
+    unit is gathered before its backward (as FSDP2's pre-backward hook does), so the recomputed forward finds its
+    parameters; it is released with its gradient's reduce-scatter, and adds no communication. Checkpointed code
+    must not use the root's parameters (those of no unit): make the checkpointed modules units, e.g. with
+    :class:`FSDPModel`'s default policy, every block of an ``nn.ModuleList``.
+
+    The wrapped module can still be called directly (e.g. by Hugging Face's ``generate()``): every unit, the root
+    included, is gathered for its forward and released after it. Its ``device`` and ``dtype`` properties, where its
+    class has them (Hugging Face models), answer from the shards, so the module's class becomes a subclass of the
+    same name, as FSDP2 does. :meth:`full_parameters` gathers everything for a ``with`` block instead.
 
     Args:
         module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters take rank
@@ -255,12 +287,22 @@ class ZeRO3Model(ShardedModel):
         self._seen: list[_Group] = []
         self._pending: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._callback_queued = False
-        self._hooks = []
+        self._hooks = [
+            module.register_forward_pre_hook(lambda m, a: self._before_root()),
+            module.register_forward_hook(lambda m, a, o: self._after_root()),
+        ]
         for name in units[1:]:
             sub = modules[name]
             self._hooks.append(sub.register_forward_pre_hook(lambda m, a, name=name: self._before_unit(name)))
-            self._hooks.append(sub.register_forward_hook(lambda m, a, o, name=name: self._after_unit(name)))
+            self._hooks.append(sub.register_forward_hook(lambda m, a, o, name=name: self._after_unit(name, o)))
         self._units = units
+        self._in_backward = False
+        """Gradients reached one of this forward's outputs and its backward has not finished: a unit's forward
+        now is a recomputation (activation checkpointing)."""
+        self._summoned = False
+        """Inside :meth:`full_parameters`: the module holds its full parameters, the units' hooks stand aside."""
+        self._wrapped_class = type(module)
+        _expose_device_and_dtype(module, self._groups)
 
     # -- gathering ------------------------------------------------------------------------------------------------
 
@@ -296,6 +338,7 @@ class ZeRO3Model(ShardedModel):
         if group.full is not None:
             self._live.pop(group.full.untyped_storage().data_ptr(), None)
             group.full = None
+        group.ready = False
         empty = torch.empty(0, dtype=group.dtype, device=group.device)
         for owners in group.places:
             for mod, attr in owners:
@@ -311,8 +354,25 @@ class ZeRO3Model(ShardedModel):
             for mod, attr in owners:
                 setattr(mod, attr, view.view(shape))
 
+    def _before_root(self) -> None:
+        """The wrapped module's forward starts (from :meth:`forward`, or called directly, e.g. by ``generate()``)."""
+        if not self._summoned and not self._in_backward:
+            self._seen = []
+            self._before_unit("")
+
+    def _after_root(self) -> None:
+        if not self._summoned and not self._in_backward:
+            for group in self._groups:  # the root, and anything prefetched but not used
+                self._release(group)
+            self._order = self._seen
+
     def _before_unit(self, unit: str) -> None:
         groups = self._unit_groups[unit]
+        if self._summoned:
+            return
+        if self._in_backward:  # recomputed for activation checkpointing: the unit's gradient releases it
+            self._prepare_for_backward(groups)
+            return
         for group in groups:
             self._install(group)
             if group not in self._seen:
@@ -320,9 +380,57 @@ class ZeRO3Model(ShardedModel):
         if groups or unit == "":  # the root may hold nothing: then the first unit is next
             self._prefetch_after(groups[-1] if groups else None, backward=False)
 
-    def _after_unit(self, unit: str) -> None:
+    def _after_unit(self, unit: str, output: Any) -> None:
+        if self._summoned or self._in_backward:
+            return
         for group in self._unit_groups[unit]:
             self._release(group)
+        self._hook_outputs(output, lambda: self._before_unit_backward(unit))
+
+    @staticmethod
+    def _hook_outputs(output: Any, hook: Callable[[], None]) -> None:
+        """Call ``hook`` whenever a gradient reaches a tensor of ``output`` (tensors in tuples, lists and dicts,
+        e.g. a Hugging Face ``ModelOutput``) that autograd tracks."""
+        if not torch.is_grad_enabled():
+            return
+        stack = [output]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                if item.requires_grad:
+                    item.register_hook(lambda grad: hook())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, Mapping):
+                stack.extend(item.values())
+
+    def _before_unit_backward(self, unit: str) -> None:
+        """Gradients reached ``unit``'s output: backward is under way, and the unit is gathered now, before its own
+        backward, so that a recomputation of its forward (activation checkpointing) finds its parameters. As
+        FSDP2's pre-backward hook. The root's parameters are gathered as autograd asks for them (``_unpack``)."""
+        self._enter_backward()
+        if unit:
+            self._prepare_for_backward(self._unit_groups[unit])
+
+    def _prepare_for_backward(self, groups: list[_Group]) -> None:
+        """Install ``groups``' parameters for a recomputation in backward: as ``_Unshard`` outputs, so the
+        recomputed forward saves the tensors the first forward saved (a re-entrant checkpoint also backpropagates
+        through them), and prefetch the unit backward needs next."""
+        with torch.enable_grad():
+            for group in groups:
+                if not group.ready:
+                    self._install(group)
+                    group.ready = True
+        if groups:
+            self._prefetch_after(groups[-1], backward=True)
+
+    def _enter_backward(self) -> None:
+        """Queue the end-of-backward callback once, on the backward that reached this forward's outputs (not on a
+        re-entrant checkpoint's inner backward, which would end first), and mark backward as under way."""
+        self._in_backward = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     # -- saved tensors ------------------------------------------------------------------------------------------
 
@@ -348,17 +456,17 @@ class ZeRO3Model(ShardedModel):
     # -- forward and backward -------------------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        if self._pending or self._callback_queued:  # a previous backward failed half way: start clean
+        if self._summoned:  # inside full_parameters(): the module holds its full parameters
+            return self.module(*args, **kwargs)
+        if self._pending or self._callback_queued or self._in_backward:  # a previous backward failed half way
             self._reset()
-        self._seen = []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            self._before_unit("")
             try:
-                out = self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)  # the module's hooks gather and release (_before_root)
             finally:
-                for group in self._groups:  # the root, and anything prefetched but not used
+                for group in self._groups:  # also after a forward that raised
                     self._release(group)
-        self._order = self._seen
+        self._hook_outputs(out, lambda: self._before_unit_backward(""))
         return out
 
     @property
@@ -367,9 +475,7 @@ class ZeRO3Model(ShardedModel):
 
     def _gradient_ready(self, group: _Group, grad_full: torch.Tensor) -> None:
         """Autograd has this unit's full gradient: reduce-scatter it now (or at the end of backward)."""
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._enter_backward()
         self._release(group)  # backward is done with this unit's parameters
         if self._deferred:
             group.grad_full = grad_full if group.grad_full is None else group.grad_full + grad_full
@@ -426,7 +532,9 @@ class ZeRO3Model(ShardedModel):
     def _finish_backward(self) -> None:
         self._callback_queued = False
         try:
-            if self._deferred:
+            if not any(g.reduced or g.grad_full is not None for g in self._groups):
+                pass  # this backward reached no parameter (e.g. torch.autograd.grad for the inputs): nothing to reduce
+            elif self._deferred:
                 for group in self._groups:
                     if group.requires_grad:
                         grad = group.grad_full
@@ -455,7 +563,7 @@ class ZeRO3Model(ShardedModel):
             group.grad_full, group.used, group.reduced = None, False, False
         self._pending = []
         self._flat_grads = None  # the shards' .grad hold it from here on
-        self._callback_queued = False
+        self._callback_queued = self._in_backward = False
 
     def synchronize_gradients(self) -> None:
         """Nothing to do: backward leaves every shard's ``.grad`` the global average of its range."""
@@ -488,6 +596,40 @@ class ZeRO3Model(ShardedModel):
             at = group.offsets[j]
             out.append((name, vectors[group.index][at : at + group.numels[j]].view(group.shapes[j])))
         return out
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[nn.Module]:
+        """Every parameter of the wrapped module gathered and registered on it again, for the ``with`` block; the
+        shards are restored at its end (collective on entry: every rank enters it).
+
+        Inside, the module is an ordinary one: ``module.parameters()``, ``state_dict()``, Hugging Face's
+        ``device``, ``dtype`` and ``generate()`` all work, with no gathering per call. The parameters are full
+        copies that do not require grad, and changes made to them are discarded on exit: it is for inference,
+        generation and inspection, not for training. Costs the full model's memory while it is open.
+
+        Yields:
+            The wrapped module.
+
+        Raises:
+            RuntimeError: When it is already open (it does not nest).
+        """
+        if self._summoned:
+            raise RuntimeError(f"{type(self).__name__}.full_parameters() is already open; it does not nest")
+        for (_, full), (group, j) in zip(self._full_params(), self._param_slot, strict=True):
+            param = nn.Parameter(full, requires_grad=False)
+            for mod, attr in group.places[j]:
+                mod.__dict__.pop(attr, None)  # the empty placeholder between forwards
+                mod._parameters[attr] = param
+        self._summoned = True
+        try:
+            yield self.module
+        finally:
+            self._summoned = False
+            for group in self._groups:
+                for owners in group.places:
+                    for mod, attr in owners:
+                        mod._parameters.pop(attr, None)
+                self._release(group)
 
     def gather_full_parameters(self) -> torch.Tensor:
         params = self._full_params()
@@ -524,7 +666,8 @@ class ZeRO3Model(ShardedModel):
         for names, (group, j) in zip(self._all_names(), self._param_slot, strict=True):
             self._write_param(group, j, state[names[0]])
         for k, v in self.module.named_buffers():
-            v.copy_(state[k])
+            if k in state:  # non-persistent buffers (e.g. rotary frequencies) are in no state dict
+                v.copy_(state[k])
 
     def clone(self) -> ZeRO3Model:
         """A new wrapper (same class and units) around a copy of the module holding the current full values.
@@ -535,6 +678,7 @@ class ZeRO3Model(ShardedModel):
             The new wrapper, built with the same ``config``.
         """
         twin = copy.deepcopy(self.module)
+        twin.__class__ = self._wrapped_class  # without the device/dtype properties this wrapper gave it
         for sub in twin.modules():  # the copy must not call this wrapper's gathering hooks
             for handle in self._hooks:
                 sub._forward_pre_hooks.pop(handle.id, None)

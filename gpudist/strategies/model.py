@@ -413,16 +413,24 @@ class ShardedModel(nn.Module):
     def serialize(self) -> bytes:
         """The full model state as safetensors bytes (no pickle), with a checksum and the strategy in the header.
 
+        Tied parameters (and any other state entries that are the same memory, e.g. a module shared by two parents)
+        are stored once, under their first name; the header maps each other name to it (``"aliases"``) and
+        :meth:`deserialize` gives them back the same values, so a tied model loads tied. safetensors itself refuses
+        tensors that share memory.
+
         Returns:
             The payload :meth:`deserialize` reads, loadable by any strategy at any world size.
         """
-        state = {k: v.contiguous().cpu() for k, v in self.full_state_dict().items()}
+        kept, aliases = _split_aliases(self.full_state_dict())
+        state = {k: v.contiguous().cpu() for k, v in kept.items()}
         meta = {
             "format": FORMAT,
             "strategy": self.strategy,
             "world_size": str(self.world_size),
-            "sha256": _digest(state),
+            "sha256": _digest(state, aliases),
         }
+        if aliases:
+            meta["aliases"] = json.dumps(aliases, sort_keys=True)
         return st_save(state, metadata=meta)
 
     def deserialize(self, data: bytes) -> None:
@@ -551,11 +559,13 @@ def replica_share(layout, rank: int, split: bool, across_replicas: bool) -> tupl
     return dp * tp, d * tp + t
 
 
-def _digest(state: dict[str, torch.Tensor]) -> str:
+def _digest(state: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode())
         h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes() if state[k].numel() else b"")
+    if aliases:  # absent from payloads without tied entries, whose digest stays what it was
+        h.update(json.dumps(aliases, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -568,6 +578,27 @@ def _read(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise ValueError(f"not a gpudist model payload (truncated or damaged): {e}") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"not a gpudist model payload: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if meta.get("sha256") != _digest(state):
+    try:
+        aliases = json.loads(meta.get("aliases", "{}"))
+        tied = {alias: state[name] for alias, name in aliases.items() if alias not in state}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a gpudist model payload: damaged aliases in the header ({e!r})") from None
+    if meta.get("sha256") != _digest(state, aliases) or len(tied) != len(aliases):
         raise ValueError("model payload checksum mismatch: the data was damaged after it was written")
-    return state, meta
+    return {**state, **tied}, meta
+
+
+def _split_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state`` with each memory kept once (tied parameters are one tensor under several names): the entries
+    under their first name, and every other name mapped to that first name."""
+    first: dict[tuple, str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+        if t.numel() and key in first:
+            aliases[name] = first[key]
+            continue
+        first.setdefault(key, name)
+        kept[name] = t
+    return kept, aliases
