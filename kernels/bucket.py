@@ -20,7 +20,9 @@ from .layout import FlatLayout
 
 __all__ = ["pack", "pack_reference", "pack_triton", "unpack", "unpack_reference", "unpack_triton"]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""What pack/unpack move. float64 (parity checks, scientific models) always takes the torch path, computing in
+float64: the kernels compute in float32."""
 
 # Elements per program. One program moves one chunk of one tensor; 4096 elements x 4 warps keeps
 # each thread on 32 elements, enough loads in flight to stream at copy bandwidth, while a
@@ -149,7 +151,8 @@ def pack_reference(
     """torch reference of :func:`pack`: the same arithmetic (fp32 multiply, round to nearest even)."""
     layout = layout or FlatLayout.of(tensors)
     sources = [t.reshape(-1) for t in tensors]
-    if layout.total == sum(layout.numels) and (scale == 1.0 or out.dtype == torch.float32):
+    wide = out.dtype == torch.float64 or (out.dtype == torch.float32 and not _float64(out, tensors))
+    if layout.total == sum(layout.numels) and (scale == 1.0 or wide):
         # Back to back (no padding): one multi-threaded cat and one multiply over the whole bucket, the
         # baseline's own recipe (1.5 ms at 4M elements in 96 tensors, 2-core CPU) and still one rounding:
         # cat only widens (exact) or, with scale 1, casts once.
@@ -175,6 +178,10 @@ def unpack_reference(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale:
     return tensors
 
 
+def _float64(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+    return flat.dtype == torch.float64 or any(t.dtype == torch.float64 for t in tensors)
+
+
 def _scaled_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scale: float) -> None:
     """``dst = src * scale`` pairwise (same shapes), multiplied in fp32 and rounded once into dst's dtype.
 
@@ -182,15 +189,18 @@ def _scaled_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scale: fl
     4M elements in 96 tensors on the 2-core CPU machine, vs 1.62 ms for a Python loop of copy + mul.
     Into bf16/fp16 the product must be rounded once from fp32: ``torch.mul(..., out=)`` per tensor.
     """
+    f64 = torch.float64
     if scale == 1.0:
         torch._foreach_copy_(dsts, srcs)
-    elif all(d.dtype == torch.float32 for d in dsts):
+    elif all(d.dtype == f64 for d in dsts) or (
+        all(d.dtype == torch.float32 for d in dsts) and all(s.dtype != f64 for s in srcs)
+    ):  # widening copies are exact: one rounding, in the multiply (float64 destinations multiply in float64)
         torch._foreach_copy_(dsts, srcs)
         torch._foreach_mul_(dsts, scale)
     else:
         for dst, src in zip(dsts, srcs, strict=True):
             if dst.numel():
-                torch.mul(src if src.dtype == torch.float32 else src.float(), scale, out=dst)
+                torch.mul(src if src.dtype in (torch.float32, f64) else src.float(), scale, out=dst)
 
 
 def _validate(tensors, flat, scale, layout, flat_name):
@@ -204,12 +214,14 @@ def _validate(tensors, flat, scale, layout, flat_name):
     layout.check_buffer(flat, flat_name)
     layout.check_tensors(tensors)
     if flat.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{flat_name} has dtype {flat.dtype}; buckets are float32, bfloat16 or float16")
+        raise TypeError(f"{flat_name} has dtype {flat.dtype}; buckets are float32, bfloat16, float16 or float64")
     for i, t in enumerate(tensors):
         if t.device != flat.device:
             raise ValueError(f"tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}; move them together")
         if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"tensors[{i}] has dtype {t.dtype}; pack/unpack move float32, bfloat16 or float16")
+            raise TypeError(
+                f"tensors[{i}] has dtype {t.dtype}; pack/unpack move float32, bfloat16, float16 or float64"
+            )
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
     return tensors, layout
@@ -240,7 +252,7 @@ def pack(
     """
     tensors, layout = _validate(tensors, out, scale, layout, "out")
     tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    impl = pack_triton if use_triton(out) else pack_reference
+    impl = pack_triton if use_triton(out) and not _float64(out, tensors) else pack_reference
     return impl(tensors, out, scale, layout=layout)
 
 
@@ -269,7 +281,7 @@ def unpack(
     """
     tensors, layout = _validate(tensors, flat, scale, layout, "flat")
     targets = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    impl = unpack_triton if use_triton(flat) else unpack_reference
+    impl = unpack_triton if use_triton(flat) and not _float64(flat, tensors) else unpack_reference
     impl(flat, targets, scale, layout=layout)
     for t, target in zip(tensors, targets, strict=True):
         if target is not t:
