@@ -2,7 +2,7 @@
 
     python -m benchmarks.compression [--links 0,10,3,1,0.3,0.1] [--steps 2] [--rounds 7] [--batch 256]
 
-Three measurements, one JSON (``benchmarks/results/compression.json``):
+Four measurements, one JSON (``benchmarks/results/compression.json``):
 
 1. Wire bytes relative to dense fp32, scales and indices included, on a ``--numel`` (4M) fp32 buffer, so block
    padding does not count: (a) one rank's payload, ``payload_bytes(n) / 4n``; (b) the per-rank send volume of a
@@ -16,13 +16,21 @@ Three measurements, one JSON (``benchmarks/results/compression.json``):
    same math in plain torch ops (baseline / gpudist > 1: gpudist is faster). Median of interleaved rounds.
    GPU throughput needs a CUDA device: ``python -m benchmarks.kernels`` on a lent GPU (``"gpu": null`` here).
 3. End-to-end step time at world size 2 on Gloo: ``DDPModel`` + ``DDPOptimizer(SGD)`` (dense, async all-reduce
-   overlapped with backward) against ``DDPModel`` + ``GradientCompressionOptimizer(SGD, spec)`` (compressed
-   synchronously per bucket inside backward), interleaved round by round, at several link speeds. Loopback Gloo
+   overlapped with backward) against ``DDPModel`` + ``GradientCompressionOptimizer(SGD, spec)`` (each bucket
+   compressed and its collectives launched when ready, finished by the end of backward), PowerSGD at
+   ``--powersgd-rank`` among the specs, interleaved round by round, at several link speeds. On uncapped loopback
+   only, also: every spec with ``overlap=False`` (``"<spec> sync"``: each bucket reduced before backward goes on),
+   and torch's own ``DistributedDataParallel`` dense (``torch_ddp``) and with ``powerSGD_hook`` at the same rank
+   (``torch_powersgd``), on the same model, process group and loopback (torch's collectives do not go through
+   gpudist's backend, so the link cap below cannot slow them: they are measured uncapped only). Loopback Gloo
    is far faster than a network, so :class:`ThrottledGloo` makes every collective take at least
    ``latency + per-rank send bytes / bandwidth`` (one serial link per rank), charged on the bytes each op really
    moves: compressed runs gain exactly what their smaller payloads save. ``local_step`` (no communication) is
    the compute floor. Speedup = DDP step / compressed step at the same link speed. Variants and link speeds
    take turns round by round; each time is the median round at the slowest rank's pace.
+4. Convergence on the example task (examples/lm.py's TinyLM on its synthetic corpus, momentum SGD, 2 ranks):
+   final loss (mean of the last 20 steps) of dense DDP, gpudist PowerSGD and torch DDP + ``powerSGD_hook`` at
+   the same rank, steps and dense warm-up.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from gpudist.compression import CompressedChannel, parse_compressor
 from gpudist.fileio import atomic_write_json
 from gpudist.launch import WorkerPool, spawn
 
-from .ddp import make_model
+from .workloads import mlp as make_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"topk:0.01": 0.025, "int8": 0.27, "1bit": 0.04}
@@ -280,6 +288,23 @@ def codec_table(n: int, rounds: int) -> list[dict]:
 # 3. End to end over a capped link
 
 
+def torch_powersgd(model: torch.nn.Module, rank: int, start_iter: int, bucket_mb: float) -> torch.nn.Module:
+    """torch's ``DistributedDataParallel`` on the default process group, with ``powerSGD_hook`` at ``rank`` (its
+    defaults otherwise: error feedback, warm start, min_compression_rate 2) after ``start_iter`` dense steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+WARMUP_STEPS = 2
+"""Uncapped steps of every variant before timing: PowerSGD (both) starts compressing after them (torch's hook needs
+``start_powerSGD_iter >= 2`` with error feedback)."""
+
+
 def e2e_rank(
     comm,
     width: int,
@@ -291,21 +316,30 @@ def e2e_rank(
     links: list[float | None],
     specs: list[str],
     latency_s: float,
+    powersgd_rank: int,
 ) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
     link = ThrottledGloo(comm, latency_s=latency_s)
     torch.manual_seed(comm.rank)
     x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
     local = make_model(width, depth)
     local_opt = torch.optim.SGD(local.parameters(), lr=1e-4)
     setups = {"local_step": (local, local_opt)}
-    for spec in [None, *specs]:
+    for spec, overlap in [(None, True), *((s, True) for s in specs), *((s, False) for s in specs)]:
         config = gpudist.ShardingConfiguration(link, bucket_cap_mb=bucket_mb)
         model = gpudist.DDPModel(make_model(width, depth), config)
         sgd = torch.optim.SGD(model.parameters(), lr=1e-4)
         if spec is None:
             setups["ddp"] = (model, gpudist.DDPOptimizer(sgd, config))
         else:
-            setups[spec] = (model, gpudist.GradientCompressionOptimizer(sgd, config, spec, warmup_steps=0))
+            opt = gpudist.GradientCompressionOptimizer(sgd, config, spec, warmup_steps=0, overlap=overlap)
+            setups[spec if overlap else f"{spec} sync"] = (model, opt)
+    dense = DistributedDataParallel(make_model(width, depth), bucket_cap_mb=bucket_mb)
+    setups["torch_ddp"] = (dense, torch.optim.SGD(dense.parameters(), lr=1e-4))
+    hooked = torch_powersgd(make_model(width, depth), powersgd_rank, WARMUP_STEPS, bucket_mb)
+    setups["torch_powersgd"] = (hooked, torch.optim.SGD(hooked.parameters(), lr=1e-4))
+    uncapped_only = {f"{spec} sync" for spec in specs} | {"torch_ddp", "torch_powersgd"}
 
     def step(model, opt):
         F.cross_entropy(model(x), y).backward()
@@ -317,14 +351,16 @@ def e2e_rank(
     # link had its 1 Gbit/s row alone inflated (ddp 321 ms, top-k 460 ms against 250 and 320 ms at the speeds
     # beside it) while another process held a core for those ~20 s; round-robin spreads such a burst over all rows.
     for fn in variants.values():  # warm-up, uncapped
-        fn()
-    times: dict = {gbit: {name: [] for name in variants} for gbit in links}
+        for _ in range(WARMUP_STEPS):
+            fn()
+    measured = {gbit: {n: fn for n, fn in variants.items() if gbit is None or n not in uncapped_only} for gbit in links}
+    times: dict = {gbit: {name: [] for name in measured[gbit]} for gbit in links}
     waited = dict.fromkeys(links, 0.0)
     for _ in range(rounds):
         for gbit in links:
             link.set_link(gbit)
             before = link.waited_s
-            for name, t in interleaved_times(link, variants, steps, 1, warmup=False).items():
+            for name, t in interleaved_times(link, measured[gbit], steps, 1, warmup=False).items():
                 times[gbit][name].append(t)
             waited[gbit] += link.waited_s - before
     rows = [
@@ -339,6 +375,8 @@ def e2e_rank(
     link.set_link(None)
     wire = {}
     for name, fn in variants.items():  # one more step each: what the cap charges per step
+        if name.startswith("torch_"):
+            continue  # torch's collectives bypass gpudist's backend: nothing to count here
         before = link.wire_bytes
         fn()
         wire[name] = link.wire_bytes - before
@@ -349,6 +387,55 @@ def e2e_rank(
         "rows": rows,
         "wire_bytes_per_step": wire,
         "compression_report": reports,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Convergence on the example task
+
+
+def convergence_rank(comm, steps: int, rank: int, start_iter: int = 10, d_model: int = 64, seq_len: int = 32) -> dict:
+    """Dense DDP, gpudist PowerSGD and torch DDP + ``powerSGD_hook`` on the example task: same model, data, rank,
+    dense warm-up and momentum SGD; the loss per step (mean over ranks) and the mean of the last 20."""
+    import torch.distributed as dist
+
+    from examples.lm import SyntheticCorpus, TinyLM, lm_loss
+
+    corpus = SyntheticCorpus(0, seq_len)
+    data = [corpus.batches(s, 16, comm.rank, comm.world_size) for s in range(steps)]
+    curves, seconds = {}, {}
+    for variant in ("dense", "gpudist_powersgd", "torch_powersgd"):
+        net = TinyLM(SyntheticCorpus.vocab_size, d_model, 2, 4, seq_len, seed=0)
+        if variant == "torch_powersgd":
+            model = torch_powersgd(net, rank, start_iter, 25.0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            config = gpudist.ShardingConfiguration(comm)
+            model = gpudist.DDPModel(net, config)
+            opt = gpudist.DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
+            if variant == "gpudist_powersgd":
+                opt = gpudist.GradientCompressionOptimizer(opt, config, f"powersgd:{rank}:{start_iter}")
+        losses = []
+        start = time.perf_counter()
+        for x, y in data:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        seconds[variant] = time.perf_counter() - start
+        curve = torch.stack(losses)
+        dist.all_reduce(curve)
+        curves[variant] = (curve / comm.world_size).tolist()
+    return {
+        "task": "examples/lm.py TinyLM on SyntheticCorpus(0), 2 layers, 4 heads, global batch 16, SGD lr 0.05 m 0.9",
+        "d_model": d_model,
+        "steps": steps,
+        "rank": rank,
+        "start_iter": start_iter,
+        "final_loss": {k: statistics.fmean(v[-20:]) for k, v in curves.items()},
+        "seconds": seconds,
+        "loss_every_10": {k: v[::10] for k, v in curves.items()},
     }
 
 
@@ -411,11 +498,14 @@ def main() -> None:
     parser.add_argument("--links", default="0,10,3,1,0.3,0.1", help="link speeds in Gbit/s, 0 = uncapped")
     parser.add_argument("--latency-us", type=float, default=0.0, help="added to every capped op")
     parser.add_argument("--compressors", default="topk:0.01,topk:0.01:threshold,int8,1bit")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: wire, codec, e2e")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank, gpudist's and torch's hook")
+    parser.add_argument("--convergence-steps", type=int, default=300, help="steps of part 4 (the example task)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: wire, codec, e2e, convergence")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    specs = args.compressors.split(",")
+    powersgd = f"powersgd:{args.powersgd_rank}:{WARMUP_STEPS}"
+    specs = [*args.compressors.split(","), powersgd]
     links = _link_list(args.links)
     worlds = [int(w) for w in args.wire_worlds.split(",")]
     # One thread for the codecs, as each rank of parts 1 and 3 has (launch.py): with 2 threads on this 2-core VM
@@ -451,7 +541,7 @@ def main() -> None:
             )
         print("# gpu: null (no CUDA device here; python -m benchmarks.kernels on a lent GPU)")
 
-    pool = WorkerPool(2, timeout=600.0) if {"wire", "e2e"} - skip else None
+    pool = WorkerPool(2, timeout=600.0) if {"wire", "e2e", "convergence"} - skip else None
     try:
         if "wire" not in skip:
             rows = wire_table(args.numel, worlds, ["topk:0.01", "int8", "1bit", "none"], pool)
@@ -488,6 +578,7 @@ def main() -> None:
                 links=links,
                 specs=specs,
                 latency_s=args.latency_us * 1e-6,
+                powersgd_rank=args.powersgd_rank,
                 call_timeout=3600.0,
             )[0]
             for r in res["rows"]:
@@ -504,6 +595,20 @@ def main() -> None:
                         n: b * 8 / (r["gbit_per_s"] * 1e9) for n, b in res["wire_bytes_per_step"].items()
                     }
             pays = {spec: break_even(res["rows"], spec) for spec in specs}
+            uncapped = next((r for r in res["rows"] if r["gbit_per_s"] is None), None)
+            if uncapped is not None:
+                rs = uncapped["round_seconds"]
+
+                def paired(slow: str, fast: str) -> float:
+                    return statistics.median(a / b for a, b in zip(rs[slow], rs[fast], strict=True))
+
+                uncapped["overlap_speedup"] = {spec: paired(f"{spec} sync", spec) for spec in specs}
+                uncapped["speedup"] |= {f"{spec} sync": paired("ddp", f"{spec} sync") for spec in specs}
+                uncapped["gpudist_vs_torch"] = {
+                    "ddp": paired("torch_ddp", "ddp"),
+                    "powersgd": paired("torch_powersgd", powersgd),
+                    "torch_powersgd_vs_torch_ddp": paired("torch_ddp", "torch_powersgd"),
+                }
             doc["end_to_end"] = {
                 "world_size": 2,
                 "parameters": res["params"],
@@ -532,6 +637,33 @@ def main() -> None:
             )
             for spec in specs:
                 print(f"# {spec}: {pays[spec]['text']}")
+            if uncapped is not None:
+                s = uncapped["step_seconds"]
+                print("# uncapped loopback: overlapped (default) vs synchronous compression; speedup = ddp / it")
+                print(f"{'compressor':>22} {'overlap ms':>14} {'sync ms':>14} {'sync / overlap':>15}")
+                for spec in specs:
+                    over, sync = s[spec] * 1e3, s[f"{spec} sync"] * 1e3
+                    print(
+                        f"{spec:>22} {over:>6.1f} ({uncapped['speedup'][spec]:.2f}x) {sync:>6.1f} "
+                        f"({uncapped['speedup'][f'{spec} sync']:.2f}x) {uncapped['overlap_speedup'][spec]:>15.2f}"
+                    )
+                vs = uncapped["gpudist_vs_torch"]
+                print(
+                    f"# same model and loopback: torch DDP {s['torch_ddp'] * 1e3:.1f} ms, gpudist DDP "
+                    f"{s['ddp'] * 1e3:.1f} ms (torch / gpudist {vs['ddp']:.2f}); torch powerSGD_hook rank "
+                    f"{args.powersgd_rank} {s['torch_powersgd'] * 1e3:.1f} ms, gpudist {powersgd} "
+                    f"{s[powersgd] * 1e3:.1f} ms (torch / gpudist {vs['powersgd']:.2f})"
+                )
+
+        if "convergence" not in skip:
+            conv = pool.run(
+                convergence_rank, steps=args.convergence_steps, rank=args.powersgd_rank, call_timeout=3600.0
+            )[0]
+            doc["convergence"] = conv
+            print(
+                f"# example task (TinyLM d={conv['d_model']}, {conv['steps']} steps, momentum SGD, 2 ranks), mean loss "
+                f"of the last 20 steps: " + ", ".join(f"{k} {v:.4f}" for k, v in conv["final_loss"].items())
+            )
     finally:
         if pool is not None:
             pool.close()

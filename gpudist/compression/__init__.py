@@ -5,12 +5,13 @@ optimizers.
 :class:`gpudist.GradientCompressionOptimizer` plugs these channels into DDP, ZeRO-1 and ZeRO-2.
 """
 
-from .collectives import CompressedChannel, dense_bytes
+from .collectives import CompressedChannel, PendingReduction, PowerSGDChannel, dense_bytes, make_channel
 from .compressors import (
     Compressor,
     IdentityCompressor,
     Int8Compressor,
     OneBitCompressor,
+    PowerSGDCompressor,
     QuantizingCompressor,
     TopKCompressor,
     parse_compressor,
@@ -22,8 +23,12 @@ __all__ = [
     "IdentityCompressor",
     "Int8Compressor",
     "OneBitCompressor",
+    "PendingReduction",
+    "PowerSGDChannel",
+    "PowerSGDCompressor",
     "QuantizingCompressor",
     "TopKCompressor",
     "dense_bytes",
+    "make_channel",
     "parse_compressor",
 ]

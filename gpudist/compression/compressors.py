@@ -1,6 +1,6 @@
 """Gradient compressors: what one rank puts on the wire for a flat fp32 gradient, and how it is read back.
 
-Two families, told apart by the collective that is correct for their data (see :mod:`.collectives`):
+Three families, told apart by the collective that is correct for their data (see :mod:`.collectives`):
 
 - *Sparse* (:class:`TopKCompressor`): ``(values, indices)`` pairs. Two ranks' top-k sets differ, so the
   vectors cannot be summed element by element on the wire: they are all-gathered and scatter-added.
@@ -8,8 +8,12 @@ Two families, told apart by the collective that is correct for their data (see :
   "no compression" codec of the same path): every element has a code, blocks of ``block_size`` share a scale.
   They are reduced with the two-phase compressed all-reduce (all-to-all of compressed chunks, local reduce,
   compress again, all-gather).
+- *Low-rank* (:class:`PowerSGDCompressor`): each gradient matrix ``M`` (rows x cols) is sent as two thin factors,
+  ``P = M Q`` and ``Q = M^T P``, each summed over ranks by a plain all-reduce (sums of ``M_i Q`` are ``(sum M_i) Q``,
+  so the factors, unlike top-k sets, may be added on the wire).
 
-A compressor is stateless; residuals (error feedback) live in :class:`.collectives.CompressedChannel`.
+A compressor is stateless; residuals (error feedback) and PowerSGD's warm-start ``Q`` live in the channels of
+:mod:`.collectives`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "IdentityCompressor",
     "Int8Compressor",
     "OneBitCompressor",
+    "PowerSGDCompressor",
     "QuantizingCompressor",
     "TopKCompressor",
     "parse_compressor",
@@ -295,9 +300,102 @@ class IdentityCompressor(QuantizingCompressor):
         return ""
 
 
+class PowerSGDCompressor(Compressor):
+    """Rank-``r`` PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression"): one step of
+    subspace iteration per optimizer step, warm-started from the previous step's ``Q``.
+
+    Each tensor of a bucket is viewed as a matrix ``M`` (``shape[0]`` rows, the other dimensions as columns, as torch's
+    ``powerSGD_hook``). With ``Q`` (cols x r) orthonormal: ``P = sum_ranks M Q`` (all-reduce 1), ``P`` orthonormalized,
+    ``Q = sum_ranks M^T P / N`` (all-reduce 2), and every rank applies ``P Q^T``. Wire: fp32 ``(rows + cols) r`` per
+    matrix instead of ``rows x cols``. Tensors with fewer than 2 dimensions, and matrices where
+    ``(rows + cols) r x min_compression_rate >= rows x cols`` (too small to gain), are summed uncompressed, batched
+    into one dense all-reduce per bucket. Error feedback keeps ``M - P P^T M`` per rank (the paper's local residual).
+
+    Args:
+        rank: ``r``, the rank of the approximation (capped at ``min(rows, cols)`` per matrix).
+        start_iter: Optimizer steps of plain all-reduces before PowerSGD starts (torch's ``start_powerSGD_iter``):
+            :class:`gpudist.GradientCompressionOptimizer` warms up for ``max(warmup_steps, start_iter)`` steps.
+        min_compression_rate: Compress a matrix only when its dense size is more than this many times its factors'
+            (torch's default, 2); 0 compresses every matrix (at full rank PowerSGD then equals dense averaging).
+        warm_start: Start each step's power iteration from the previous step's ``Q`` (False: a fresh random ``Q``
+            every step, the same on every rank).
+
+    Raises:
+        ValueError: When ``rank`` is not an int >= 1, ``start_iter`` not an int >= 0, or ``min_compression_rate``
+            not a number >= 0.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int, start_iter: int = 0, min_compression_rate: float = 2.0, warm_start: bool = True):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"PowerSGDCompressor: rank={rank!r} must be an int >= 1, e.g. 4")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(
+                f"PowerSGDCompressor: start_iter={start_iter!r} must be an int >= 0 (steps before it starts)"
+            )
+        rate = min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+            raise ValueError(f"PowerSGDCompressor: min_compression_rate={rate!r} must be a number >= 0, e.g. 2")
+        self.rank, self.start_iter = rank, start_iter
+        self.min_compression_rate, self.warm_start = float(rate), bool(warm_start)
+
+    def matrix_rank(self, rows: int, cols: int) -> int:
+        """The rank used for a ``rows x cols`` matrix: ``min(rows, cols, rank)``.
+
+        Args:
+            rows: Rows of the matrix.
+            cols: Columns of the matrix.
+
+        Returns:
+            The rank of its approximation.
+        """
+        return min(rows, cols, self.rank)
+
+    def compresses(self, rows: int, cols: int) -> bool:
+        """Whether a ``rows x cols`` matrix is sent as factors: ``(rows + cols) r x min_compression_rate < rows cols``.
+
+        Args:
+            rows: Rows of the matrix.
+            cols: Columns of the matrix.
+
+        Returns:
+            True to compress it, False to sum it uncompressed.
+        """
+        return (rows + cols) * self.matrix_rank(rows, cols) * self.min_compression_rate < rows * cols
+
+    def wire_format(self) -> str:
+        return (
+            f"fp32 P[rows x {self.rank}] + Q[cols x {self.rank}] per matrix, two all-reduces; fp32 for tensors "
+            f"with < 2 dims or (rows + cols) r x {self.min_compression_rate:g} >= rows cols"
+        )
+
+    def payload_bytes(self, n: int) -> int:
+        """Bytes for ``n`` elements taken as a square matrix (``isqrt(n)`` rows and columns, the rest dense): a
+        low-rank payload depends on the shapes, which a size alone does not give.
+
+        Args:
+            n: Elements of the buffer.
+
+        Returns:
+            The payload's size in bytes.
+        """
+        side = math.isqrt(n)
+        if side and self.compresses(side, side):
+            return 4 * (2 * side * self.matrix_rank(side, side) + n - side * side)
+        return 4 * n
+
+    def _args(self) -> str:
+        return (
+            f"rank={self.rank}, start_iter={self.start_iter}, min_compression_rate={self.min_compression_rate:g}, "
+            f"warm_start={self.warm_start}"
+        )
+
+
 def parse_compressor(spec: str | Compressor) -> Compressor:
     """``"topk:0.01"``, ``"topk:0.01:threshold"``, ``"int8"``, ``"int8:128"``, ``"1bit"``, ``"1bit:512"``,
-    ``"none"`` -> a compressor (the command-line form used by ``examples/train.py --compression``).
+    ``"powersgd:4"``, ``"powersgd:4:100"`` (rank 4, plain all-reduces for the first 100 steps), ``"none"`` -> a
+    compressor (the command-line form used by ``examples/train.py --compression``).
 
     Args:
         spec: A spec string (case-insensitive), or a compressor, returned as it is.
@@ -308,7 +406,7 @@ def parse_compressor(spec: str | Compressor) -> Compressor:
     Raises:
         TypeError: When ``spec`` is neither a string nor a ``Compressor``.
         ValueError: When the spec is not one of those forms or its numbers are invalid (a ratio outside (0, 1], a
-            block size that is not a power of two from 32 to 4096, an unknown top-k mode).
+            block size that is not a power of two from 32 to 4096, an unknown top-k mode, a PowerSGD rank < 1).
     """
     if isinstance(spec, Compressor):
         return spec
@@ -322,6 +420,8 @@ def parse_compressor(spec: str | Compressor) -> Compressor:
             return Int8Compressor(*(int(a) for a in args))
         if name in ("1bit", "onebit") and len(args) <= 1:
             return OneBitCompressor(*(int(a) for a in args))
+        if name == "powersgd" and 1 <= len(args) <= 2:
+            return PowerSGDCompressor(*(int(a) for a in args))
         if name == "none" and not args:
             return IdentityCompressor()
     except ValueError as e:

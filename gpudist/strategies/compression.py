@@ -8,7 +8,9 @@ import torch
 
 from .. import kernels
 from ..checkpoint import Reader, Segments, Share, canonical, optimizer_pieces, stage_optimizer
-from ..compression import CompressedChannel, Compressor, parse_compressor
+from ..comm import shard_range
+from ..compression import Compressor, PendingReduction, PowerSGDCompressor, make_channel, parse_compressor
+from ..compression.collectives import CompressedChannel, PowerSGDChannel
 from ..config import ShardingConfiguration
 from ..flat import BufferSpec, assign_buckets
 from .ddp import DDPModel, DDPOptimizer
@@ -20,9 +22,23 @@ __all__ = ["CompressionHook", "GradientCompressionOptimizer"]
 
 
 class CompressionHook:
-    """The communication hook a :class:`GradientCompressionOptimizer` installs: one :class:`CompressedChannel`
-    per gradient buffer (built up front from the communicator's ``gradient_buffers()``), dense during warm-up,
-    and the byte accounting of every step."""
+    """The communication hook a :class:`GradientCompressionOptimizer` installs: one channel (a
+    :class:`~gpudist.compression.CompressedChannel`, or a :class:`~gpudist.compression.PowerSGDChannel`) per gradient
+    buffer (built up front from the communicator's ``gradient_buffers()``), dense during warm-up, and the byte
+    accounting of every step.
+
+    With ``overlap``, a bucket all-reduced during backward whose gradients live in the buffer (``param.grad`` views,
+    as ``DDPModel`` and ``ZeRO1Model`` keep them) is compressed and its first collective launched (async) at once;
+    the hook returns and backward goes on while it flies. Later stages (the two-phase all-reduce's second phase,
+    PowerSGD's ``Q`` round, the decode into the buffer) run when two more buckets have been launched since, and
+    whatever is left at the end of backward (an autograd callback, before ``backward()`` returns). Every rank launches
+    the same collectives in the same order, and each bucket's result is the synchronous one, bit for bit. Anything
+    else (a buffer that is a copy, a call outside backward, ``overlap=False``) is reduced before the call returns.
+    """
+
+    LAG = 2
+    """Buckets launched after a pending one before its next stage runs: its collectives have had that long to land,
+    and the stage's wait then rarely blocks (a GPU's compute stream waits on them from that point)."""
 
     def __init__(
         self,
@@ -33,17 +49,20 @@ class CompressionHook:
         warmup_steps: int,
         error_feedback: bool,
         local_gradients: bool = False,
+        overlap: bool = True,
     ):
         self.comm, self.compressor, self.buffers = comm, compressor, buffers
         self.warmup_steps, self.error_feedback = warmup_steps, error_feedback
         self.local_gradients = local_gradients
         """After warm-up, leave every rank's own gradients in place (momentum compression communicates at step)."""
+        self.overlap = overlap
         device = next((s[2].device for spec in buffers.values() for s in spec.spans), torch.device("cpu"))
-        self.channels = {
-            key: CompressedChannel(
+        self.channels: dict[int, CompressedChannel | PowerSGDChannel] = {
+            key: make_channel(
                 comm,
                 compressor,
                 spec.numel,
+                [(pos, tuple(p.shape)) for pos, n, p, at in spec.spans if at == 0 and n == p.numel()],
                 device=device,
                 scatter=spec.op == "reduce_scatter",
                 error_feedback=error_feedback,
@@ -54,6 +73,10 @@ class CompressionHook:
         self.last_step = {"sent_bytes": 0, "dense_bytes": 0}
         self.total = {"sent_bytes": 0, "dense_bytes": 0}
         self._mark = (0, 0)
+        self._pending: list[PendingReduction] = []
+        self._callback_queued = False
+        self.overlapped = 0
+        """Bucket all-reduces launched during backward and finished later (for tests and reports)."""
 
     @property
     def compressing(self) -> bool:
@@ -70,18 +93,66 @@ class CompressionHook:
         return channel
 
     def all_reduce(self, key: int, tensor: torch.Tensor) -> None:
+        """Average bucket ``key`` (``tensor``, its flat gradients) over ranks: at once, or launched now and finished by
+        the end of backward (see the class docstring)."""
         if self.local_gradients and self.compressing:
             return
-        self._channel(key, "all_reduce").all_reduce(tensor, compress=self.compressing)
+        channel = self._channel(key, "all_reduce")
+        if not (self.overlap and _in_backward() and _holds_the_gradients(self.buffers[key], tensor)):
+            self.flush()  # ranks launch collectives in the same order: whatever is pending goes first
+            channel.all_reduce(tensor, compress=self.compressing)
+            return
+        self._pending.append(channel.start_all_reduce(tensor, compress=self.compressing))
+        self.overlapped += 1
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        for pending in self._pending[: -self.LAG]:
+            pending.advance()
+        self._pending = [p for p in self._pending if not p.done]
+
+    def all_reduce_many(self, buffers: list[tuple[int, torch.Tensor]]) -> None:
+        """Average several buffers (``(key, tensor)``, in key order on every rank), every one's first collective
+        launched before any is waited for (``overlap``), or one after the other."""
+        if self.local_gradients and self.compressing:
+            return
+        self.flush()
+        if not self.overlap:
+            for key, tensor in buffers:
+                self._channel(key, "all_reduce").all_reduce(tensor, compress=self.compressing)
+            return
+        self._pending = [
+            self._channel(key, "all_reduce").start_all_reduce(tensor, compress=self.compressing)
+            for key, tensor in buffers
+        ]
+        self.flush()
 
     def all_reduce_compressed(self, key: int, tensor: torch.Tensor) -> None:
         """Average ``tensor`` (buffer ``key``'s layout) compressed, whatever the warm-up says."""
+        self.flush()
         self._channel(key, "all_reduce").all_reduce(tensor, compress=True)
 
     def reduce_scatter(self, key: int, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self.flush()
         self._channel(key, "reduce_scatter").reduce_scatter(inp, out, compress=self.compressing)
 
+    def flush(self) -> None:
+        """Finish every pending all-reduce, stage by stage across them (each stage's collectives of all buckets are
+        launched before the next stage waits for any), in launch order on every rank."""
+        try:
+            while self._pending:
+                for pending in self._pending:
+                    pending.advance()
+                self._pending = [p for p in self._pending if not p.done]
+        finally:
+            self._pending = []
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self.flush()
+
     def end_step(self) -> None:
+        self.flush()
         sent = sum(c.sent_bytes for c in self.channels.values())
         dense = sum(c.dense_bytes for c in self.channels.values())
         self.last_step = {"sent_bytes": sent - self._mark[0], "dense_bytes": dense - self._mark[1]}
@@ -99,6 +170,7 @@ class CompressionHook:
             "compressor": self.compressor.describe(),
             "error_feedback": self.error_feedback,
             "compress": "momentum" if self.local_gradients else "gradients",
+            "overlap": self.overlap,
             "warmup_steps": self.warmup_steps,
             "steps": self.steps,
             "compressing": self.compressing,
@@ -106,6 +178,25 @@ class CompressionHook:
             "total": {**self.total, "ratio": ratio(self.total)},
             "residual_norm": sum(c.residual_norm() ** 2 for c in self.channels.values()) ** 0.5,
         }
+
+
+def _in_backward() -> bool:
+    """Whether an autograd backward pass is running on this thread (so a final callback can be queued)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _holds_the_gradients(spec: BufferSpec, tensor: torch.Tensor) -> bool:
+    """Whether every parameter's ``.grad`` in ``spec`` is a view of ``tensor`` at its span: then writing the average
+    into ``tensor`` later still reaches the gradients (a copy, e.g. ``gradient_as_bucket_view=False``, would be
+    unpacked before that)."""
+    base, size = tensor.data_ptr(), tensor.element_size()
+    for pos, _, param, at in spec.spans:
+        grad = param.grad
+        if grad is None or grad.dtype != tensor.dtype or not grad.is_contiguous():
+            return False
+        if grad.data_ptr() != base + (pos - at) * size:
+            return False
+    return True
 
 
 class GradientCompressionOptimizer(ShardedOptimizer):
@@ -118,8 +209,15 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     all-gather stays dense (parameters have no error feedback to absorb the loss).
 
     ``compressor``: a :mod:`gpudist.compression` compressor or its spec string (``"topk:0.01"``, ``"int8"``,
-    ``"1bit"``). The first ``warmup_steps`` steps communicate uncompressed (early gradients are large and
-    change fast).
+    ``"1bit"``, ``"powersgd:4"``). The first ``warmup_steps`` steps communicate uncompressed (early gradients are
+    large and change fast); PowerSGD's ``start_iter`` counts as warm-up too (the longer of the two). PowerSGD
+    compresses all-reduces only: a ``ZeRO2Model`` or a ZeRO optimizer's own reduce-scatter is refused with it.
+
+    ``overlap`` (default): a model's bucket is compressed and its collective launched as soon as its gradients are
+    ready, and the result lands in the gradients by the end of ``backward()`` (see :class:`CompressionHook`), so
+    backward compute runs while compressed buckets are on the wire; with a plain module every bucket is launched
+    before any is waited for. Results equal ``overlap=False`` (each bucket reduced before backward goes on) bit for
+    bit. ZeRO-2's reduce-scatters are always synchronous (its model reads each bucket's result during backward).
 
     ``compress="momentum"`` (momentum SGD only, replicated state: a plain module or ``DDPModel``) communicates
     the momentum instead of the gradient, the way DeepSpeed's 1-bit Adam does: after warm-up each rank forms
@@ -128,8 +226,9 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     (1-bit) compression needs it: the momentum changes slowly, so the residual stays small, while compressing
     raw gradients with error feedback piles large entries into the residual (measured in the README).
 
-    Residuals (worker and server) are part of :meth:`state_dict` and of gpudist checkpoints, saved per rank and
-    resharded when loaded at another world size. ``communication_report()`` and the model's
+    Residuals (worker and server) and PowerSGD's warm-start ``Q`` are part of :meth:`state_dict` and of gpudist
+    checkpoints, saved per rank (``Q``: one copy, the same on every rank) and resharded when loaded at another
+    world size. ``communication_report()`` and the model's
     ``get_model_metadata()["compression"]`` give the bytes sent against the dense equivalent.
 
     Args:
@@ -140,6 +239,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         warmup_steps: Optimizer steps that communicate uncompressed first (>= 0).
         error_feedback: Keep what compression loses in residuals and send it later; False drops it.
         compress: ``"gradients"`` or ``"momentum"``, as described above.
+        overlap: Launch compressed bucket collectives during backward and finish them by its end, as described above.
 
     Raises:
         TypeError: When ``optimizer`` is not a ``torch.optim.Optimizer`` or is another gpudist optimizer than
@@ -147,7 +247,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             ``ShardedModel``, ``compressor`` is neither a compressor nor a string, the paired model is not a
             ``DDPModel``, ``ZeRO1Model`` or ``ZeRO2Model`` or does not match the wrapped optimizer (a
             ``ZeRO2Model`` needs a ``ZeRO2Optimizer`` and only it), or ``compress="momentum"`` gets a sharding
-            optimizer or one that is not ``torch.optim.SGD``.
+            optimizer or one that is not ``torch.optim.SGD``, or PowerSGD gets a setup that reduce-scatters gradients
+            (ZeRO-2, or a ``ZeRO1Optimizer`` / ``ZeRO2Optimizer`` with a plain module).
         ValueError: When ``compress`` or ``warmup_steps`` is invalid, the compressor spec is not understood, the
             wrapped optimizer was built from another configuration, or (``compress="momentum"``) a parameter group
             does not have momentum > 0, dampening 0, no Nesterov and no ``maximize``.
@@ -164,6 +265,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         warmup_steps: int = 0,
         error_feedback: bool = True,
         compress: str = "gradients",
+        overlap: bool = True,
     ):
         inner = optimizer if isinstance(optimizer, ShardedOptimizer) else None
         if compress not in ("gradients", "momentum"):
@@ -215,6 +317,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             cap = config.bucket_cap_bytes()
             self._buckets = [[params[i] for i in sorted(ix)] for ix in assign_buckets(params, cap, cap)]
         self.compress = compress
+        if isinstance(compressor, PowerSGDCompressor):
+            warmup_steps = max(warmup_steps, compressor.start_iter)
         self.hook = CompressionHook(
             self.comm,
             compressor,
@@ -222,6 +326,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             warmup_steps=warmup_steps,
             error_feedback=error_feedback,
             local_gradients=compress == "momentum",
+            overlap=bool(overlap),
         )
         if self._communicator is not self:
             self._communicator.register_comm_hook(self.hook)
@@ -240,6 +345,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     def reduce_gradients(self) -> None:
         if self._communicator is not self:
             return  # the model's hook (or the wrapped ZeRO optimizer) communicated them, compressed
+        flats = []
         for i, bucket in enumerate(self._buckets):
             for p in bucket:
                 if p.grad is None:
@@ -247,8 +353,10 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             grads = [p.grad for p in bucket]
             flat = torch.empty(self.hook.buffers[i].numel, dtype=torch.float32, device=grads[0].device)
             kernels.pack(grads, flat)
-            self.hook.all_reduce(i, flat)
-            kernels.unpack(flat, grads)
+            flats.append((i, flat))
+        self.hook.all_reduce_many(flats)
+        for (_, flat), bucket in zip(flats, self._buckets, strict=True):
+            kernels.unpack(flat, [p.grad for p in bucket])
 
     # -- stepping ----------------------------------------------------------------------------------------------------
 
@@ -264,6 +372,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         Returns:
             The closure's loss, or None without a closure.
         """
+        self.hook.flush()  # nothing is pending after a backward; this guards gradients produced any other way
         if self.compress == "momentum" and self.hook.compressing:
             loss = None
             if closure is not None:
@@ -330,6 +439,19 @@ class GradientCompressionOptimizer(ShardedOptimizer):
                     spans.append((pos + ppos - at, n, name, c))
             yield channel, spans
 
+    def _warm_start_names(self, segmap: dict[int, Segments]):
+        """PowerSGD channels' compressed tensors with a canonical name: (channel, offset in its buffer, name). A
+        tensor that is not one whole canonical tensor (none in the setups this optimizer supports) has no name and
+        starts again from a random ``Q`` after a load."""
+        for key, channel in self.hook.channels.items():
+            if not isinstance(channel, PowerSGDChannel):
+                continue
+            at_offset = {pos: param for pos, n, param, at in self.hook.buffers[key].spans if at == 0}
+            for offset in channel.warm_start_sizes():
+                segments = segmap.get(id(at_offset[offset]), [])
+                if len(segments) == 1 and segments[0][0] == 0 and segments[0][3] == 0:
+                    yield channel, offset, segments[0][2]
+
     def _target(self):
         """The optimizer holding the model state: the wrapped ZeRO optimizer, or the torch optimizer (DDP)."""
         return self.inner if self.inner is not None else self.optimizer
@@ -337,7 +459,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     def checkpoint_pieces(self, segmap: dict[int, Segments], share: Share, rank: int, world: int):
         """The wrapped optimizer's pieces, then the error-feedback residuals. A worker residual is per rank
         (``residual.worker.<rank>``, the whole buffer); server residuals are one canonical tensor split over the ranks
-        (``residual.server``).
+        (``residual.server``), and so is PowerSGD's warm-start ``Q`` of each compressed parameter (``powersgd.q``,
+        ``cols x r`` elements, the same on every rank).
 
         Args:
             segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
@@ -361,6 +484,12 @@ class GradientCompressionOptimizer(ShardedOptimizer):
                     if a < b:
                         piece = values[a - start : b - start]
                         pieces[f"residual.server|{name}|{c + a - pos}"] = piece.detach().cpu().clone()
+        for channel, offset, name in self._warm_start_names(segmap):
+            q = channel.warm_start_state().get(offset)
+            if q is not None:
+                lo, hi = shard_range(q.numel(), world, rank)
+                if lo < hi:
+                    pieces[f"powersgd.q|{name}|{lo}"] = q[lo:hi].detach().cpu().clone()
         meta = {
             "compressor": repr(self.compressor),
             "steps": self.hook.steps,
@@ -368,6 +497,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             "error_feedback": self.hook.error_feedback,
             "compress": self.compress,
         }
+        if isinstance(self.compressor, PowerSGDCompressor):
+            meta["powersgd_rank"] = self.compressor.rank
         return pieces, scalars, {**desc, "compression": meta}
 
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
@@ -419,11 +550,19 @@ class GradientCompressionOptimizer(ShardedOptimizer):
                         part = reader.read("residual.server", name, c + a - pos, b - a, torch.float32)
                         server[a - start : b - start] = part
             staged.append((channel, worker, server))
+        warm: dict[int, dict[int, torch.Tensor]] = {}
+        same_rank = meta is not None and meta.get("powersgd_rank") == getattr(self.compressor, "rank", None)
+        for channel, offset, name in self._warm_start_names(segmap) if same_rank else ():
+            if reader.has("powersgd.q", name):
+                size = channel.warm_start_sizes()[offset]
+                warm.setdefault(id(channel), {})[offset] = reader.read("powersgd.q", name, 0, size, torch.float32)
 
         def finish() -> None:
             finish_inner()
             for channel, worker, server in staged:
                 channel.load_residuals(worker, server)
+                if id(channel) in warm:
+                    channel.load_warm_start(warm[id(channel)])
             if meta is not None:
                 self.hook.steps = int(meta["steps"])
 
@@ -434,7 +573,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 
         Returns:
             ``{"inner": the wrapped optimizer's state_dict, "compression": {steps, world size, rank, mode,
-            residuals}}``; it loads back only at the same world size (:meth:`load_state_dict`).
+            residuals, warm_start}}`` (``warm_start``: PowerSGD's ``Q`` per buffer and offset); it loads back only at
+            the same world size (:meth:`load_state_dict`).
         """
         inner = self.inner.state_dict() if self.inner is not None else self.optimizer.state_dict()
         residuals = {}
@@ -453,6 +593,11 @@ class GradientCompressionOptimizer(ShardedOptimizer):
                 "rank": self.comm.rank,
                 "compress": self.compress,
                 "residuals": residuals,
+                "warm_start": {
+                    key: {offset: q.clone() for offset, q in channel.warm_start_state().items()}
+                    for key, channel in self.hook.channels.items()
+                    if isinstance(channel, PowerSGDChannel)
+                },
             },
         }
 
@@ -486,6 +631,8 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             super().load_state_dict(state_dict["inner"])
         for key, channel in self.hook.channels.items():
             channel.load_residuals(meta["residuals"][key]["worker"], meta["residuals"][key]["server"])
+            if isinstance(channel, PowerSGDChannel) and key in meta.get("warm_start", {}):
+                channel.load_warm_start(meta["warm_start"][key])
         self.hook.steps = int(meta["steps"])
 
 
