@@ -22,7 +22,7 @@ install() {
 import os, sys, gpudist, pytest_timeout, matplotlib
 sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('$here/gpudist/__init__.py'))") >/dev/null 2>&1; then
         echo "dev.sh: installing gpudist (editable) with its test and examples extras"
-        "$PY" -m pip install --quiet -e ".[test,examples]"
+        "$PY" -m pip install --quiet -e ".[test,examples,hf]"
         echo "$want" > "$stamp"
     fi
 }

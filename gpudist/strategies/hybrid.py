@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from .layout import ParallelLayout, make_groups
 from .model import ShardedModel, module_table
 from .optimizer import DataParallelWrapper
 from .pipeline import SCHEDULES, PipelineParallelModel
+from .pipeline.adapters import BlocksArg, PipelineParts, find_adapter, pipeline_parts
 from .tensor import Plan, VocabParallelOutput, apply_plan, validate_plan
 from .zero import data_parallel_optimizer
 
@@ -39,7 +41,8 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
     ``plan`` (needed when ``tensor_parallel_size > 1``) names the layers to split, as for
     :class:`~gpudist.TensorParallelModel` (e.g. ``tinylm_plan`` in examples/lm.py). ``blocks`` turns the
     (converted) module into the ``nn.Sequential`` the pipeline splits (e.g. ``examples/lm.py``'s ``as_sequential``);
-    without it the module must be an ``nn.Sequential``, or ``pipeline_parallel_size`` 1.
+    without it the module must be an ``nn.Sequential``, a decoder model a model adapter recognises (Hugging Face
+    Llama, GPT-2: see :class:`~gpudist.PipelineParallelModel`), or ``pipeline_parallel_size`` 1.
 
     Train with :meth:`train_step` on every rank; each replica passes its own slice of the batch, the ranks of one
     replica the same slice. ``loss_fn=None`` uses the vocabulary-parallel cross-entropy when the plan has a
@@ -61,7 +64,8 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         plan: Module name -> style (``PLAN_STYLES``), or a function of the module returning one; needed when
             ``tensor_parallel_size > 1``.
         blocks: A function of the converted module returning its blocks in order (an ``nn.Sequential`` or a
-            sequence of modules); needed when ``pipeline_parallel_size > 1`` and ``module`` is not a sequence.
+            sequence of modules), or the dotted name of a decoder model's block list; needed when
+            ``pipeline_parallel_size > 1`` and ``module`` is neither a sequence nor a model an adapter recognises.
         micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         balance: How blocks are split into stages: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
@@ -69,8 +73,8 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
     Raises:
         TypeError: When ``config`` is not a :class:`~gpudist.ShardingConfiguration`, ``module`` is not an
             ``nn.Module`` or is already wrapped, ``pipeline_parallel_size > 1`` without ``blocks`` for a module
-            that is not an ``nn.Sequential``, or ``plan`` is not a non-empty mapping (or a function returning one)
-            or maps a submodule to a style that does not convert its type.
+            that is neither an ``nn.Sequential`` nor a model an adapter recognises, or ``plan`` is not a non-empty
+            mapping (or a function returning one) or maps a submodule to a style that does not convert its type.
         ValueError: When a size is not an int >= 1 (``data_parallel_size``: or -1) or the sizes do not multiply to
             the world size, ``tensor_parallel_size > 1`` without a plan, ``schedule`` or ``micro_batches`` is
             invalid, ``balance`` does not fit the blocks (or there are more stages than blocks), a plan entry is
@@ -90,7 +94,7 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         data_parallel_size: int = -1,
         *,
         plan: Plan | None = None,
-        blocks: Callable[[nn.Module], nn.Sequential | Sequence[nn.Module]] | None = None,
+        blocks: BlocksArg = None,
         micro_batches: int = 4,
         schedule: str = "1f1b",
         balance: str | Sequence[int] = "parameters",
@@ -106,12 +110,14 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
                 "e.g. plan=examples/lm.py's tinylm_plan or {'mlp.fc1': 'colwise', 'mlp.fc2': "
                 "'rowwise'}"
             )
-        if blocks is None and pipeline_parallel_size > 1 and not isinstance(module, (nn.Sequential, list, tuple)):
-            raise TypeError(
-                f"pipeline_parallel_size={pipeline_parallel_size} splits an nn.Sequential; "
-                f"{type(module).__name__} is not one: pass blocks=, a function returning the module's "
-                "blocks in order (e.g. examples/lm.py's as_sequential)"
-            )
+        try:
+            self._adapter = find_adapter(module, blocks, "HybridShardedModel")
+        except TypeError as e:
+            if pipeline_parallel_size > 1:
+                raise TypeError(
+                    f"pipeline_parallel_size={pipeline_parallel_size}: {e} (e.g. examples/lm.py's as_sequential)"
+                ) from None
+            self._adapter = None  # one stage: the module is its one block
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -122,21 +128,38 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         self.micro_batches, self.schedule = micro_batches, schedule
         ShardedModel.__init__(self, module, config)
 
-    def _prepare(self, module: nn.Module) -> tuple[nn.Sequential, list[dict]]:
-        """Split the planned layers over the tensor group (in place), then return the blocks to pipeline."""
+    def _prepare(self, module: nn.Module) -> tuple[PipelineParts, list[dict]]:
+        """Split the planned layers over the tensor group (in place), then return the parts to pipeline."""
         table = module_table(module)  # the full shapes, before splitting
         plan, tp = self._setup["plan"], self.layout.tensor_parallel_size
         entries = validate_plan(module, plan(module) if callable(plan) else plan, tp) if plan is not None else []
         self.tensor_group = make_groups(self.comm, self.layout.groups("tensor"))
         self._splits, output = apply_plan(module, entries, self.tensor_group) if entries else ({}, None)
         self.vocab_start = None if output is None else module.get_submodule(output).output_start
-        blocks = self._setup["blocks"]
-        seq = blocks(module) if blocks is not None else module
-        if isinstance(seq, (list, tuple, nn.ModuleList)):
-            seq = nn.Sequential(*seq)
-        if not isinstance(seq, nn.Sequential):
-            seq = nn.Sequential(module)  # one block: pipeline_parallel_size is 1 (checked in __init__)
-        return seq, table
+        return pipeline_parts(module, self._setup["blocks"], self._adapter), table
+
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
+        """The pipelined step; ``loss_fn`` None: the vocabulary-parallel cross-entropy with a ``vocab_output``
+        layer, else the model adapter's loss (a Hugging Face causal LM's, ``targets`` being its labels).
+
+        Raises:
+            ValueError: When ``loss_fn`` is None for an adapted model whose head is split by vocabulary (its
+                labels are not shifted the way :meth:`cross_entropy` expects: pass a loss).
+        """
+        if loss_fn is None and self._adapter is not None:
+            if self.vocab_start is not None:
+                raise ValueError(
+                    "HybridShardedModel.train_step: pass loss_fn for a model adapter with a vocabulary-split head, "
+                    "e.g. lambda logits, labels: model.cross_entropy(logits[:, :-1], labels[:, 1:])"
+                )
+            loss_fn = self._adapter.loss
+        return super().train_step(inputs, targets, loss_fn, optimizer)
 
 
 class HybridShardedOptimizer(DataParallelWrapper):

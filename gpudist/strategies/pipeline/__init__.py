@@ -15,10 +15,28 @@ The loss is computed on the last stage (``loss_fn`` must average over its micro-
 embedding and output head) are kept on each stage that uses them and their gradients are summed between those
 stages after backward. With ``world_size = num_stages x d``, ``d`` replicas of the pipeline train on their own
 slices of the batch and average gradients, stage by stage, at the end of the step.
+
+Activations between stages may be tuples or dicts of tensors (a padding mask travels with the hidden states). A
+decoder model needs no wrappers: a model adapter (:mod:`.adapters`: Hugging Face Llama-like models and GPT-2)
+finds its block list and runs its own embeddings, side inputs (position ids, rotary embeddings, causal/padding
+mask) and head on the right stages, and checkpoints keep the model's own parameter names.
 """
 
+from .adapters import ADAPTERS, DecoderAdapter, GPT2Adapter, LlamaAdapter, register_adapter
 from .model import PipelineParallelModel
 from .p2p import StageLink
 from .schedule import SCHEDULES, partition_blocks, schedule_bubble, stage_schedule
 
-__all__ = ["SCHEDULES", "PipelineParallelModel", "StageLink", "partition_blocks", "schedule_bubble", "stage_schedule"]
+__all__ = [
+    "ADAPTERS",
+    "SCHEDULES",
+    "DecoderAdapter",
+    "GPT2Adapter",
+    "LlamaAdapter",
+    "PipelineParallelModel",
+    "StageLink",
+    "partition_blocks",
+    "register_adapter",
+    "schedule_bubble",
+    "stage_schedule",
+]

@@ -2,10 +2,11 @@
 
 Messages: receives are posted ahead, each op's and the next forward's and backward's before the op computes, so they
 land while it runs (on Gloo a receive posted late costs a round trip: the payload waits for it). Every micro-batch's
-activation has the shape announced by the step's shape message; the first activation's receive is posted with the
-previous step's shape before that message arrives, and a sender whose shape changed sends a dummy of the old shape
-first, so both ends always agree. The loss (averaged over replicas on the last stage) travels back one stage at a
-time behind the last gradient.
+activation (a tensor, tuple or dict of tensors) has the spec announced by the step's spec message; the first
+activation's receives are posted with the previous step's spec before that message arrives, and a sender whose spec
+changed sends dummies of the old one first, so both ends always agree. Gradients travel back for the tensors the
+spec marks as needing one (not for a padding mask or position ids). The loss (averaged over replicas on the last
+stage) travels back one stage at a time behind the last gradient.
 
 Where point-to-point runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
 together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go out at once
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ...comm import ReductionOperation
-from .p2p import META_LEN, StageLink
+from .p2p import META_LEN, ActivationSpec, StageLink, flatten_activation, unflatten_activation
 
 __all__ = ["StepExecutor", "receive_plan"]
 
@@ -57,11 +58,11 @@ class StepExecutor:
         *,
         first: bool,
         last: bool,
-        inputs: list[torch.Tensor] | None,
+        inputs: list[Any] | None,
         targets: list[Any] | None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         data_group=None,
-        stage_output: Callable[[Any], torch.Tensor] = lambda y: y,
+        stage_output: Callable[[Any], Any] = lambda y: y,
     ):
         self.module, self.link, self.order = module, link, order
         self.first, self.last = first, last
@@ -71,13 +72,14 @@ class StepExecutor:
         self.ordered = link.group.ordered_p2p
         self.outbox: list | None = [] if self.ordered else None
         self.pending: list = []  # (Work, tensors it holds) of every op posted this step
-        self.acts: dict[int, tuple[torch.Tensor, Any]] = {}  # posted receives: activations from stage s - 1
-        self.grads: dict[int, tuple[torch.Tensor, Any]] = {}  # and gradients from stage s + 1
+        self.acts: dict[int, tuple[list[torch.Tensor], Any]] = {}  # posted receives: activations from stage s - 1
+        self.grads: dict[int, tuple[list[torch.Tensor], Any]] = {}  # and gradients from stage s + 1
         self.posted_f = self.posted_b = 0
-        self.shape = None  # (shape, dtype) of the activations received this step
-        self.out = None  # and of those sent
+        self.spec: ActivationSpec | None = None  # of the activations received this step
+        self.out: ActivationSpec | None = None  # and of those sent
         self.loss_recv = None
-        self.in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per micro-batch: the received tensors that need a gradient, and the outputs that carry one (or the loss)
+        self.in_flight: dict[int, tuple[list[torch.Tensor], Any]] = {}
         # On the device, written by a device copy per micro-batch: the host reads the loss once, after the step.
         self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device=link.device)
         self.max_in_flight = 0
@@ -91,12 +93,12 @@ class StepExecutor:
             meta = None
             if not self.first:
                 meta = link.post_recv(torch.Size([META_LEN]), torch.int64, -1, self.pending, self.outbox)
-                if link.received_shape is not None and not self.ordered:  # speculatively, with the last step's shape
-                    self.acts[0], self.posted_f = link.post_recv(*link.received_shape, -1), 1
+                if link.received_spec is not None and not self.ordered:  # speculatively, with the last step's spec
+                    self.acts[0], self.posted_f = link.post_recvs(link.received_spec.buffers, -1), 1
             for k, (kind, i) in enumerate(self.order):
                 if not self.first:
-                    if self.shape is None:  # the first op, F0: learn the step's shape
-                        self._learn_shape(meta)
+                    if self.spec is None:  # the first op, F0: learn the step's spec
+                        self._learn_spec(meta)
                     self._post_activations(ahead_f[k])
                 if self.out is not None:
                     self._post_gradients(ahead_b[k])
@@ -123,23 +125,23 @@ class StepExecutor:
 
     # -- receives -------------------------------------------------------------------------------------------------
 
-    def _learn_shape(self, meta) -> None:
+    def _learn_spec(self, meta) -> None:
         link = self.link
         meta[1].wait()
-        self.shape = link.decode_meta(meta[0])
-        if self.posted_f and self.shape != link.received_shape:  # the speculative receive gets a dummy
+        self.spec = link.decode_spec(meta[0])
+        if self.posted_f and self.spec != link.received_spec:  # the speculative receives get dummies
             self.acts.pop(0)[1].wait()
             self.posted_f = 0
-        link.received_shape = self.shape
+        link.received_spec = self.spec
 
     def _post_activations(self, upto: int) -> None:
         while self.posted_f <= upto:
-            received = self.link.post_recv(*self.shape, -1, self.pending, self.outbox)
+            received = self.link.post_recvs(self.spec.buffers, -1, self.pending, self.outbox)
             self.acts[self.posted_f], self.posted_f = received, self.posted_f + 1
 
     def _post_gradients(self, upto: int) -> None:
         while self.posted_b <= upto:
-            received = self.link.post_recv(*self.out, +1, self.pending, self.outbox)
+            received = self.link.post_recvs(self.out.gradients, +1, self.pending, self.outbox)
             self.grads[self.posted_b], self.posted_b = received, self.posted_b + 1
         if self.posted_b == self.micro_batches and self.loss_recv is None and not self.ordered:
             self.loss_recv = self.link.post_recv(torch.Size([1]), torch.float64, +1)
@@ -147,12 +149,16 @@ class StepExecutor:
     # -- ops ------------------------------------------------------------------------------------------------------
 
     def _forward(self, i: int) -> None:
+        needs_grad: list[torch.Tensor] = []
         if self.first:
             x = self.inputs[i]
         else:
-            x, work = self.acts.pop(i)
+            received, work = self.acts.pop(i)
             work.wait()
-            x.requires_grad_(x.is_floating_point())
+            for t, (_, _, grad) in zip(received, self.spec.leaves, strict=True):
+                if grad:  # as on the sending stage
+                    needs_grad.append(t.requires_grad_())
+            x = unflatten_activation(self.spec, received)
         t0 = time.perf_counter()
         y = self.stage_output(self.module(x))
         if self.last:
@@ -164,37 +170,45 @@ class StepExecutor:
             self.losses[i] = y.detach().reshape(())
         self.busy += time.perf_counter() - t0
         if not self.last:
+            spec = self.link.check_sendable(y)
             if i == 0:
-                self._announce(y)
-            self.link.send(y.detach(), +1, self.pending, self.outbox)
-        self.in_flight[i] = (x, y)
+                self._announce(spec)
+            elif spec != self.out:
+                raise ValueError(
+                    f"PipelineParallelModel: stage {self.link.stage}'s output for micro-batch {i} is {spec}, but "
+                    f"micro-batch 0's was {self.out}; every micro-batch's activation must have the same shapes"
+                )
+            _, tensors = flatten_activation(y)
+            for t in tensors:
+                self.link.send(t.detach(), +1, self.pending, self.outbox)
+            y = [t for t in tensors if t.requires_grad]
+        self.in_flight[i] = (needs_grad, y)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
-    def _announce(self, y: torch.Tensor) -> None:
-        """Send the step's shape message; if the shape changed since the last step, first a dummy of the old shape
-        for the receive the next stage posted speculatively."""
+    def _announce(self, spec: ActivationSpec) -> None:
+        """Send the step's spec message; if the spec changed since the last step, first dummies of the old spec for
+        the receives the next stage posted speculatively."""
         link = self.link
-        link.check_sendable(y)
-        self.out = (y.shape, y.dtype)
-        link.send(link.encode_meta(y), +1, self.pending, self.outbox)
-        if link.sent_shape not in (None, self.out) and not self.ordered:  # the receiver's guess
-            shape, dtype = link.sent_shape
-            link.send(torch.zeros(shape, dtype=dtype, device=link.device), +1, self.pending)
-        link.sent_shape = self.out
+        self.out = spec
+        link.send(link.encode_spec(spec), +1, self.pending, self.outbox)
+        if link.sent_spec not in (None, self.out) and not self.ordered:  # the receiver's guess
+            for shape, dtype in link.sent_spec.buffers:
+                link.send(torch.zeros(shape, dtype=dtype, device=link.device), +1, self.pending)
+        link.sent_spec = self.out
 
     def _backward(self, i: int) -> None:
         x, y = self.in_flight.pop(i)
         if not self.last:
-            grad, work = self.grads.pop(i)
+            grads, work = self.grads.pop(i)
             work.wait()
         t0 = time.perf_counter()
         if self.last:
             (y / self.micro_batches).backward()
-        else:
-            torch.autograd.backward(y, grad)
+        elif y:
+            torch.autograd.backward(y, grads)
         self.busy += time.perf_counter() - t0
-        if not self.first:
-            self.link.send(x.grad if x.grad is not None else torch.zeros_like(x), -1, self.pending, self.outbox)
+        for t in x:
+            self.link.send(t.grad if t.grad is not None else torch.zeros_like(t), -1, self.pending, self.outbox)
 
     def _loss(self) -> torch.Tensor:
         """The step's loss: computed on the last stage (averaged over replicas), passed back stage by stage."""

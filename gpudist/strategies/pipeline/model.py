@@ -16,24 +16,70 @@ from ...flat import exchange_bytes, reduce_gradients_in
 from ..layout import ParallelLayout, make_groups
 from ..model import ShardedModel, module_table, replica_share
 from ..tensor import held_segments
+from .adapters import BlocksArg, DecoderAdapter, PipelineParts, find_adapter, pipeline_parts
 from .executor import StepExecutor
-from .p2p import DTYPES, META_LEN, StageLink
+from .p2p import META_LEN, StageLink, flatten_activation, unflatten_activation
 from .schedule import SCHEDULES, partition_blocks, stage_schedule
 
 __all__ = ["PipelineParallelModel"]
 
 
-class _Stage(nn.Sequential):
-    """One stage's blocks; keeps the blocks' names in the full model."""
+def call_block(block: nn.Module, x: Any) -> Any:
+    """``block`` applied to the previous block's output: a tensor as its argument, a tuple as its positional
+    arguments, a dict as its keyword arguments."""
+    if isinstance(x, tuple):
+        return block(*x)
+    if isinstance(x, dict):
+        return block(**x)
+    return block(x)
+
+
+class _Stage(nn.Module):
+    """One stage: its blocks, named by their index in the model's block list ("3", not "0"), and with a model
+    adapter the glue it runs (``embed_tokens`` on the first stage, ``norm``/``lm_head`` on the last, ...)."""
+
+    def __init__(
+        self,
+        blocks: dict[int, nn.Module],
+        glue: dict[str, nn.Module],
+        adapter: DecoderAdapter | None,
+        first: bool,
+        last: bool,
+    ):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+        for name, module in glue.items():
+            self.add_module(name, module)
+        self.block_names = [str(index) for index in blocks]
+        self.adapter, self.is_first, self.is_last = adapter, first, last
+
+    def forward(self, x: Any) -> Any:
+        blocks = [self._modules[name] for name in self.block_names]
+        if self.adapter is not None:
+            return self.adapter.run_stage(self, blocks, x, self.is_first, self.is_last)
+        for block in blocks:
+            x = call_block(block, x)
+        return x
 
 
 class PipelineParallelModel(ShardedModel):
-    """Pipeline parallelism: ``module`` (an ``nn.Sequential`` or a list of blocks) split into ``num_stages``
-    stages of consecutive blocks, one per rank (``num_stages`` defaults to the world size; a smaller count that
-    divides it makes ``world_size / num_stages`` data-parallel replicas of the pipeline).
+    """Pipeline parallelism: ``module``'s blocks split into ``num_stages`` stages of consecutive blocks, one per
+    rank (``num_stages`` defaults to the world size; a smaller count that divides it makes
+    ``world_size / num_stages`` data-parallel replicas of the pipeline).
+
+    The blocks are ``module`` itself when it is an ``nn.Sequential`` or a list of blocks; those ``blocks(module)``
+    returns; or, for a decoder model a :mod:`model adapter <.adapters>` recognises (Hugging Face Llama, Mistral,
+    Qwen2/3 and GPT-2 causal LMs), its own block list (``model.layers``, ``transformer.h``, or the dotted name
+    ``blocks`` gives), with the model's glue run as its ``forward`` does: the embeddings on the first stage, the
+    position ids, rotary embeddings and causal/padding mask on every stage, the final norm and head on the last.
+    Pass such a model's ``input_ids`` (or a dict with ``attention_mask``, ``position_ids``) as inputs and its
+    ``labels`` as targets: ``loss_fn=None`` is the model's causal-LM loss.
 
     Stages are balanced by parameter count (``balance="parameters"``), ``"uniform"`` in block count, or given as
-    a list of blocks per stage. Each block takes and returns one tensor. Train with :meth:`train_step`, which runs
+    a list of blocks per stage. A block gets the previous block's output: a tensor as its argument, a tuple as its
+    positional arguments, a dict as its keyword arguments (integer tensors such as a padding mask travel with the
+    activations; gradients only for the tensors that need one). Train with :meth:`train_step`, which runs
     the ``schedule`` ("1f1b" or "gpipe") over ``micro_batches`` micro-batches and returns the global batch's loss
     on every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the output on
     every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
@@ -42,20 +88,26 @@ class PipelineParallelModel(ShardedModel):
 
     Saving: :meth:`full_state_dict` and ``save_model("x.safetensors")`` give the full module on every rank
     (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
-    optimizer over ``model.parameters()``) hold each element once under the full module's names, a tied parameter
-    written by the first stage holding it, and load into any strategy and stage count.
+    optimizer over ``model.parameters()``) hold each element once under the full module's names (a Hugging Face
+    model's own names: they load into the unwrapped model, and back), a tied parameter written by the first stage
+    holding it, and load into any strategy and stage count.
 
     Args:
-        module: The full model, an ``nn.Sequential`` or a list (or ``nn.ModuleList``) of blocks; every rank builds
-            the same one and keeps only its stage's blocks.
+        module: The full model: an ``nn.Sequential`` or a list (or ``nn.ModuleList``) of blocks, a model with
+            ``blocks``, or a decoder model an adapter recognises; every rank builds the same one and keeps only its
+            stage's part.
         config: The settings shared with the optimizer; ``config.backend`` is the world group.
         num_stages: Pipeline stages; it must divide the world size (None: the world size, no replicas).
         micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         balance: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
+        blocks: A function of ``module`` returning its blocks in order (an ``nn.Sequential`` or a list; names stay
+            ``module``'s), or the dotted name of a decoder model's block list; None: ``module`` is the sequence, or
+            an adapter finds the block list.
 
     Raises:
-        TypeError: When ``module`` is neither an ``nn.Sequential`` nor a list of blocks.
+        TypeError: When ``module`` is neither a sequence of blocks nor a model an adapter recognises (the error
+            names what each adapter looked for) and ``blocks`` is not given.
         ValueError: When ``schedule`` is unknown, ``micro_batches`` is not an int >= 1, ``num_stages`` does not
             divide the world size, there are more stages than blocks or ``balance`` does not fit them, or ranks
             wrap modules whose parameter names, shapes or dtypes differ.
@@ -71,32 +123,38 @@ class PipelineParallelModel(ShardedModel):
         micro_batches: int = 4,
         schedule: str = "1f1b",
         balance: str | Sequence[int] = "parameters",
+        *,
+        blocks: BlocksArg = None,
     ):
         if isinstance(module, (list, tuple, nn.ModuleList)):
             module = nn.Sequential(*module)
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"PipelineParallelModel splits an nn.Sequential or a list of blocks, got "
-                f"{type(module).__name__}; pass its layers in order, e.g. nn.Sequential(embed, *blocks, "
-                "head), each taking and returning one tensor"
-            )
+        self._adapter = find_adapter(module, blocks, "PipelineParallelModel")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
         world = config.backend.world_size
-        self._setup = {"layout": ParallelLayout.resolve(world, num_stages or world), "balance": balance}
+        self._setup = {
+            "layout": ParallelLayout.resolve(world, num_stages or world),
+            "balance": balance,
+            "blocks": blocks,
+        }
         self.micro_batches, self.schedule = micro_batches, schedule
         super().__init__(module, config)
 
     # -- construction ----------------------------------------------------------------------------------------------
 
-    def _prepare(self, module: nn.Module) -> tuple[nn.Sequential, list[dict]]:
-        """The blocks to split and the full model's parameter table (names, shapes), before any splitting.
+    def _prepare(self, module: nn.Module) -> tuple[PipelineParts, list[dict]]:
+        """The parts to split and the full model's parameter table (names, shapes), before any splitting.
         HybridShardedModel converts tensor-parallel layers here."""
         self._splits: dict[str, Any] = {}  # parameter name -> how tensor parallelism cut it (none here)
         self.tensor_group = None
-        return module, module_table(module)
+        return pipeline_parts(module, self._setup["blocks"], self._adapter), module_table(module)
+
+    @property
+    def adapter(self) -> DecoderAdapter | None:
+        """The model adapter running the model's glue (None for a sequence of blocks)."""
+        return self._adapter
 
     def traffic_settings(self) -> dict[str, Any]:
         """The base settings, plus the schedule, the micro-batch count and the stage balance (they decide every
@@ -106,6 +164,7 @@ class PipelineParallelModel(ShardedModel):
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
             "balance": str(self._setup.get("balance")),
+            "adapter": self._adapter.family if self._adapter is not None else None,
         }
 
     def initialize_sharding(self) -> None:
@@ -114,17 +173,31 @@ class PipelineParallelModel(ShardedModel):
         self.layout = layout
         self.pipeline_parallel_rank, self.data_parallel_rank, self.tensor_parallel_rank = layout.coords(self.rank)
         root = self.module
-        full, self._table = self._prepare(root)
-        blocks = list(full)
+        parts, self._table = self._prepare(root)
+        blocks = parts.blocks
+        num_stages = layout.pipeline_parallel_size
         seen: set[int] = set()
         costs = []
-        for block in blocks:  # a parameter shared with an earlier block costs nothing more
-            costs.append(sum(p.numel() for p in block.parameters() if id(p) not in seen))
-            seen.update(id(p) for p in block.parameters())
-        counts = partition_blocks(costs, layout.pipeline_parallel_size, self._setup["balance"])
+        for i, block in enumerate(blocks):  # a parameter shared with an earlier block costs nothing more
+            modules = [
+                *(parts.first.values() if i == 0 else ()),
+                block,
+                *(parts.last.values() if i == len(blocks) - 1 else ()),
+            ]
+            params = [p for m in modules for p in m.parameters()]
+            costs.append(sum(p.numel() for p in dict.fromkeys(params) if id(p) not in seen))
+            seen.update(id(p) for p in params)
+        counts = partition_blocks(costs, num_stages, self._setup["balance"])
         starts = [sum(counts[:s]) for s in range(len(counts))]
         self.stage_blocks = [(a, a + c) for a, c in zip(starts, counts, strict=True)]
         """``[first, end)`` block indices of every stage."""
+
+        def stage_modules(s: int) -> dict[str, nn.Module]:
+            """Stage ``s``'s modules: glue (first stage, every stage, last stage) and blocks, by name in the stage."""
+            a, b = self.stage_blocks[s]
+            out = dict(parts.first) if s == 0 else {}
+            out |= {str(i): blocks[i] for i in range(a, b)} | parts.every
+            return out | (parts.last if s == num_stages - 1 else {})
 
         # Where each parameter of the full model lives: its name (hence offset and shape in the full vector) and
         # the stages that hold it. The first holder owns it in gather_full_parameters.
@@ -135,24 +208,31 @@ class PipelineParallelModel(ShardedModel):
             self._place[row["name"]], offset = (offset, numel, torch.Size(row["shape"])), offset + numel
         self._full_numel = offset
         holders: dict[int, list[int]] = {}
-        for s, (a, b) in enumerate(self.stage_blocks):
-            for block in blocks[a:b]:
-                for p in block.parameters():
-                    if s not in holders.setdefault(id(p), []):
-                        holders[id(p)].append(s)
-        unplaced = [n for n, p in full.named_parameters() if id(p) not in self._name_of]
+        stage_params = []
+        for s in range(num_stages):
+            stage_params.append(list(dict.fromkeys(p for m in stage_modules(s).values() for p in m.parameters())))
+            for p in stage_params[s]:
+                holders.setdefault(id(p), []).append(s)
+        unplaced = [
+            f"{name}.{n}"
+            for s in range(num_stages)
+            for name, m in stage_modules(s).items()
+            for n, p in m.named_parameters()
+            if id(p) not in self._name_of
+        ]
         if unplaced:
             raise ValueError(
                 f"{type(self).__name__}: the blocks hold parameters the module does not name "
                 f"({unplaced[:3]}); build the blocks from the module's own layers"
             )
+        outside = [row["name"] for row in self._table if id(root.get_parameter(row["name"])) not in holders]
+        if outside:
+            raise ValueError(
+                f"{type(self).__name__}: {len(outside)} parameters of the module are in none of the blocks "
+                f"({outside[:3]}); every parameter must belong to a block, or it would never train or be saved"
+            )
         self._stage_names = [
-            [
-                self._name_of[id(p)]
-                for p in dict.fromkeys(q for blk in blocks[a:b] for q in blk.parameters())
-                if holders[id(p)][0] == s
-            ]
-            for s, (a, b) in enumerate(self.stage_blocks)
+            [self._name_of[id(p)] for p in stage_params[s] if holders[id(p)][0] == s] for s in range(num_stages)
         ]
         """Names of the parameters each stage owns, in the order it sends them in gather_full_parameters."""
         self._stage_numel = [sum(self._place[n][1] for n in names) for names in self._stage_names]
@@ -164,16 +244,21 @@ class PipelineParallelModel(ShardedModel):
         ]
         buffer_names = {id(b): n for n, b in root.named_buffers()}
         buffer_stage: dict[int, int] = {}
-        for s, (a, b) in enumerate(self.stage_blocks):
-            for block in blocks[a:b]:
-                for buf in block.buffers():
+        for s in range(num_stages):
+            for module in stage_modules(s).values():
+                for buf in module.buffers():
                     buffer_stage.setdefault(id(buf), s)
 
         stage = self.pipeline_parallel_rank
         a, b = self.stage_blocks[stage]
-        self.module = _Stage()
-        for i, block in enumerate(blocks[a:b]):  # keep the full model's block names ("3", not "0")
-            self.module.add_module(str(a + i), block)
+        mine = stage_modules(stage)
+        self.module = _Stage(
+            {i: blocks[i] for i in range(a, b)},
+            {name: m for name, m in mine.items() if not name.isdigit()},
+            parts.adapter,
+            first=stage == 0,
+            last=stage == num_stages - 1,
+        )
         params = list(self.module.parameters())
         self._stage_params = params
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
@@ -261,31 +346,40 @@ class PipelineParallelModel(ShardedModel):
 
     # -- training ----------------------------------------------------------------------------------------------------
 
-    def _stage_output(self, output: Any) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(
-                f"PipelineParallelModel: stage {self.pipeline_parallel_rank} (blocks "
-                f"{self.stage_blocks[self.pipeline_parallel_rank]}) returned {type(output).__name__}; "
-                "every block must return one tensor"
-            )
-        return output
-
     def _micro(self, value: Any, what: str) -> list[Any]:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"PipelineParallelModel.train_step: {what} must be a tensor, got {type(value).__name__}")
-        if value.shape[0] % self.micro_batches:
-            raise ValueError(
-                f"PipelineParallelModel.train_step: {what} has batch size {value.shape[0]}, not a "
-                f"multiple of micro_batches={self.micro_batches}; pass a batch divisible by it (each "
-                "micro-batch must have the same size so their mean losses average to the batch's)"
+        """``value`` (a tensor, or a tuple/dict of tensors with the batch first) as ``micro_batches`` pieces."""
+        try:
+            spec, tensors = flatten_activation(value)
+        except TypeError:
+            raise TypeError(
+                f"PipelineParallelModel.train_step: {what} must be a tensor, or a tuple or dict of tensors, got "
+                f"{type(value).__name__}"
+            ) from None
+        for t in tensors:
+            if t.dim() == 0 or t.shape[0] % self.micro_batches:
+                raise ValueError(
+                    f"PipelineParallelModel.train_step: {what} has batch size {t.shape[0] if t.dim() else 0}, not "
+                    f"a multiple of micro_batches={self.micro_batches}; pass a batch divisible by it (each "
+                    "micro-batch must have the same size so their mean losses average to the batch's)"
+                )
+        pieces = [t.chunk(self.micro_batches) for t in tensors]
+        return [unflatten_activation(spec, [p[m] for p in pieces]) for m in range(self.micro_batches)]
+
+    def _loss_fn(self, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
+        if loss_fn is not None:
+            return loss_fn
+        if self._adapter is None:
+            raise TypeError(
+                "PipelineParallelModel.train_step: pass loss_fn(outputs, targets); only a model a model adapter "
+                "splits (a Hugging Face causal LM) has a default loss"
             )
-        return list(value.chunk(self.micro_batches))
+        return self._adapter.loss
 
     def train_step(
         self,
         inputs: Any,
         targets: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> float:
         """One pipelined step on this replica's batch (every stage of the replica passes the same ``inputs`` and
@@ -297,20 +391,25 @@ class PipelineParallelModel(ShardedModel):
         Messages and their order: :mod:`.executor`.
 
         Args:
-            inputs: This replica's input batch (a tensor; read on the first stage only).
-            targets: This replica's targets (a tensor; read on the last stage only).
-            loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, returning a scalar loss averaged over it.
+            inputs: This replica's input batch (a tensor, or a tuple or dict of tensors split along their first
+                dimension: a decoder's ``input_ids``, ``attention_mask``, ``position_ids``); read on the first stage
+                only.
+            targets: This replica's targets (a tensor, tuple or dict, split the same way; a decoder's ``labels``);
+                read on the last stage only.
+            loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, returning a scalar loss averaged over it;
+                None: the adapter's loss (the model's causal-LM loss, with ``-100`` labels ignored: with padding,
+                give every micro-batch the same number of counted tokens for the mean to be the batch's).
             optimizer: Stepped and zeroed after the gradients are complete; None leaves the step to the caller.
 
         Returns:
             The global batch's mean loss, the same on every rank.
 
         Raises:
-            TypeError: When ``inputs`` (first stage) or ``targets`` (last stage) is not a tensor, or a stage's
-                blocks return something other than one tensor.
+            TypeError: When ``inputs`` (first stage) or ``targets`` (last stage) is not a tensor, tuple or dict of
+                tensors, a stage's blocks return anything else, or ``loss_fn`` is None without a model adapter.
             ValueError: When the batch size is not a multiple of ``micro_batches``, ``loss_fn`` does not return a
-                one-element tensor, or a stage's output cannot be sent (too many dimensions or an unsupported
-                dtype).
+                one-element tensor, or a stage's output cannot be sent (an unsupported dtype, or micro-batches of
+                different shapes).
         """
         self.train()
         first, last = self.is_first_stage, self.is_last_stage
@@ -323,9 +422,8 @@ class PipelineParallelModel(ShardedModel):
             last=last,
             inputs=self._micro(inputs, "inputs") if first else None,
             targets=self._micro(targets, "targets") if last else None,
-            loss_fn=loss_fn,
+            loss_fn=self._loss_fn(loss_fn) if last else loss_fn,
             data_group=self.data_group if self.data_parallel_size > 1 else None,
-            stage_output=self._stage_output,
         )
         loss = executor.run()
         self.last_schedule = executor.report()
@@ -346,20 +444,21 @@ class PipelineParallelModel(ShardedModel):
 
     # -- inference ---------------------------------------------------------------------------------------------------
 
-    def forward(self, inputs: Any) -> torch.Tensor:
+    def forward(self, inputs: Any) -> Any:
         """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step.
 
         Args:
             inputs: The input batch (read on the first stage only).
 
         Returns:
-            The last stage's output, broadcast to every rank.
+            The last stage's output (a tensor, tuple or dict of tensors: an adapted decoder's logits), broadcast
+            to every rank.
 
         Raises:
             RuntimeError: When called in training mode with gradients enabled (use :meth:`train_step`,
                 :meth:`predict` or ``torch.no_grad()``).
-            TypeError: When a stage's blocks return something other than one tensor.
-            ValueError: When a stage's output cannot be sent (too many dimensions or an unsupported dtype).
+            TypeError: When a stage's blocks return something other than a tensor, tuple or dict of tensors.
+            ValueError: When a stage's output cannot be sent (an unsupported dtype).
         """
         if torch.is_grad_enabled() and self.training:
             raise RuntimeError(
@@ -368,25 +467,27 @@ class PipelineParallelModel(ShardedModel):
                 "in predict() or under torch.no_grad()"
             )
         pending: list = []
+        last = self.num_stages - 1
         with torch.no_grad():
-            x = inputs if self.is_first_stage else self.link.recv(*self.link.recv_meta(), -1)
-            y = self._stage_output(self.module(x))
+            x = inputs if self.is_first_stage else self.link.recv_activation()
+            y = self.module(x)
             if not self.is_last_stage:
-                self.link.send_meta(y, pending)
-                self.link.send(y, +1, pending)
+                self.link.send_activation(y, pending)
             for work, _ in pending:
                 work.wait()
             if self.is_last_stage:
-                self.link.check_sendable(y)
-                meta = self.link.encode_meta(y)
+                meta = self.link.encode_spec(self.link.check_sendable(y))
             else:
                 meta = torch.zeros(META_LEN, dtype=torch.int64, device=self.comm.device)
-            last = self.num_stages - 1
             self.pipeline_group.broadcast(meta, last)
-            shape, dtype = torch.Size(meta[2 : 2 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
-            out = y.contiguous() if self.is_last_stage else torch.empty(shape, dtype=dtype, device=self.comm.device)
-            self.pipeline_group.broadcast(out, last)
-        return out
+            spec = self.link.decode_spec(meta)
+            if self.is_last_stage:
+                out = [t.contiguous() for t in flatten_activation(y)[1]]
+            else:
+                out = [torch.empty(shape, dtype=dtype, device=self.comm.device) for shape, dtype in spec.buffers]
+            for t in out:
+                self.pipeline_group.broadcast(t, last)
+        return unflatten_activation(spec, out)
 
     # -- parameters as one flat vector -------------------------------------------------------------------------------
 
