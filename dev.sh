@@ -13,15 +13,15 @@ install() {
         echo "dev.sh: torch not found; installing torch==2.13.0 (CPU build)"
         "$PY" -m pip install --quiet "torch==2.13.0"
     fi
-    # Re-install gpudist (editable, with test and examples extras) when pyproject.toml changed or it is not importable.
+    # Re-install gpudist (editable, with test, examples and hf extras) when pyproject.toml changed or it is not importable.
     local stamp=".dev-installed" here="$PWD" want
     want="$("$PY" -c 'import sys; print(sys.executable)') $(cksum < pyproject.toml)"
     # Also when the gpudist that imports belongs to another checkout (checked from / so that this folder's own
     # gpudist/ does not shadow the installed one).
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! (cd / && "$PY" -c "
-import os, sys, gpudist, pytest_timeout, matplotlib
+import os, sys, gpudist, pytest_timeout, matplotlib, transformers
 sys.exit(os.path.realpath(gpudist.__file__) != os.path.realpath('$here/gpudist/__init__.py'))") >/dev/null 2>&1; then
-        echo "dev.sh: installing gpudist (editable) with its test and examples extras"
+        echo "dev.sh: installing gpudist (editable) with its test, examples and hf extras"
         "$PY" -m pip install --quiet -e ".[test,examples,hf]"
         echo "$want" > "$stamp"
     fi

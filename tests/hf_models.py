@@ -63,7 +63,7 @@ def _llama_template(key: tuple) -> torch.nn.Module:
 
 
 def tiny_gpt2(dtype: torch.dtype = torch.float32, layers: int = 2):
-    """A 2-layer GPT-2 (n_embd 64, 4 heads, tied embedding and head), vocabulary 256, positions 64."""
+    """A 2-layer GPT-2 (n_embd 64, 4 heads, tied embedding and head, no dropout), vocabulary 256, positions 64."""
     key = ("gpt2", layers)
     with _LOCK:
         return copy.deepcopy(_gpt2_template(key)).to(dtype)
@@ -76,7 +76,16 @@ def _gpt2_template(key: tuple) -> torch.nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            resid_pdrop=0.0,  # no dropout: strategies are compared with one process, value for value
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

@@ -69,15 +69,15 @@ HOST_SYNC_BUDGET = {
     "zero3": 0,
     "fsdp": 0,
     "compression": 0,
-    # pipeline/model.py train_step returns float(loss) (documented: the global batch's loss on every rank); the
-    # later stages also read the shape message on the host (pipeline/p2p.py decode_meta: meta.tolist()).
-    "pipeline": 2,
+    # The stages after the first read the step's first message on the host (pipeline/p2p.py decode_spec: the
+    # structure, shapes and dtypes of the activations, which may change from step to step) to allocate the buffers
+    # they receive into; the loss stays on the device (train_step returns it as a tensor).
+    "pipeline": 1,
     # None: tensor-parallel activations' collectives skip the per-op signature check where it costs a host sync
     # (tensor/mappings.py activation_check).
     "tensor": 0,
-    # Second stage: float(loss) and decode_meta as the pipeline's, and pipeline/executor.py _loss's validated
-    # all-reduce (its signature all-gather read on the host and the comparison's bool(): 2).
-    "hybrid": 4,
+    # The pipeline's decode_spec; the loss's average over replicas runs unchecked (one float64, by construction).
+    "hybrid": 1,
 }
 """Host syncs per rank in a steady-state training step (the most any rank makes). The target is 0 unless
 documented; where today's code makes more, the budget is what it makes (measured), with where each comes from."""

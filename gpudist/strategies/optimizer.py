@@ -345,7 +345,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             epoch_sum, epoch_steps = 0.0, 0
             for inputs, targets in batches(epoch) if callable(batches) else batches:
                 if isinstance(model, ShardedModel):
-                    local = model.train_step(inputs, targets, loss_fn, self)
+                    local = float(model.train_step(inputs, targets, loss_fn, self))  # fit reports every step
                 else:
                     loss = loss_fn(model(inputs), targets)
                     loss.backward()

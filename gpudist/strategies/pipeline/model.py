@@ -381,7 +381,7 @@ class PipelineParallelModel(ShardedModel):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """One pipelined step on this replica's batch (every stage of the replica passes the same ``inputs`` and
         ``targets``; only the first stage reads ``inputs``, only the last ``targets``). Gradients are accumulated
         over the micro-batches, summed over stages for shared parameters and averaged over replicas; then
@@ -402,7 +402,8 @@ class PipelineParallelModel(ShardedModel):
             optimizer: Stepped and zeroed after the gradients are complete; None leaves the step to the caller.
 
         Returns:
-            The global batch's mean loss, the same on every rank.
+            The global batch's mean loss, the same on every rank: a 0-dim float64 tensor on the device that reads as
+            a number (``float(loss)``); it stays there, so the step makes no host sync for it.
 
         Raises:
             TypeError: When ``inputs`` (first stage) or ``targets`` (last stage) is not a tensor, tuple or dict of
@@ -432,7 +433,7 @@ class PipelineParallelModel(ShardedModel):
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
-        return float(loss)
+        return loss.reshape(())
 
     @torch.no_grad()
     def synchronize_gradients(self) -> None:
@@ -507,17 +508,22 @@ class PipelineParallelModel(ShardedModel):
         """The full model's parameters in its ``parameters()`` order, identical on every rank (collective).
 
         Returns:
-            A 1-D float32 tensor of :meth:`parameter_count` elements on the backend's device.
+            A 1-D tensor of :meth:`parameter_count` elements on the backend's device: float64 when any stage holds
+            float64 parameters, else float32.
         """
         width = max(self._stage_numel)
-        mine = torch.zeros(width, dtype=torch.float32, device=self.comm.device)
         names = self._stage_names[self.pipeline_parallel_rank]
+        f64 = any(p.dtype == torch.float64 for p in self.module.parameters())
+        wide = torch.tensor([int(f64)], dtype=torch.int64, device=self.comm.device)
+        self.pipeline_group.all_reduce(wide, ReductionOperation.MAX)  # one dtype on every stage for the gather
+        dtype = torch.float64 if bool(wide) else torch.float32
+        mine = torch.zeros(width, dtype=dtype, device=self.comm.device)
         if names:
-            own = torch.cat([self._full_value(n).reshape(-1).float() for n in names])
+            own = torch.cat([self._full_value(n).reshape(-1).to(dtype) for n in names])
             mine[: own.numel()] = own
-        everyone = torch.empty(width * self.num_stages, dtype=torch.float32, device=self.comm.device)
+        everyone = torch.empty(width * self.num_stages, dtype=dtype, device=self.comm.device)
         self.pipeline_group.all_gather(mine, everyone)
-        out = torch.empty(self._full_numel, dtype=torch.float32, device=self.comm.device)
+        out = torch.empty(self._full_numel, dtype=dtype, device=self.comm.device)
         for s, stage_names in enumerate(self._stage_names):
             at = s * width
             for n in stage_names:

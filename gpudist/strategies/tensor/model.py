@@ -107,7 +107,7 @@ class VocabParallelOutput:
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """The base class's step; ``loss_fn`` None means :meth:`cross_entropy` (needs a ``vocab_output`` layer). A
         given ``loss_fn`` gets the module's output as it is (split logits with a ``vocab_output`` layer). The base
         class's errors (e.g. a loss that is not one element) pass through.
@@ -119,7 +119,7 @@ class VocabParallelOutput:
             optimizer: Stepped and zeroed after backward; None leaves the step to the caller.
 
         Returns:
-            The loss as a float, as the base class's ``train_step`` returns it.
+            The loss as the base class's ``train_step`` returns it (a 0-dim tensor on the device).
 
         Raises:
             ValueError: When ``loss_fn`` is None without a ``vocab_output`` layer.
