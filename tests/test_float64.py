@@ -13,7 +13,18 @@ import gpudist
 from gpudist import ShardingConfiguration
 from gpudist.testing import run_ranks
 
-from .helpers import OPTIMIZERS, STAGES, STEPS, batch, flat, fresh_net, initial_state
+from .helpers import (
+    OPTIMIZERS,
+    STAGES,
+    STEPS,
+    batch,
+    flat,
+    fresh_net,
+    global_batch,
+    initial_state,
+    mlp,
+    pipeline_reference,
+)
 from .tolerances import reference_bound, unit_roundoff
 
 F64_STRATEGIES = ["ddp", 1, 2, 3, "fsdp"]
@@ -78,3 +89,22 @@ def test_float64_checkpoint_keeps_its_dtype(tmp_path, strategy):
     gpudist.load_checkpoint(tmp_path / "ckpt", net, opt)
     assert torch.equal(flat(net), results[0][0])
     assert {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"} == {torch.float64}
+
+
+def _pipeline(comm):
+    model = gpudist.PipelineParallelModel(mlp().double(), ShardingConfiguration(comm), micro_batches=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = global_batch(step)
+        model.train_step(x.double(), y.double(), F.mse_loss, opt)
+    return model.gather_full_parameters()
+
+
+def test_float64_pipeline_gathers_float64():
+    """Catches a pipeline that trains a float64 model but gathers its parameters as float32 (it did): the gathered
+    vector is float64 and within the float64 bound of one process on the same batches."""
+    (ref32, _), (ref64, _) = pipeline_reference(3, dtype=torch.float32), pipeline_reference(3, dtype=torch.float64)
+    bound = reference_bound(ref32, ref64) * unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
+    for params in run_ranks(_pipeline, 2, "inmemory"):
+        assert params.dtype == torch.float64
+        assert float((params - ref64.to(params)).abs().max()) <= bound
