@@ -6,17 +6,17 @@
 Two measurements, one JSON (``benchmarks/results/pipeline.json``):
 
 1. Throughput on 2 stages (world 2, Gloo, spawned processes on 127.0.0.1, one intra-op thread each since the two
-   ranks share the cores). The model is ``benchmarks.ddp.make_model`` (an MLP of ``--depth`` Linear+ReLU pairs and
-   a 10-class head, as an ``nn.Sequential``) cut after ``depth/2`` hidden layers: gpudist gets ``balance=[k, n-k]``
-   and torch a ``PipelineStage`` on the same half, from the same initial weights. Same batch, micro-batch count,
-   loss (cross-entropy, mean over the micro-batch, gradients averaged over micro-batches on both sides) and
-   optimizer (SGD); one iteration = forward + backward + ``step()`` + ``zero_grad()``. The variants take turns
-   round by round on the same processes (``gpudist.bench.interleaved_times``), each round at the slowest rank's
-   pace; times are the median round. Ratio = torch step / gpudist step in the same round, median over rounds
-   (> 1: gpudist faster; target >= 1.0); pairing within a round keeps other processes' load on this shared machine
-   out of it, and the min-max over rounds shows what is left. Sanity check: both pipelines and a single-process
-   reference on the full batch give the same loss on the first two steps (the second checks the gradients and the
-   optimizer step too).
+   ranks share the cores). The model is ``make_model`` (``benchmarks.workloads.mlp`` from seed 0: an MLP of
+   ``--depth`` Linear+ReLU pairs and a 10-class head, as an ``nn.Sequential``) cut after ``depth/2`` hidden layers:
+   gpudist gets ``balance=[k, n-k]`` and torch a ``PipelineStage`` on the same half, from the same initial weights.
+   Same batch, micro-batch count, loss (cross-entropy, mean over the micro-batch, gradients averaged over micro-
+   batches on both sides) and optimizer (SGD); one iteration = forward + backward + ``step()`` + ``zero_grad()``. The
+   variants take turns round by round on the same processes (``gpudist.bench.interleaved_times``), each round at the
+   slowest rank's pace; times are the median round. Ratio = torch step / gpudist step in the same round, median over
+   rounds (> 1: gpudist faster; target >= 1.0); pairing within a round keeps other processes' load on this shared
+   machine out of it, and the min-max over rounds shows what is left. Sanity check: both pipelines and a single-
+   process reference on the full batch give the same loss on the first two steps (the second checks the gradients and
+   the optimizer step too).
 2. Bubble: blocks whose forward sleeps ``t_f`` and backward ``2 t_f`` (on a 2x4 tensor with one trainable scalar)
    make every stage's compute take a known time that runs in parallel whatever the core count, so ``p`` ranks on
    2 cores measure the schedule, not CPU contention. One block per stage, ranks as threads of this process
@@ -49,7 +49,7 @@ from gpudist.fileio import atomic_write_json
 from gpudist.launch import spawn
 from gpudist.testing import run_ranks
 
-from .ddp import make_model
+from . import workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 1.0
@@ -58,6 +58,12 @@ TARGET_RATIO = 1.0
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Throughput against torch.distributed.pipelining on Gloo
+
+
+def make_model(width: int, depth: int) -> torch.nn.Module:
+    """The same MLP in every process (seed 0): ``depth`` Linear+ReLU pairs of ``width``, then a 10-way head."""
+    torch.manual_seed(0)
+    return workloads.mlp(width, depth)
 
 
 def batch_of(width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
