@@ -219,9 +219,7 @@ def _validate(tensors, flat, scale, layout, flat_name):
         if t.device != flat.device:
             raise ValueError(f"tensors[{i}] is on {t.device} but {flat_name} is on {flat.device}; move them together")
         if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"tensors[{i}] has dtype {t.dtype}; pack/unpack move float32, bfloat16, float16 or float64"
-            )
+            raise TypeError(f"tensors[{i}] has dtype {t.dtype}; pack/unpack move float32, bfloat16, float16 or float64")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a Python number, got {type(scale).__name__}")
     return tensors, layout
