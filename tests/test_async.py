@@ -280,32 +280,39 @@ def test_intruders_do_not_break_or_hang_the_setup(monkeypatch):
         torch.testing.assert_close(flat, results[0][1], atol=0, rtol=0)
 
 
-def _wrong_key_from_rank_1(comm):
-    real_connect = async_sgd.AsyncSGDOptimizer._connect
+def _wrong_key_connect(real_connect):
+    """``AsyncSGDOptimizer._connect`` with rank 1 presenting a wrong key to shard 0, as if it belonged to another job.
+    Installed once, by the test's main thread: a class attribute patched and restored by each rank thread on its own
+    could be left patched (the last thread to restore puts back what another thread installed), and every later
+    async optimizer in the process would then fail to connect."""
 
     def connect(self, shard, host, port, authkey):
         if self.comm.rank == 1 and shard == 0:
-            authkey = bytes(32)  # as if rank 1 belonged to another job
+            authkey = bytes(32)
         return real_connect(self, shard, host, port, authkey)
 
+    return connect
+
+
+def _build_async(comm):
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(async_sgd.AsyncSGDOptimizer, "_connect", connect)
-            gpudist.AsyncSGDOptimizer(
-                torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), gpudist.ShardingConfiguration(comm)
-            )
+        gpudist.AsyncSGDOptimizer(
+            torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), gpudist.ShardingConfiguration(comm)
+        )
     except gpudist.CommunicationError as e:
         return str(e)
     return None
 
 
 @pytest.mark.faults
-def test_a_worker_that_never_connects_is_named_on_every_rank():
+def test_a_worker_that_never_connects_is_named_on_every_rank(monkeypatch):
     """Rank 1 cannot authenticate with rank 0's shard: after the setup deadline (the backend's timeout) every rank
     raises CommunicationError naming shard 0 and the missing rank 1. Catches a setup that waits forever, or that
     fails on one rank only (the others would hang in the next collective)."""
+    real_connect = async_sgd.AsyncSGDOptimizer._connect
+    monkeypatch.setattr(async_sgd.AsyncSGDOptimizer, "_connect", _wrong_key_connect(real_connect))
     start = time.monotonic()
-    errors = run_ranks(_wrong_key_from_rank_1, 2, "inmemory", timeout=2.0)
+    errors = run_ranks(_build_async, 2, "inmemory", timeout=2.0)
     assert time.monotonic() - start < 15.0
     for error in errors:
         assert error is not None and "AsyncSGDOptimizer setup failed" in error
