@@ -9,6 +9,10 @@ schedule:
 - ``"1f1b"`` (default): ``p - s - 1`` warm-up forwards, then one forward and one backward alternately, then the
   remaining backwards (PipeDream-flush, as Megatron-LM and ``torch.distributed.pipelining.Schedule1F1B``). Same
   bubble, ``(p - 1) / (m + p - 1)`` of the step, but stage ``s`` keeps at most ``p - s`` micro-batches in flight.
+- ``"interleaved"``: interleaved 1F1B (Megatron-LM, ``ScheduleInterleaved1F1B``). The blocks are cut into ``p v``
+  chunks and rank ``r`` holds chunks ``r, r + p, ...`` (``virtual_stages=v``, default 2); activations go round
+  the ranks ``v`` times. Bubble ``(p - 1) / (v m + p - 1)``, for ``v`` times the messages; ``m`` must be a
+  multiple of ``p``.
 
 The loss is computed on the last stage (``loss_fn`` must average over its micro-batch, like
 ``F.cross_entropy``) and returned on every rank. Parameters shared between stages (a language model's tied
@@ -25,10 +29,11 @@ mask) and head on the right stages, and checkpoints keep the model's own paramet
 from .adapters import ADAPTERS, DecoderAdapter, GPT2Adapter, LlamaAdapter, register_adapter
 from .model import PipelineParallelModel
 from .p2p import StageLink
-from .schedule import SCHEDULES, partition_blocks, schedule_bubble, stage_schedule
+from .schedule import INTERLEAVED, SCHEDULES, partition_blocks, schedule_bubble, stage_schedule
 
 __all__ = [
     "ADAPTERS",
+    "INTERLEAVED",
     "SCHEDULES",
     "DecoderAdapter",
     "GPT2Adapter",

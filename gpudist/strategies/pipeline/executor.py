@@ -1,16 +1,26 @@
 """The executor: one stage's part of one pipelined training step, op by op in its schedule's order.
 
-Messages: receives are posted ahead, each op's and the next forward's and backward's before the op computes, so they
-land while it runs (on Gloo a receive posted late costs a round trip: the payload waits for it). Every micro-batch's
-activation (a tensor, tuple or dict of tensors) has the spec announced by the step's spec message; the first
-activation's receives are posted with the previous step's spec before that message arrives, and a sender whose spec
-changed sends dummies of the old one first, so both ends always agree. Gradients travel back for the tensors the
-spec marks as needing one (not for a padding mask or position ids). The loss (averaged over replicas on the last
-stage) travels back one stage at a time behind the last gradient.
+Ops are ``(kind, micro-batch)`` or, interleaved, ``(kind, micro-batch, chunk)``: chunk ``c`` of rank ``r`` is
+virtual stage ``c * p + r``, and its activations go to rank ``r + 1`` around the ring (rank ``p - 1``'s to rank 0).
+
+Messages: every message a peer sends this rank is known from the peer's schedule, so each peer's messages form a
+stream received in the order sent (receives from one peer match its sends in order, whatever their kind: at
+``p = 2`` activations and gradients share one pair of ranks). Receives are posted ahead, each op's and the next
+forward's and backward's before the op computes, so they land while it runs (on Gloo a receive posted late costs a
+round trip: the payload waits for it). Every micro-batch's activation (a tensor, tuple or dict of tensors) of one
+chunk has the spec announced by that chunk's spec message, sent before its first activation; the first activation's
+receives are posted with the previous step's spec before that message arrives, and a sender whose spec changed
+sends dummies of the old one first, so both ends always agree. A receive whose buffers depend on a spec message not
+yet read is not posted ahead. Gradients travel back for the tensors the spec marks as needing one (not for a padding
+mask or position ids). The loss (averaged over replicas on the last stage) travels back one stage at a time behind
+the last gradient.
 
 Where point-to-point runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
 together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go out at once
-when the next op posts no receive.
+when the next op posts no receive. Interleaved, the steady state's forward-backward pairs post one group each, as
+Megatron-LM's interleaved schedule does: both their receives before the forward, both their sends with the next
+group (posting each receive just in time deadlocks there on the simulated NCCL, at p = 2 and at p = 4, m = 8: ranks
+end up each waiting for a send the other has not posted a receive for yet).
 """
 
 from __future__ import annotations
@@ -28,58 +38,112 @@ from .p2p import META_LEN, ActivationSpec, StageLink, flatten_activation, unflat
 __all__ = ["StepExecutor", "receive_plan"]
 
 
-def receive_plan(order: list[tuple[str, int]], first: bool, last: bool, ordered: bool):
-    """For each op ``k`` of a stage's ``order``: the largest micro-batch whose activation (``ahead_f[k]``) and
-    gradient (``ahead_b[k]``) must be posted before op ``k`` runs, which is the next forward / backward after it
-    (unless p2p is ``ordered``), else op ``k``'s own, -1 for none; and whether op ``k`` receives at all
-    (``receives[k]``, with a final False)."""
-    ahead_f, ahead_b, next_f, next_b = [-1] * len(order), [-1] * len(order), -1, -1
+def _chunk(op: tuple) -> int:
+    return op[2] if len(op) == 3 else 0
+
+
+def peer_streams(orders: list[list[tuple]], rank: int) -> dict[int, list[tuple]]:
+    """Per peer, the messages it sends ``rank`` in one step, in order: ``("meta", c)`` (the spec of chunk ``c``'s
+    activations), ``("act", m, c)`` and ``("grad", m, c)`` (for this rank's op on micro-batch ``m``, chunk ``c``),
+    ``("loss",)``. ``orders`` holds every rank's schedule."""
+    p = len(orders)
+    last = p * (1 + max(_chunk(op) for order in orders for op in order)) - 1
+    streams: dict[int, list[tuple]] = {}
+    for q in range(p):
+        items = []
+        for op in orders[q]:
+            kind, m, u = op[0], op[1], _chunk(op) * p + q
+            if kind == "F" and u < last and (q + 1) % p == rank:
+                items += [("meta", (u + 1) // p)] if m == 0 else []
+                items.append(("act", m, (u + 1) // p))
+            elif kind == "B" and u > 0 and (q - 1) % p == rank:
+                items.append(("grad", m, (u - 1) // p))
+        if q == rank + 1:
+            items.append(("loss",))
+        if items:
+            streams[q] = items
+    return streams
+
+
+def receive_plan(order: list[tuple], streams: dict[int, list[tuple]], ordered: bool, steady_from: int | None = None):
+    """For each op ``k`` of a rank's ``order``: the message it receives (``own[k]``: ``(peer, index)`` in the
+    peer's stream, or None); per peer, the last message of its stream (:func:`peer_streams`) to post before op
+    ``k`` runs (``ahead[k]``); and whether op ``k`` posts any or must find sends waiting (``receives[k]``, with a
+    final False: where it is False the sends before it go out at once).
+
+    Unless p2p is ``ordered`` that is the next forward's and backward's message after op ``k`` (all that is left,
+    the loss included, when none follows). Ordered, it is op ``k``'s own; from op ``steady_from`` on (interleaved:
+    the first forward of the steady state), as Megatron-LM groups them, each forward-backward pair posts both its
+    messages before the forward and its sends after the backward, one group per pair."""
+    where = {item: (q, i) for q, items in streams.items() for i, item in enumerate(items)}
+    own = [where.get(("act" if op[0] == "F" else "grad", op[1], _chunk(op))) for op in order]
+    steady = set()
+    if steady_from is not None:
+        k = steady_from
+        while k + 1 < len(order) and order[k][0] == "F" and order[k + 1][0] == "B":
+            steady.add(k)
+            k += 2
+    ahead: list[dict[int, int]] = [{} for _ in order]
+    following: dict[str, tuple[int, int] | None] = {"F": None, "B": None}
     for k in range(len(order) - 1, -1, -1):
-        kind, i = order[k]
-        ahead_f[k] = next_f if next_f >= 0 and not ordered else i if kind == "F" else -1
-        ahead_b[k] = next_b if next_b >= 0 and not ordered else i if kind == "B" else -1
-        next_f, next_b = (i, next_b) if kind == "F" else (next_f, i)
-    receives = [(kind == "F" and not first) or (kind == "B" and not last) for kind, _ in order] + [False]
-    return ahead_f, ahead_b, receives
+        if ordered:
+            spots = [] if k - 1 in steady else [own[k], own[k + 1]] if k in steady else [own[k]]
+            targets = {}
+        else:
+            spots = [following["F"], following["B"], own[k]]
+            targets = {q: len(items) - 1 for q, items in streams.items()}
+            if own[k] is not None:
+                following[order[k][0]] = own[k]
+        seen: set[int] = set()
+        for q, i in (spot for spot in spots if spot is not None):
+            targets[q] = i if q not in seen else max(targets[q], i)
+            seen.add(q)
+        ahead[k] = targets
+    receives = [bool(targets) or (ordered and k - 1 in steady) for k, targets in enumerate(ahead)] + [False]
+    return own, ahead, receives
 
 
 class StepExecutor:
-    """Runs one step of stage ``link.stage``: ``order`` (from :func:`stage_schedule`) over ``micro_batches``
-    micro-batches of ``module``; the first stage reads ``inputs``, the last computes ``loss_fn`` against ``targets``
-    (lists of micro-batches, None elsewhere). :meth:`run` returns the step's loss, averaged over micro-batches and,
-    through ``data_group``, over replicas, on every stage."""
+    """Runs one step of stage ``link.stage``: ``order`` (from :func:`stage_schedule`; ``orders`` holds every
+    stage's) over ``micro_batches`` micro-batches of ``chunks`` (one module, or ``v`` with the interleaved
+    schedule); virtual stage 0 reads ``inputs``, the last computes ``loss_fn`` against ``targets`` (lists of
+    micro-batches, None elsewhere); ``steady_from``: see :func:`receive_plan`. :meth:`run` returns the step's
+    loss, averaged over micro-batches and, through ``data_group``, over replicas, on every stage."""
 
     def __init__(
         self,
-        module: nn.Module,
+        chunks: list[nn.Module],
         link: StageLink,
-        order: list[tuple[str, int]],
+        orders: list[list[tuple]],
         micro_batches: int,
         *,
-        first: bool,
-        last: bool,
         inputs: list[Any] | None,
         targets: list[Any] | None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         data_group=None,
         stage_output: Callable[[Any], Any] = lambda y: y,
+        steady_from: int | None = None,
     ):
-        self.module, self.link, self.order = module, link, order
-        self.first, self.last = first, last
+        self.chunks, self.link, self.order = chunks, link, orders[link.stage]
+        self.orders = orders
+        p = len(orders)
+        self.first, self.last = link.stage == 0, link.stage == p - 1
+        self.last_virtual = p * len(chunks) - 1
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.data_group, self.stage_output = data_group, stage_output
+        self.steady_from = steady_from
         self.micro_batches = micro_batches
         self.ordered = link.group.ordered_p2p
         self.outbox: list | None = [] if self.ordered else None
         self.pending: list = []  # (Work, tensors it holds) of every op posted this step
-        self.acts: dict[int, tuple[list[torch.Tensor], Any]] = {}  # posted receives: activations from stage s - 1
-        self.grads: dict[int, tuple[list[torch.Tensor], Any]] = {}  # and gradients from stage s + 1
-        self.posted_f = self.posted_b = 0
-        self.spec: ActivationSpec | None = None  # of the activations received this step
-        self.out: ActivationSpec | None = None  # and of those sent
-        self.loss_recv = None
-        # per micro-batch: the received tensors that need a gradient, and the outputs that carry one (or the loss)
-        self.in_flight: dict[int, tuple[list[torch.Tensor], Any]] = {}
+        self.streams = peer_streams(orders, link.stage)
+        self.posted = dict.fromkeys(self.streams, 0)  # per peer: messages of its stream posted
+        self.guessed: dict[int, int] = {}  # peer -> chunk whose first activation was posted with last step's spec
+        self.received: dict[tuple, tuple[list[torch.Tensor], Any]] = {}  # posted receives, by stream item
+        self.spec: dict[int, ActivationSpec] = {}  # per chunk, of the activations received this step
+        self.out: dict[int, ActivationSpec] = {}  # and of those sent
+        # per (micro-batch, chunk): the received tensors that need a gradient, and the outputs that carry one
+        self.in_flight: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         # On the device, written by a device copy per micro-batch: the host reads the loss once, after the step.
         self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device=link.device)
         self.max_in_flight = 0
@@ -88,24 +152,16 @@ class StepExecutor:
     def run(self) -> torch.Tensor:
         """The step; returns the loss as a 1-element float64 tensor. ``report()`` describes it afterwards."""
         link, started = self.link, time.perf_counter()
-        ahead_f, ahead_b, receives = receive_plan(self.order, self.first, self.last, self.ordered)
-        with link.group.unchecked():  # every message's shape is agreed by the step's shape message
-            meta = None
-            if not self.first:
-                meta = link.post_recv(torch.Size([META_LEN]), torch.int64, -1, self.pending, self.outbox)
-                if link.received_spec is not None and not self.ordered:  # speculatively, with the last step's spec
-                    self.acts[0], self.posted_f = link.post_recvs(link.received_spec.buffers, -1), 1
-            for k, (kind, i) in enumerate(self.order):
-                if not self.first:
-                    if self.spec is None:  # the first op, F0: learn the step's spec
-                        self._learn_spec(meta)
-                    self._post_activations(ahead_f[k])
-                if self.out is not None:
-                    self._post_gradients(ahead_b[k])
-                if kind == "F":
-                    self._forward(i)
+        own, ahead, receives = receive_plan(self.order, self.streams, self.ordered, self.steady_from)
+        with link.group.unchecked():  # every message's shape is agreed by the step's shape messages
+            for k, op in enumerate(self.order):
+                self._post(ahead[k], needed=self.ordered)
+                if own[k] is not None:
+                    self._post(dict([own[k]]), needed=True)
+                if op[0] == "F":
+                    self._forward(op[1], _chunk(op))
                 else:
-                    self._backward(i)
+                    self._backward(op[1], _chunk(op))
                 if not receives[k + 1]:
                     link.flush(self.pending, self.outbox)
             loss = self._loss()
@@ -125,43 +181,83 @@ class StepExecutor:
 
     # -- receives -------------------------------------------------------------------------------------------------
 
-    def _learn_spec(self, meta) -> None:
+    def _post(self, targets: dict[int, int], needed: bool) -> None:
+        """Post the receives of each peer's messages up to its ``targets[peer]``-th, in one group where p2p is
+        ordered. Ahead of need (``needed`` False) it stops at an activation whose spec message is not read yet;
+        when needed it reads that message (the peer sent it before the message this op waits for, so it has
+        arrived or will), posting what it has first."""
+        batch: list[tuple[tuple, list, int]] = []  # (stream item, buffers, offset)
+        for peer, upto in targets.items():
+            stream, offset = self.streams[peer], peer - self.link.stage
+            while self.posted[peer] <= upto:
+                item = stream[self.posted[peer]]
+                if peer in self.guessed or (item[0] == "act" and item[2] not in self.spec):
+                    if not needed:
+                        break
+                    self._post_batch(batch)
+                    self._learn_spec(self.guessed.get(peer, item[-1]), peer)
+                    continue
+                if item[0] == "grad" and item[2] not in self.out:  # its forward has not run here yet
+                    if not needed:
+                        break
+                    raise RuntimeError(f"PipelineParallelModel: gradient {item} expected before its forward ran")
+                self.posted[peer] += 1
+                if item[0] == "meta":
+                    batch.append((item, [(torch.Size([META_LEN]), torch.int64)], offset))
+                    guess = self.link.received_spec.get(item[1])
+                    if guess is not None and not self.ordered:  # speculatively, with the last step's spec
+                        batch.append((("act", 0, item[1]), guess.buffers, offset))
+                        self.guessed[peer] = item[1]
+                        self.posted[peer] += 1
+                elif item[0] == "act":
+                    batch.append((item, self.spec[item[2]].buffers, offset))
+                elif item[0] == "grad":
+                    batch.append((item, self.out[item[2]].gradients, offset))
+                else:
+                    batch.append((item, [(torch.Size([1]), torch.float64)], offset))
+        self._post_batch(batch)
+
+    def _post_batch(self, batch: list[tuple[tuple, list, int]]) -> None:
+        if batch:
+            posted = self.link.post_recv_group([(buffers, offset) for _, buffers, offset in batch], *self._box)
+            self.received.update(zip((item for item, _, _ in batch), posted, strict=True))
+            batch.clear()
+
+    @property
+    def _box(self) -> tuple[list, list | None]:
+        return self.pending, self.outbox
+
+    def _learn_spec(self, c: int, peer: int) -> None:
+        """Read chunk ``c``'s spec message; if the first activation was posted with a different guess, take the
+        dummies the sender sends for it and post it again (nothing from ``peer`` was posted after the guess)."""
         link = self.link
-        meta[1].wait()
-        self.spec = link.decode_spec(meta[0])
-        if self.posted_f and self.spec != link.received_spec:  # the speculative receives get dummies
-            self.acts.pop(0)[1].wait()
-            self.posted_f = 0
-        link.received_spec = self.spec
-
-    def _post_activations(self, upto: int) -> None:
-        while self.posted_f <= upto:
-            received = self.link.post_recvs(self.spec.buffers, -1, self.pending, self.outbox)
-            self.acts[self.posted_f], self.posted_f = received, self.posted_f + 1
-
-    def _post_gradients(self, upto: int) -> None:
-        while self.posted_b <= upto:
-            received = self.link.post_recvs(self.out.gradients, +1, self.pending, self.outbox)
-            self.grads[self.posted_b], self.posted_b = received, self.posted_b + 1
-        if self.posted_b == self.micro_batches and self.loss_recv is None and not self.ordered:
-            self.loss_recv = self.link.post_recv(torch.Size([1]), torch.float64, +1)
+        meta, work = self.received.pop(("meta", c))
+        work.wait()
+        self.spec[c] = link.decode_spec(meta[0])
+        if self.guessed.pop(peer, None) is not None and self.spec[c] != link.received_spec[c]:
+            self.received.pop(("act", 0, c))[1].wait()
+            self.received[("act", 0, c)] = link.post_recvs(self.spec[c].buffers, peer - link.stage)
+        link.received_spec[c] = self.spec[c]
 
     # -- ops ------------------------------------------------------------------------------------------------------
 
-    def _forward(self, i: int) -> None:
+    def _forward(self, i: int, c: int) -> None:
         needs_grad: list[torch.Tensor] = []
-        if self.first:
+        virtual = c * len(self.orders) + self.link.stage
+        if virtual == 0:
             x = self.inputs[i]
         else:
-            received, work = self.acts.pop(i)
+            if c not in self.spec:  # its first activation was posted ahead with the right guess
+                self._learn_spec(c, (self.link.stage - 1) % len(self.orders))
+            received, work = self.received.pop(("act", i, c))
             work.wait()
-            for t, (_, _, grad) in zip(received, self.spec.leaves, strict=True):
+            for t, (_, _, grad) in zip(received, self.spec[c].leaves, strict=True):
                 if grad:  # as on the sending stage
                     needs_grad.append(t.requires_grad_())
-            x = unflatten_activation(self.spec, received)
+            x = unflatten_activation(self.spec[c], received)
         t0 = time.perf_counter()
-        y = self.stage_output(self.module(x))
-        if self.last:
+        y = self.stage_output(self.chunks[c](x))
+        if virtual == self.last_virtual:
             y = self.loss_fn(y, self.targets[i])
             if not isinstance(y, torch.Tensor) or y.numel() != 1:
                 raise ValueError(
@@ -169,40 +265,42 @@ class StepExecutor:
                 )
             self.losses[i] = y.detach().reshape(())
         self.busy += time.perf_counter() - t0
-        if not self.last:
+        if virtual != self.last_virtual:
             spec = self.link.check_sendable(y)
             if i == 0:
-                self._announce(spec)
-            elif spec != self.out:
+                self._announce(spec, c)
+            elif spec != self.out[c]:
                 raise ValueError(
                     f"PipelineParallelModel: stage {self.link.stage}'s output for micro-batch {i} is {spec}, but "
-                    f"micro-batch 0's was {self.out}; every micro-batch's activation must have the same shapes"
+                    f"micro-batch 0's was {self.out[c]}; every micro-batch's activation must have the same shapes"
                 )
             _, tensors = flatten_activation(y)
             for t in tensors:
                 self.link.send(t.detach(), +1, self.pending, self.outbox)
             y = [t for t in tensors if t.requires_grad]
-        self.in_flight[i] = (needs_grad, y)
+        self.in_flight[(i, c)] = (needs_grad, y)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
-    def _announce(self, spec: ActivationSpec) -> None:
-        """Send the step's spec message; if the spec changed since the last step, first dummies of the old spec for
-        the receives the next stage posted speculatively."""
+    def _announce(self, spec: ActivationSpec, c: int) -> None:
+        """Send chunk ``c``'s spec message; if the spec changed since the last step, first dummies of the old spec
+        for the receives the next stage posted speculatively."""
         link = self.link
-        self.out = spec
+        self.out[c] = spec
         link.send(link.encode_spec(spec), +1, self.pending, self.outbox)
-        if link.sent_spec not in (None, self.out) and not self.ordered:  # the receiver's guess
-            for shape, dtype in link.sent_spec.buffers:
+        old = link.sent_spec.get(c)
+        if old not in (None, spec) and not self.ordered:  # the receiver's guess
+            for shape, dtype in old.buffers:
                 link.send(torch.zeros(shape, dtype=dtype, device=link.device), +1, self.pending)
-        link.sent_spec = self.out
+        link.sent_spec[c] = spec
 
-    def _backward(self, i: int) -> None:
-        x, y = self.in_flight.pop(i)
-        if not self.last:
-            grads, work = self.grads.pop(i)
+    def _backward(self, i: int, c: int) -> None:
+        x, y = self.in_flight.pop((i, c))
+        last = c * len(self.orders) + self.link.stage == self.last_virtual
+        if not last:
+            grads, work = self.received.pop(("grad", i, c))
             work.wait()
         t0 = time.perf_counter()
-        if self.last:
+        if last:
             (y / self.micro_batches).backward()
         elif y:
             torch.autograd.backward(y, grads)
@@ -219,7 +317,10 @@ class StepExecutor:
                 with self.data_group.unchecked():  # one float64 on every replica, by construction
                     self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
         else:
-            loss, work = self.loss_recv or link.post_recv(torch.Size([1]), torch.float64, +1, self.pending, self.outbox)
+            peer = link.stage + 1
+            self._post({peer: len(self.streams[peer]) - 1}, needed=True)
+            loss, work = self.received.pop(("loss",))
+            loss = loss[0]
             work.wait()
         if not self.first:
             link.send(loss, -1, self.pending, self.outbox)

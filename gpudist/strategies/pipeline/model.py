@@ -19,7 +19,7 @@ from ..tensor import held_segments
 from .adapters import BlocksArg, DecoderAdapter, PipelineParts, find_adapter, pipeline_parts
 from .executor import StepExecutor
 from .p2p import META_LEN, StageLink, flatten_activation, unflatten_activation
-from .schedule import SCHEDULES, partition_blocks, stage_schedule
+from .schedule import INTERLEAVED, SCHEDULES, check_interleaved, interleaved_warmup, partition_blocks, stage_schedule
 
 __all__ = ["PipelineParallelModel"]
 
@@ -80,11 +80,13 @@ class PipelineParallelModel(ShardedModel):
     a list of blocks per stage. A block gets the previous block's output: a tensor as its argument, a tuple as its
     positional arguments, a dict as its keyword arguments (integer tensors such as a padding mask travel with the
     activations; gradients only for the tensors that need one). Train with :meth:`train_step`, which runs
-    the ``schedule`` ("1f1b" or "gpipe") over ``micro_batches`` micro-batches and returns the global batch's loss
-    on every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the output on
-    every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
-    activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe).
-    Communication per step: each micro-batch's activation and its gradient across every stage boundary.
+    the ``schedule`` ("1f1b", "gpipe" or "interleaved") over ``micro_batches`` micro-batches and returns the global
+    batch's loss on every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the
+    output on every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
+    activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe;
+    interleaved: at most ``2 (p - s - 1) + (v - 1) p + 1`` chunk activations, each ``1/v`` of a stage's).
+    Communication per step: each micro-batch's activation and its gradient across every stage boundary (``v``
+    times round the ring of ranks, interleaved, rank ``p - 1`` sending back to rank 0).
 
     Saving: :meth:`full_state_dict` and ``save_model("x.safetensors")`` give the full module on every rank
     (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
@@ -99,21 +101,24 @@ class PipelineParallelModel(ShardedModel):
         config: The settings shared with the optimizer; ``config.backend`` is the world group.
         num_stages: Pipeline stages; it must divide the world size (None: the world size, no replicas).
         micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
-        balance: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` (:mod:`gpudist.strategies.pipeline`).
+        balance: ``"parameters"``, ``"uniform"``, or a list of blocks per stage (per chunk, interleaved).
         blocks: A function of ``module`` returning its blocks in order (an ``nn.Sequential`` or a list; names stay
             ``module``'s), or the dotted name of a decoder model's block list; None: ``module`` is the sequence, or
             an adapter finds the block list.
+        virtual_stages: Chunks per rank with ``schedule="interleaved"`` (None: 2); only 1 or None otherwise.
 
     Raises:
         TypeError: When ``module`` is neither a sequence of blocks nor a model an adapter recognises (the error
             names what each adapter looked for) and ``blocks`` is not given.
         ValueError: When ``schedule`` is unknown, ``micro_batches`` is not an int >= 1, ``num_stages`` does not
-            divide the world size, there are more stages than blocks or ``balance`` does not fit them, or ranks
-            wrap modules whose parameter names, shapes or dtypes differ.
+            divide the world size, there are more stages than blocks or ``balance`` does not fit them, ranks
+            wrap modules whose parameter names, shapes or dtypes differ, or (interleaved) ``micro_batches`` is not
+            a multiple of ``num_stages``.
     """
 
     strategy = "pipeline"
+    virtual_stages = 1
 
     def __init__(
         self,
@@ -125,17 +130,24 @@ class PipelineParallelModel(ShardedModel):
         balance: str | Sequence[int] = "parameters",
         *,
         blocks: BlocksArg = None,
+        virtual_stages: int | None = None,
     ):
         if isinstance(module, (list, tuple, nn.ModuleList)):
             module = nn.Sequential(*module)
         self._adapter = find_adapter(module, blocks, "PipelineParallelModel")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
+        if schedule not in (*SCHEDULES, INTERLEAVED):
+            raise ValueError(f"schedule={schedule!r}; use one of {(*SCHEDULES, INTERLEAVED)}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
         world = config.backend.world_size
+        layout = ParallelLayout.resolve(world, num_stages or world)
+        if schedule == INTERLEAVED:
+            self.virtual_stages = 2 if virtual_stages is None else virtual_stages
+            check_interleaved(layout.pipeline_parallel_size, micro_batches, self.virtual_stages)
+        elif virtual_stages not in (None, 1):
+            raise ValueError(f"virtual_stages={virtual_stages!r} needs schedule='interleaved' (got {schedule!r})")
         self._setup = {
-            "layout": ParallelLayout.resolve(world, num_stages or world),
+            "layout": layout,
             "balance": balance,
             "blocks": blocks,
         }
@@ -163,6 +175,7 @@ class PipelineParallelModel(ShardedModel):
             **super().traffic_settings(),
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
             "balance": str(self._setup.get("balance")),
             "adapter": self._adapter.family if self._adapter is not None else None,
         }
@@ -175,7 +188,8 @@ class PipelineParallelModel(ShardedModel):
         root = self.module
         parts, self._table = self._prepare(root)
         blocks = parts.blocks
-        num_stages = layout.pipeline_parallel_size
+        num_stages, v = layout.pipeline_parallel_size, self.virtual_stages
+        chunks = num_stages * v  # virtual stages: chunk c of rank s is c * num_stages + s
         seen: set[int] = set()
         costs = []
         for i, block in enumerate(blocks):  # a parameter shared with an earlier block costs nothing more
@@ -187,17 +201,21 @@ class PipelineParallelModel(ShardedModel):
             params = [p for m in modules for p in m.parameters()]
             costs.append(sum(p.numel() for p in dict.fromkeys(params) if id(p) not in seen))
             seen.update(id(p) for p in params)
-        counts = partition_blocks(costs, num_stages, self._setup["balance"])
+        counts = partition_blocks(costs, chunks, self._setup["balance"])
         starts = [sum(counts[:s]) for s in range(len(counts))]
         self.stage_blocks = [(a, a + c) for a, c in zip(starts, counts, strict=True)]
-        """``[first, end)`` block indices of every stage."""
+        """``[first, end)`` block indices of every stage (of every virtual stage, interleaved)."""
+
+        def chunk_modules(u: int) -> dict[str, nn.Module]:
+            """Virtual stage ``u``'s modules: glue (first, every, last) and blocks, by name in the chunk."""
+            a, b = self.stage_blocks[u]
+            out = dict(parts.first) if u == 0 else {}
+            out |= {str(i): blocks[i] for i in range(a, b)} | parts.every
+            return out | (parts.last if u == chunks - 1 else {})
 
         def stage_modules(s: int) -> dict[str, nn.Module]:
-            """Stage ``s``'s modules: glue (first stage, every stage, last stage) and blocks, by name in the stage."""
-            a, b = self.stage_blocks[s]
-            out = dict(parts.first) if s == 0 else {}
-            out |= {str(i): blocks[i] for i in range(a, b)} | parts.every
-            return out | (parts.last if s == num_stages - 1 else {})
+            """Rank ``s``'s modules, over its chunks."""
+            return {name: m for c in range(v) for name, m in chunk_modules(c * num_stages + s).items()}
 
         # Where each parameter of the full model lives: its name (hence offset and shape in the full vector) and
         # the stages that hold it. The first holder owns it in gather_full_parameters.
@@ -250,15 +268,14 @@ class PipelineParallelModel(ShardedModel):
                     buffer_stage.setdefault(id(buf), s)
 
         stage = self.pipeline_parallel_rank
-        a, b = self.stage_blocks[stage]
-        mine = stage_modules(stage)
-        self.module = _Stage(
-            {i: blocks[i] for i in range(a, b)},
-            {name: m for name, m in mine.items() if not name.isdigit()},
-            parts.adapter,
-            first=stage == 0,
-            last=stage == num_stages - 1,
-        )
+
+        def chunk(u: int) -> _Stage:
+            a, b = self.stage_blocks[u]
+            glue = {name: m for name, m in chunk_modules(u).items() if not name.isdigit()}
+            return _Stage({i: blocks[i] for i in range(a, b)}, glue, parts.adapter, first=u == 0, last=u == chunks - 1)
+
+        # interleaved: the chunks in a list, their parameters named "c.<block>..." here (checkpoints use full names)
+        self.module = chunk(stage) if v == 1 else nn.ModuleList(chunk(c * num_stages + stage) for c in range(v))
         params = list(self.module.parameters())
         self._stage_params = params
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
@@ -414,17 +431,17 @@ class PipelineParallelModel(ShardedModel):
         """
         self.train()
         first, last = self.is_first_stage, self.is_last_stage
+        p, v = self.num_stages, self.virtual_stages
         executor = StepExecutor(
-            self.module,
+            self._chunks(),
             self.link,
-            stage_schedule(self.schedule, self.num_stages, self.pipeline_parallel_rank, self.micro_batches),
+            [stage_schedule(self.schedule, p, s, self.micro_batches, v) for s in range(p)],
             self.micro_batches,
-            first=first,
-            last=last,
             inputs=self._micro(inputs, "inputs") if first else None,
             targets=self._micro(targets, "targets") if last else None,
             loss_fn=self._loss_fn(loss_fn) if last else loss_fn,
             data_group=self.data_group if self.data_parallel_size > 1 else None,
+            steady_from=interleaved_warmup(p, self.pipeline_parallel_rank, self.micro_batches, v) if v > 1 else None,
         )
         loss = executor.run()
         self.last_schedule = executor.report()
@@ -434,6 +451,10 @@ class PipelineParallelModel(ShardedModel):
             optimizer.step()
             optimizer.zero_grad()
         return loss.reshape(())
+
+    def _chunks(self) -> list[nn.Module]:
+        """This rank's chunks in order (one without interleaving)."""
+        return list(self.module) if self.virtual_stages > 1 else [self.module]
 
     @torch.no_grad()
     def synchronize_gradients(self) -> None:
@@ -470,10 +491,11 @@ class PipelineParallelModel(ShardedModel):
         pending: list = []
         last = self.num_stages - 1
         with torch.no_grad():
-            x = inputs if self.is_first_stage else self.link.recv_activation()
-            y = self.module(x)
-            if not self.is_last_stage:
-                self.link.send_activation(y, pending)
+            for c, chunk in enumerate(self._chunks()):  # round the ring once per chunk
+                x = inputs if self.is_first_stage and c == 0 else self.link.recv_activation()
+                y = chunk(x)
+                if not (self.is_last_stage and c == self.virtual_stages - 1):
+                    self.link.send_activation(y, pending)
             for work, _ in pending:
                 work.wait()
             if self.is_last_stage:
@@ -653,8 +675,11 @@ class PipelineParallelModel(ShardedModel):
             {
                 "layout": self.layout.describe(),
                 "stage": self.pipeline_parallel_rank,
-                "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank],
+                "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank]
+                if self.virtual_stages == 1
+                else self.stage_blocks[self.pipeline_parallel_rank :: self.num_stages],
                 "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages,
                 "micro_batches": self.micro_batches,
                 "stage_parameter_count": sum(p.numel() for p in self._stage_params),
             }

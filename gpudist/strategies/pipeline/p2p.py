@@ -85,19 +85,20 @@ class _AllWorks:
 
 
 class StageLink:
-    """Sends and receives of stage ``stage`` of a pipeline ``group`` to the stages ``offset`` away (+1: next)."""
+    """Sends and receives of stage ``stage`` of a pipeline ``group`` to the stages ``offset`` away (+1: next), on
+    a ring: with interleaved chunks the last rank's activations go on to rank 0, whose gradients come back."""
 
     def __init__(self, group, stage: int, device: torch.device):
         self.group, self.stage, self.device = group, stage, device
-        self.sent_spec: ActivationSpec | None = None
-        """The spec of the last train_step's activations sent to the next stage; the receiver posts the first
-        activation's receives with it before the step's spec message arrives."""
-        self.received_spec: ActivationSpec | None = None
-        """The spec of the last train_step's activations received from the previous stage."""
+        self.sent_spec: dict[int, ActivationSpec] = {}
+        """Per chunk, the spec of the last train_step's activations sent to the next stage; the receiver posts the
+        first activation's receives with it before the step's spec message arrives."""
+        self.received_spec: dict[int, ActivationSpec] = {}
+        """Per chunk, the spec of the last train_step's activations received from the previous stage."""
 
     def peer(self, offset: int) -> int:
-        """Rank, in the pipeline group, of the stage ``offset`` away."""
-        return self.stage + offset
+        """Rank, in the pipeline group, of the stage ``offset`` away (around the ring)."""
+        return (self.stage + offset) % self.group.world_size
 
     def send(self, tensor: torch.Tensor, offset: int, pending: list, outbox: list | None = None) -> None:
         """Send to the stage ``offset`` away: now, or (``outbox`` given, on backends whose p2p runs in issue order)
@@ -120,14 +121,28 @@ class StageLink:
         to wait on before reading them. Receives from one peer match that peer's sends in order, so they may be
         posted ahead of time (not where p2p runs in issue order: there the sends waiting in ``outbox`` go out in one
         group with them)."""
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in buffers]
+        return self.post_recv_group([(buffers, offset)], pending, outbox)[0]
+
+    def post_recv_group(
+        self,
+        wanted: list[tuple[list[tuple[torch.Size, torch.dtype]], int]],
+        pending: list | None = None,
+        outbox: list | None = None,
+    ) -> list[tuple[list[torch.Tensor], Any]]:
+        """:meth:`post_recvs` of several messages ``(buffers, offset)``, in order: with an ``outbox``, all in one
+        group with its sends (one Work for all)."""
+        bufs = [[torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in b] for b, _ in wanted]
         with self.group.unchecked():
             if outbox is None:
-                return bufs, _AllWorks([self.group.recv(buf, self.peer(offset), async_op=True) for buf in bufs])
-            work = self.group.batch_send_recv(outbox, [(buf, self.peer(offset)) for buf in bufs])
+                return [
+                    (got, _AllWorks([self.group.recv(buf, self.peer(offset), async_op=True) for buf in got]))
+                    for got, (_, offset) in zip(bufs, wanted, strict=True)
+                ]
+            recvs = [(buf, self.peer(offset)) for got, (_, offset) in zip(bufs, wanted, strict=True) for buf in got]
+            work = self.group.batch_send_recv(outbox, recvs)
             pending.append((work, list(outbox)))
             outbox.clear()
-            return bufs, work
+            return [(got, work) for got in bufs]
 
     def post_recv(
         self,

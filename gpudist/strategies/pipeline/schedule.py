@@ -5,9 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["SCHEDULES", "partition_blocks", "schedule_bubble", "stage_schedule"]
+__all__ = [
+    "INTERLEAVED",
+    "SCHEDULES",
+    "check_interleaved",
+    "interleaved_warmup",
+    "partition_blocks",
+    "schedule_bubble",
+    "stage_schedule",
+]
 
 SCHEDULES = ("1f1b", "gpipe")
+INTERLEAVED = "interleaved"
+"""Interleaved 1F1B: ``v`` virtual stages (chunks) per rank. Not in :data:`SCHEDULES`, which the planner and
+HybridShardedModel enumerate and do not model yet."""
 
 
 def partition_blocks(costs: Sequence[int], num_stages: int, balance: str | Sequence[int] = "parameters") -> list[int]:
@@ -52,10 +63,53 @@ def partition_blocks(costs: Sequence[int], num_stages: int, balance: str | Seque
     return counts[::-1]
 
 
-def stage_schedule(schedule: str, num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs forwards ``("F", m)`` and backwards ``("B", m)``."""
+def check_interleaved(num_stages: int, micro_batches: int, virtual_stages: int) -> None:
+    """Refuse interleaved settings Megatron-LM refuses too, naming the fix.
+
+    Raises:
+        ValueError: When ``virtual_stages`` is not an int >= 2, ``num_stages`` < 2, or ``micro_batches`` is not a
+            multiple of ``num_stages`` (the rounds of ``p`` micro-batches per chunk would not line up).
+    """
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
+        raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 2 for schedule='interleaved'")
+    if num_stages < 2:
+        raise ValueError(f"schedule='interleaved' needs num_stages >= 2, got {num_stages}; use '1f1b'")
+    if micro_batches % num_stages:
+        raise ValueError(
+            f"schedule='interleaved' needs micro_batches a multiple of num_stages={num_stages}, got "
+            f"micro_batches={micro_batches}; use {num_stages * max(1, round(micro_batches / num_stages))}"
+        )
+
+
+def interleaved_warmup(num_stages: int, stage: int, micro_batches: int, virtual_stages: int) -> int:
+    """Forwards ``stage`` runs before its first backward in interleaved 1F1B (Megatron-LM's count); the rest
+    alternate forward and backward until the forwards run out."""
+    return min(2 * (num_stages - stage - 1) + (virtual_stages - 1) * num_stages, micro_batches * virtual_stages)
+
+
+def stage_schedule(
+    schedule: str, num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1
+) -> list[tuple]:
+    """The order in which ``stage`` runs forwards ``("F", m)`` and backwards ``("B", m)``; for ``"interleaved"``
+    ``("F", m, c)`` and ``("B", m, c)`` with ``c`` the rank's chunk, virtual stage ``c * num_stages + stage``
+    (Megatron-LM's order: rounds of ``p`` micro-batches per chunk, ``2 (p - s - 1) + (v - 1) p`` warm-up
+    forwards, then one forward and one backward alternately)."""
     if schedule == "gpipe":
         return [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
+    if schedule == INTERLEAVED:
+        check_interleaved(num_stages, micro_batches, virtual_stages)
+        p, v = num_stages, virtual_stages
+
+        def op(kind: str, k: int) -> tuple[str, int, int]:
+            chunk = (k // p) % v
+            return kind, (k // (p * v)) * p + k % p, chunk if kind == "F" else v - 1 - chunk
+
+        total = micro_batches * v
+        warmup = interleaved_warmup(p, stage, micro_batches, v)
+        order = [op("F", k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [op("F", warmup + k), op("B", k)]
+        return order + [op("B", k) for k in range(total - warmup, total)]
     warmup = min(num_stages - stage - 1, micro_batches)
     order = [("F", m) for m in range(warmup)]
     for m in range(micro_batches - warmup):
@@ -63,13 +117,14 @@ def stage_schedule(schedule: str, num_stages: int, stage: int, micro_batches: in
     return order + [("B", m) for m in range(micro_batches - warmup, micro_batches)]
 
 
-def schedule_bubble(
-    orders: Sequence[Sequence[tuple[str, int]]], forward_cost: float = 1.0, backward_cost: float = 2.0
-) -> float:
-    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, each op starting as soon as
-    its input arrived (``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` after ``B(s+1, m)``) and the stage is free.
+def schedule_bubble(orders: Sequence[Sequence[tuple]], forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
+    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs (of the whole stage: a chunk
+    of ``v`` costs ``1/v`` of them), each op starting as soon as its input arrived (``F`` of virtual stage ``u``
+    after ``F(u - 1)``, ``B(u)`` after ``B(u + 1)``, virtual stage ``c * p + s``) and the stage is free.
     For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
     p = len(orders)
+    v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
+    last = p * v - 1
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * p
     position = [0] * p
@@ -78,18 +133,19 @@ def schedule_bubble(
         for s in range(p):
             if position[s] == len(orders[s]):
                 continue
-            kind, m = orders[s][position[s]]
-            dep = ("F", s - 1, m) if kind == "F" and s > 0 else ("B", s + 1, m) if kind == "B" and s < p - 1 else None
-            if kind == "B" and s == p - 1:
-                dep = ("F", s, m)
+            kind, m, *chunk = orders[s][position[s]]
+            u = (chunk[0] if chunk else 0) * p + s
+            dep = ("F", u - 1, m) if kind == "F" and u > 0 else ("B", u + 1, m) if kind == "B" and u < last else None
+            if kind == "B" and u == last:
+                dep = ("F", u, m)
             if dep is not None and dep not in done:
                 continue
             start = max(clock[s], done[dep] if dep is not None else 0.0)
-            clock[s] = done[(kind, s, m)] = start + (forward_cost if kind == "F" else backward_cost)
+            clock[s] = done[(kind, u, m)] = start + (forward_cost if kind == "F" else backward_cost) / v
             position[s] += 1
             progressed = True
         if not progressed:
             raise ValueError("the stage orders deadlock: some op waits for one that never runs")
     makespan = max(clock)
-    busy = sum(len(order) for order in orders) / 2 * (forward_cost + backward_cost)
+    busy = sum(len(order) for order in orders) / 2 * (forward_cost + backward_cost) / v
     return 1.0 - busy / (p * makespan)
