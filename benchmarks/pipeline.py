@@ -1,7 +1,9 @@
-"""Pipeline parallelism: gpudist 1F1B vs torch.distributed.pipelining.Schedule1F1B, and the bubble vs theory.
+"""Pipeline parallelism: gpudist 1F1B and interleaved 1F1B vs torch.distributed.pipelining's Schedule1F1B and
+ScheduleInterleaved1F1B, and the bubble vs theory.
 
     python -m benchmarks.pipeline [--micro-batches 4,8] [--steps 3] [--rounds 5] [--width 1024] [--depth 8]
                                   [--batch 128] [--bubble-stages 2,4] [--bubble-micro 1,2,4,8] [--t-forward-ms 10]
+                                  [--virtual-stages 2]
 
 Two measurements, one JSON (``benchmarks/results/pipeline.json``):
 
@@ -16,7 +18,10 @@ Two measurements, one JSON (``benchmarks/results/pipeline.json``):
    rounds (> 1: gpudist faster; target >= 1.0); pairing within a round keeps other processes' load on this shared
    machine out of it, and the min-max over rounds shows what is left. Sanity check: both pipelines and a single-
    process reference on the full batch give the same loss on the first two steps (the second checks the gradients and
-   the optimizer step too).
+   the optimizer step too). Interleaved (``--virtual-stages`` v chunks per rank, default 2): the same model cut
+   into 2v chunks of equal hidden layers (the head on the last), rank r holding chunks r, r + 2, ...: gpudist
+   ``schedule="interleaved"`` with ``balance`` the chunk sizes, torch ``ScheduleInterleaved1F1B`` over v
+   ``PipelineStage``s per rank on the same chunks; its ratio is torch interleaved / gpudist interleaved.
 2. Bubble: blocks whose forward sleeps ``t_f`` and backward ``2 t_f`` (on a 2x4 tensor with one trainable scalar)
    make every stage's compute take a known time that runs in parallel whatever the core count, so ``p`` ranks on
    2 cores measure the schedule, not CPU contention. One block per stage, ranks as threads of this process
@@ -26,7 +31,9 @@ Two measurements, one JSON (``benchmarks/results/pipeline.json``):
    the last stage's clock stops ``(p - 1) t_b`` early), against theory (p - 1)/(m + p - 1). Also reported: the
    bubble from wall time, 1 - m (t_f + t_b) / ``train_step`` wall time (which adds the optimizer step, and
    counts sleep overshoot and Python overhead as bubble), and the activations each stage held at once
-   (``max_in_flight``; 1F1B <= p - s, GPipe = m).
+   (``max_in_flight``; 1F1B <= p - s, GPipe = m). Interleaved: ``p v`` blocks sleeping ``t_f / v`` (the same
+   compute per stage, in v chunks), for ``m`` a multiple of ``p``; theory (p - 1)/(v m + p - 1); its
+   ``max_in_flight`` counts chunk activations (bound ``2 (p - s - 1) + (v - 1) p + 1``, at most ``v m``).
 """
 
 from __future__ import annotations
@@ -86,46 +93,99 @@ def reference_losses(width: int, depth: int, batch: int, lr: float, steps: int =
     return losses
 
 
+def chunk_counts(depth: int, chunks: int) -> list[int]:
+    """Modules per chunk of ``make_model``: equal numbers of (Linear, ReLU) pairs, the head with the last."""
+    pairs = [depth // chunks + (1 if c < depth % chunks else 0) for c in range(chunks)]
+    return [2 * n for n in pairs[:-1]] + [2 * pairs[-1] + 1]
+
+
 def throughput_rank(
-    comm, width: int, depth: int, batch: int, micro_batches: list[int], steps: int, rounds: int, lr: float
+    comm,
+    width: int,
+    depth: int,
+    batch: int,
+    micro_batches: list[int],
+    steps: int,
+    rounds: int,
+    lr: float,
+    virtual_stages: int,
 ) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     x, y = batch_of(width, batch)
     full = make_model(width, depth)
     cut = depth  # modules before the cut: depth/2 (Linear, ReLU) pairs; the rest and the head on stage 1
-    counts = [cut, len(full) - cut]
     stage = comm.rank
     variants, losses = {}, {}
+    # 1f1b: 2 stages; interleaved: 2v chunks, rank r holding chunks r, r + 2, ...
+    setups = {"1f1b": [cut, len(full) - cut], "interleaved": chunk_counts(depth, 2 * virtual_stages)}
     for m in micro_batches:
-        ours = PipelineParallelModel(
-            copy.deepcopy(full), gpudist.ShardingConfiguration(comm), micro_batches=m, schedule="1f1b", balance=counts
-        )
-        ours_opt = torch.optim.SGD(ours.parameters(), lr=lr)
-        half = copy.deepcopy(full)[:cut] if stage == 0 else copy.deepcopy(full)[cut:]
-        theirs = Schedule1F1B(PipelineStage(half, stage, 2, torch.device("cpu")), m, loss_fn=F.cross_entropy)
-        theirs_opt = torch.optim.SGD(half.parameters(), lr=lr)
-
-        def ours_step(model=ours, opt=ours_opt) -> float:
-            return model.train_step(x, y, F.cross_entropy, opt)
-
-        def theirs_step(schedule=theirs, opt=theirs_opt) -> float | None:
-            micro_losses: list[torch.Tensor] = []
-            if stage == 0:
-                schedule.step(x, return_outputs=False)
+        for schedule, counts in setups.items():
+            ours = PipelineParallelModel(
+                copy.deepcopy(full),
+                gpudist.ShardingConfiguration(comm),
+                micro_batches=m,
+                schedule=schedule,
+                balance=counts,
+                virtual_stages=virtual_stages if schedule == "interleaved" else None,
+            )
+            ours_opt = torch.optim.SGD(ours.parameters(), lr=lr)
+            starts, copied = [sum(counts[:c]) for c in range(len(counts))], copy.deepcopy(full)
+            chunks = [copied[starts[c] : starts[c] + counts[c]] for c in range(stage, len(counts), 2)]
+            stages = [
+                PipelineStage(chunk, stage + 2 * i, len(counts), torch.device("cpu")) for i, chunk in enumerate(chunks)
+            ]
+            if schedule == "1f1b":
+                theirs = Schedule1F1B(stages[0], m, loss_fn=F.cross_entropy)
             else:
-                schedule.step(target=y, losses=micro_losses, return_outputs=False)
-            opt.step()
-            opt.zero_grad()
-            return torch.stack(micro_losses).mean().item() if micro_losses else None
+                theirs = ScheduleInterleaved1F1B(stages, m, loss_fn=F.cross_entropy)
+            theirs_opt = torch.optim.SGD([p for chunk in chunks for p in chunk.parameters()], lr=lr)
 
-        losses[m] = {"gpudist": [ours_step(), ours_step()], "torch": [theirs_step(), theirs_step()]}
-        variants[f"gpudist m={m}"], variants[f"torch m={m}"] = ours_step, theirs_step
+            def ours_step(model=ours, opt=ours_opt) -> float:
+                return model.train_step(x, y, F.cross_entropy, opt)
+
+            def theirs_step(schedule=theirs, opt=theirs_opt) -> float | None:
+                micro_losses: list[torch.Tensor] = []
+                if stage == 0:
+                    schedule.step(x, return_outputs=False)
+                else:
+                    schedule.step(target=y, losses=micro_losses, return_outputs=False)
+                opt.step()
+                opt.zero_grad()
+                return torch.stack(micro_losses).mean().item() if micro_losses else None
+
+            steps_of = {"gpudist": [ours_step(), ours_step()], "torch": [theirs_step(), theirs_step()]}
+            losses.setdefault(m, {})[schedule] = steps_of
+            tag = "" if schedule == "1f1b" else "interleaved "
+            variants[f"gpudist {tag}m={m}"], variants[f"torch {tag}m={m}"] = ours_step, theirs_step
     mine = full[:cut] if stage == 0 else full[cut:]
     # One round per call so each round's times come back: ratios are taken within a round, where gpudist and torch
     # ran seconds apart, which keeps load from other processes on this shared machine out of them.
     rounds_s = [interleaved_times(comm, variants, steps, 1, warmup=i == 0) for i in range(rounds)]
     return {"rounds_s": rounds_s, "losses": losses, "stage_parameters": sum(p.numel() for p in mine.parameters())}
+
+
+def throughput_row(args, m: int, schedule: str, rounds_s: list[dict], losses: dict, reference: list[float]) -> dict:
+    """One row of part 1: ``schedule``'s gpudist and torch times at ``m`` micro-batches over the rounds."""
+    tag = "" if schedule == "1f1b" else "interleaved "
+    ours = statistics.median(r[f"gpudist {tag}m={m}"] for r in rounds_s)
+    theirs = statistics.median(r[f"torch {tag}m={m}"] for r in rounds_s)
+    ratios = sorted(r[f"torch {tag}m={m}"] / r[f"gpudist {tag}m={m}"] for r in rounds_s)
+    mine = losses[schedule]
+    error = max(abs(a - b) for name in ("gpudist", "torch") for a, b in zip(mine[name], reference, strict=True))
+    return {
+        "micro_batches": m,
+        "schedule": schedule,
+        "gpudist_step_s": ours,
+        "torch_step_s": theirs,
+        "gpudist_samples_per_s": args.batch / ours,
+        "torch_samples_per_s": args.batch / theirs,
+        "ratio_torch_vs_gpudist": statistics.median(ratios),
+        "ratio_per_round": ratios,
+        "losses": mine,
+        "reference_losses": reference,
+        "max_loss_error": error,
+    }
 
 
 def throughput(args) -> dict:
@@ -139,57 +199,44 @@ def throughput(args) -> dict:
         steps=args.steps,
         rounds=args.rounds,
         lr=args.lr,
+        virtual_stages=args.virtual_stages,
         timeout=600.0,
     )
     rounds_s = res[0]["rounds_s"]
     reference = reference_losses(args.width, args.depth, args.batch, args.lr)
-    rows = []
-    for m in args.micro_batches:
-        ours = statistics.median(r[f"gpudist m={m}"] for r in rounds_s)
-        theirs = statistics.median(r[f"torch m={m}"] for r in rounds_s)
-        ratios = sorted(r[f"torch m={m}"] / r[f"gpudist m={m}"] for r in rounds_s)
-        losses = res[-1]["losses"][m]  # the last stage has both pipelines' losses
-        error = max(abs(a - b) for name in ("gpudist", "torch") for a, b in zip(losses[name], reference, strict=True))
-        rows.append(
-            {
-                "micro_batches": m,
-                "gpudist_step_s": ours,
-                "torch_step_s": theirs,
-                "gpudist_samples_per_s": args.batch / ours,
-                "torch_samples_per_s": args.batch / theirs,
-                "ratio_torch_vs_gpudist": statistics.median(ratios),
-                "ratio_per_round": ratios,
-                "losses": losses,
-                "reference_losses": reference,
-                "max_loss_error": error,
-            }
-        )
+    rows = [
+        throughput_row(args, m, schedule, rounds_s, res[-1]["losses"][m], reference)  # the last stage has the losses
+        for m in args.micro_batches
+        for schedule in ("1f1b", "interleaved")
+    ]
     print(
-        f"# 1. gpudist 1F1B vs torch Schedule1F1B: gloo, 2 stages, MLP {args.width}x{args.depth}+head "
+        f"# 1. gpudist vs torch.distributed.pipelining (1f1b: Schedule1F1B; interleaved, v={args.virtual_stages}: "
+        f"ScheduleInterleaved1F1B): gloo, 2 stages, MLP {args.width}x{args.depth}+head "
         f"({res[0]['stage_parameters'] / 1e6:.1f}M + {res[1]['stage_parameters'] / 1e6:.1f}M params), "
         f"batch {args.batch}, SGD; median of {args.rounds} rounds x {args.steps} steps"
     )
     print(
-        f"{'micro':>6} {'gpudist (ms)':>13} {'torch (ms)':>11} {'samples/s':>10} {'ratio':>7} {'min-max':>11} "
-        f"{'loss step 1 gpudist/torch/ref':>32} {'max |loss err|':>15}"
+        f"{'micro':>6} {'schedule':>11} {'gpudist (ms)':>13} {'torch (ms)':>11} {'samples/s':>10} {'ratio':>7} "
+        f"{'min-max':>11} {'loss step 1 gpudist/torch/ref':>32} {'max |loss err|':>15}"
     )
     for r in rows:
         first = f"{r['losses']['gpudist'][0]:.5f}/{r['losses']['torch'][0]:.5f}/{reference[0]:.5f}"
         print(
-            f"{r['micro_batches']:>6} {r['gpudist_step_s'] * 1e3:>13.1f} {r['torch_step_s'] * 1e3:>11.1f} "
-            f"{r['gpudist_samples_per_s']:>10.0f} {r['ratio_torch_vs_gpudist']:>7.3f} "
+            f"{r['micro_batches']:>6} {r['schedule']:>11} {r['gpudist_step_s'] * 1e3:>13.1f} "
+            f"{r['torch_step_s'] * 1e3:>11.1f} {r['gpudist_samples_per_s']:>10.0f} {r['ratio_torch_vs_gpudist']:>7.3f} "
             f"{r['ratio_per_round'][0]:>5.2f}-{r['ratio_per_round'][-1]:<5.2f} {first:>32} "
             f"{r['max_loss_error']:>15.2e}"
         )
     print(
-        f"# ratio = torch step / gpudist step within a round, median over rounds (> 1: gpudist faster; target >= "
-        f"{TARGET_RATIO}); 1-min load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"# ratio = torch step / gpudist step of the same schedule within a round, median over rounds (> 1: gpudist "
+        f"faster; target >= {TARGET_RATIO}); 1-min load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     return {
         "model": {
             "width": args.width,
             "depth": args.depth,
             "split_blocks": [args.depth, args.depth + 1],
+            "interleaved_chunk_modules": chunk_counts(args.depth, 2 * args.virtual_stages),
             "stage_parameters": [r["stage_parameters"] for r in res],
         },
         "target_ratio": TARGET_RATIO,
@@ -230,12 +277,14 @@ class SleepBlock(nn.Module):
         return _Sleep.apply(x, self.weight, self.seconds)
 
 
-def bubble_rank(comm, schedule: str, micro_batches: int, t_forward: float, steps: int) -> dict:
+def bubble_rank(comm, schedule: str, micro_batches: int, t_forward: float, steps: int, virtual_stages: int) -> dict:
+    v = virtual_stages if schedule == "interleaved" else 1  # v chunks per stage, each 1/v of its compute
     model = PipelineParallelModel(
-        nn.Sequential(*[SleepBlock(t_forward) for _ in range(comm.world_size)]),
+        nn.Sequential(*[SleepBlock(t_forward / v) for _ in range(comm.world_size * v)]),
         gpudist.ShardingConfiguration(comm),
         micro_batches=micro_batches,
         schedule=schedule,
+        virtual_stages=v if v > 1 else None,
     )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.ones(2 * micro_batches, 4)
@@ -256,7 +305,10 @@ def bubble(args) -> dict:
     rows = []
     for p in args.bubble_stages:
         for m in args.bubble_micro:
-            for schedule in ("1f1b", "gpipe"):
+            for schedule in ("1f1b", "gpipe", "interleaved"):
+                v = args.virtual_stages if schedule == "interleaved" else 1
+                if m % p and v > 1:
+                    continue  # interleaved needs m a multiple of p
                 res = run_ranks(
                     bubble_rank,
                     p,
@@ -266,6 +318,7 @@ def bubble(args) -> dict:
                     micro_batches=m,
                     t_forward=t_f,
                     steps=args.bubble_steps,
+                    virtual_stages=args.virtual_stages,
                 )
                 # per step: the span is the longest stage clock; the wall time the slowest rank's train_step
                 per_step = [
@@ -277,13 +330,21 @@ def bubble(args) -> dict:
                 ]
                 measured = statistics.median(b for b, _ in per_step)
                 wall = statistics.median(w for _, w in per_step)
-                theory = (p - 1) / (m + p - 1)
-                bound = [m if schedule == "gpipe" else min(p - s, m) for s in range(p)]
+                theory = (p - 1) / (v * m + p - 1)
+                bound = [
+                    m
+                    if schedule == "gpipe"
+                    else min(p - s, m)
+                    if v == 1
+                    else min(2 * (p - s - 1) + (v - 1) * p + 1, v * m)
+                    for s in range(p)
+                ]
                 rows.append(
                     {
                         "stages": p,
                         "micro_batches": m,
                         "schedule": schedule,
+                        "virtual_stages": v,
                         "theory": theory,
                         "measured": measured,
                         "difference": measured - theory,
@@ -299,17 +360,39 @@ def bubble(args) -> dict:
         f"{args.bubble_backend} backend; median of {args.bubble_steps} steps"
     )
     print(
-        f"{'p':>2} {'m':>2} {'schedule':>8} {'theory':>7} {'measured':>9} {'diff':>7} {'from wall':>10} "
+        f"{'p':>2} {'m':>2} {'schedule':>11} {'theory':>7} {'measured':>9} {'diff':>7} {'from wall':>10} "
         f"{'step (ms)':>10}  max_in_flight per stage (bound)"
     )
     for r in rows:
         print(
-            f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>8} {r['theory']:>7.3f} {r['measured']:>9.3f} "
+            f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>11} {r['theory']:>7.3f} {r['measured']:>9.3f} "
             f"{r['difference']:>+7.3f} {r['measured_from_wall']:>10.3f} {r['wall_step_s'] * 1e3:>10.1f}  "
             f"{r['max_in_flight']} ({r['max_in_flight_bound']})"
         )
     print("# measured = 1 - mean busy / span (stage clocks); from wall = 1 - m (t_f + t_b) / train_step wall time")
-    return {"t_forward_s": t_f, "t_backward_s": 2 * t_f, "backend": args.bubble_backend, "rows": rows}
+    measured = {(r["stages"], r["micro_batches"], r["schedule"]): r["measured"] for r in rows}
+    comparison = [
+        {
+            "stages": p,
+            "micro_batches": m,
+            "interleaved": measured[(p, m, "interleaved")],
+            "1f1b": measured[(p, m, "1f1b")],
+        }
+        for p, m, schedule in measured
+        if schedule == "interleaved"
+    ]
+    for c in comparison:
+        print(
+            f"# p={c['stages']} m={c['micro_batches']}: measured bubble interleaved {c['interleaved']:.3f} vs 1f1b "
+            f"{c['1f1b']:.3f} ({'below' if c['interleaved'] < c['1f1b'] else 'NOT below'})"
+        )
+    return {
+        "interleaved_vs_1f1b": comparison,
+        "t_forward_s": t_f,
+        "t_backward_s": 2 * t_f,
+        "backend": args.bubble_backend,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -333,16 +416,19 @@ def main() -> None:
     parser.add_argument("--bubble-steps", type=int, default=5)
     parser.add_argument("--bubble-backend", choices=["inmemory", "gloo"], default="inmemory")
     parser.add_argument("--t-forward-ms", type=float, default=10.0, help="sleep per block forward (backward 2x)")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of the interleaved runs")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: throughput, bubble")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.depth % 2:
         parser.error(f"--depth={args.depth} must be even so both stages get depth/2 hidden layers")
-    if bad := [m for m in args.micro_batches if m < 2 or args.batch % m]:
+    if bad := [m for m in args.micro_batches if m < 2 or m % 2 or args.batch % m]:
         parser.error(
-            f"--micro-batches {bad}: Schedule1F1B needs >= 2 (the stage count) and each must divide "
-            f"--batch={args.batch}"
+            f"--micro-batches {bad}: each must be a multiple of 2 (the stage count: Schedule1F1B and both "
+            f"interleaved schedules need it) and divide --batch={args.batch}"
         )
+    if args.depth < 2 * args.virtual_stages:
+        parser.error(f"--depth={args.depth} gives fewer hidden layers than the 2 x {args.virtual_stages} chunks")
     skip = set(args.skip.split(","))
     doc = {
         "benchmark": "pipeline",
