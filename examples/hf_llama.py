@@ -38,7 +38,7 @@ import torch
 import gpudist
 from gpudist.bench import environment
 from gpudist.fileio import atomic_write_bytes
-from gpudist.launch import WorkerPool, detect_environment
+from gpudist.launch import detect_environment
 
 try:  # imported once, here: transformers' lazy module is not safe to first import from several rank threads at once
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -271,23 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if LlamaForCausalLM is None:
         print('examples/hf_llama.py needs transformers: pip install -e ".[hf]"', file=sys.stderr)
         return 2
-    if spawn_world is None:  # one rank of a torchrun/mpirun job
-        verdict = train_llama(gpudist.init(timeout=train.OP_TIMEOUT), cfg)
-    else:
-        print(
-            f"gpudist {gpudist.__version__}: training a tiny LlamaForCausalLM with {cfg.strategy} on {spawn_world} "
-            f"local Gloo rank(s) for {cfg.steps} steps",
-            flush=True,
-        )
-        with WorkerPool(spawn_world, timeout=train.OP_TIMEOUT) as pool:
-            verdict = min(pool.run(train_llama, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
-    if not verdict["ok"]:
-        print(
-            f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
-            f"loss decreased: {verdict['loss_decreased']}",
-            file=sys.stderr,
-        )
-    return 0 if verdict["ok"] else 1
+    return train.run_job(train_llama, cfg, spawn_world, "a tiny LlamaForCausalLM")
 
 
 if __name__ == "__main__":

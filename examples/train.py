@@ -669,20 +669,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     return cfg, None if launched else world
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg, spawn_world = parse_args(argv)
+def run_job(job, cfg, spawn_world: int | None, what: str) -> int:
+    """Run ``job(comm, cfg)`` as this process's rank (``spawn_world`` None: under torchrun/mpirun) or on
+    ``spawn_world`` spawned local Gloo ranks, report a failed verdict, and return the exit code (0: ok)."""
     if spawn_world is None:  # one rank of a torchrun/mpirun job
-        verdict = train(gpudist.init(timeout=OP_TIMEOUT), cfg)
+        verdict = job(gpudist.init(timeout=OP_TIMEOUT), cfg)
     else:
         print(
-            f"gpudist {gpudist.__version__}: training TinyLM with {cfg.strategy} on {spawn_world} local Gloo "
+            f"gpudist {gpudist.__version__}: training {what} with {cfg.strategy} on {spawn_world} local Gloo "
             f"rank(s) for {cfg.steps} steps",
             flush=True,
         )
         with WorkerPool(spawn_world, timeout=OP_TIMEOUT) as pool:
             # A week for the whole run (a long --steps is fine; poll() takes at most ~24 days), while each
             # collective stays bounded by OP_TIMEOUT, so a hung rank still fails fast.
-            verdict = min(pool.run(train, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
+            verdict = min(pool.run(job, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
     if not verdict["ok"]:
         print(
             f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
@@ -690,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0 if verdict["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, spawn_world = parse_args(argv)
+    return run_job(train, cfg, spawn_world, "TinyLM")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import threading
 import pytest
 import torch
 
+from .helpers import flat
+
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 requires_transformers = pytest.mark.skipif(
     not HAVE_TRANSFORMERS, reason="needs transformers (the hf extra: pip install -e '.[hf]')"
@@ -100,3 +102,29 @@ def token_batch(step: int, rank: int = 0, world: int = 1, size: int = 8) -> torc
     tokens = torch.randint(3, VOCAB, (size, SEQ), generator=g)
     per = size // world
     return tokens[rank * per : (rank + 1) * per]
+
+
+HF_MODELS = {
+    "llama-gqa": lambda dtype=torch.float32: tiny_llama(kv_heads=2, dtype=dtype),
+    "llama-tied": lambda dtype=torch.float32: tiny_llama(tied=True, kv_heads=4, dtype=dtype),
+    "gpt2": lambda dtype=torch.float32: tiny_gpt2(dtype=dtype),
+}
+"""The models the strategy tests train: Llama with grouped-query attention (untied), Llama tied, GPT-2 (tied)."""
+
+
+def hf_loss(net, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's own causal-LM loss on ``tokens`` (labels = inputs; the model shifts them)."""
+    return net(input_ids=tokens, labels=tokens).loss
+
+
+def hf_single_process(name: str, dtype: torch.dtype = torch.float32, steps: int = 3) -> torch.Tensor:
+    """AdamW (lr 3e-3, weight decay 0.1) on one process over each step's global batch: the flat parameters after
+    ``steps`` steps, the reference every strategy test compares with."""
+    net = HF_MODELS[name](dtype)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(steps):
+        hf_loss(net, token_batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat(net)

@@ -17,17 +17,12 @@ from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import run_ranks
 
 from .helpers import flat
-from .hf_models import requires_transformers, tiny_gpt2, tiny_llama, token_batch
+from .hf_models import HF_MODELS, hf_loss, hf_single_process, requires_transformers, token_batch
 from .tolerances import assert_matches_reference, reference_bound, reference_pair, unit_roundoff
 
 pytestmark = requires_transformers
 
 STEPS = 3
-HF_MODELS = {
-    "llama-gqa": lambda dtype=torch.float32: tiny_llama(kv_heads=2, dtype=dtype),
-    "llama-tied": lambda dtype=torch.float32: tiny_llama(tied=True, kv_heads=4, dtype=dtype),
-    "gpt2": lambda dtype=torch.float32: tiny_gpt2(dtype=dtype),
-}
 STRATEGIES = ["ddp", "zero1", "zero2", "compression"]
 
 
@@ -36,21 +31,6 @@ def _templates():
     """Build the models on the main thread first (the ranks are threads that copy them)."""
     for build in HF_MODELS.values():
         build()
-
-
-def _loss(net, tokens):
-    return net(input_ids=tokens, labels=tokens).loss
-
-
-def single_process(name: str, dtype=torch.float32) -> torch.Tensor:
-    net = HF_MODELS[name](dtype)
-    net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
-    for step in range(STEPS):
-        _loss(net, token_batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return flat(net)
 
 
 def train(comm, name: str, strategy: str, dtype=torch.float32, save: str | None = None) -> torch.Tensor:
@@ -62,7 +42,7 @@ def train(comm, name: str, strategy: str, dtype=torch.float32, save: str | None 
     if strategy == "compression":  # top-k of every element: lossless, so it must train as DDP does
         opt = GradientCompressionOptimizer(opt, config, "topk:1.0")
     for step in range(STEPS):
-        _loss(model, token_batch(step, comm.rank, comm.world_size)).backward()
+        hf_loss(model, token_batch(step, comm.rank, comm.world_size)).backward()
         opt.step()
         opt.zero_grad()
     if save is not None:
@@ -76,7 +56,7 @@ def test_hf_models_train_like_one_process(name, strategy):
     """Catches an HF model that a data-parallel strategy cannot drive or trains differently: a tied embedding/head
     averaged twice or in the wrong bucket, keyword inputs (``input_ids=``, ``labels=``) lost by the wrapper, an output
     object the wrapper does not pass through, GQA's repeated key/value heads' gradients. 2 ranks, 3 AdamW steps."""
-    expected = reference_pair(single_process, name)
+    expected = reference_pair(hf_single_process, name)
     for params in run_ranks(train, 2, "inmemory", name=name, strategy=strategy):
         assert_matches_reference(params, *expected, what=f"{name} under {strategy}")
 
@@ -84,7 +64,7 @@ def test_hf_models_train_like_one_process(name, strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_hf_model_trains_in_float64(strategy):
     """Catches a float64 HF model trained at float32 precision anywhere (a bucket, the optimizer state)."""
-    ref32, ref64 = reference_pair(single_process, "llama-gqa")
+    ref32, ref64 = reference_pair(hf_single_process, "llama-gqa")
     bound = reference_bound(ref32, ref64) * unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
     for params in run_ranks(train, 2, "inmemory", name="llama-gqa", strategy=strategy, dtype=torch.float64):
         assert params.dtype == torch.float64
@@ -108,7 +88,7 @@ def test_hf_llama_under_3d_hybrid_with_its_own_plan():
     """Catches the pieces of the HF path failing together: the pipeline adapter's stages, the config's tensor-parallel
     plan (grouped-query attention split by heads), ZeRO-1 over the replicas. 2 stages x 2 replicas x 2 tensor ranks
     against one process on the global batch."""
-    expected = reference_pair(single_process, "llama-gqa")
+    expected = reference_pair(hf_single_process, "llama-gqa")
     for params in run_ranks(_hybrid, 8, "inmemory", dtype=torch.float32):
         assert_matches_reference(params, *expected, what="llama under pp2 x dp2 x tp2")
 

@@ -33,18 +33,23 @@ from gpudist import (
 from gpudist.testing import run_ranks
 
 from .helpers import flat, lm_batch
-from .hf_models import SEQ, VOCAB, requires_transformers, tiny_gpt2, tiny_llama, token_batch
+from .hf_models import (
+    HF_MODELS,
+    SEQ,
+    VOCAB,
+    hf_loss,
+    hf_single_process,
+    requires_transformers,
+    tiny_gpt2,
+    tiny_llama,
+    token_batch,
+)
 from .tolerances import assert_matches_reference, reference_pair
 
 pytestmark = requires_transformers
 
 STEPS = 3
 WRAPPERS = {"zero3": ZeRO3Model, "fsdp": FSDPModel}
-HF_MODELS = {
-    "llama-gqa": lambda dtype=torch.float32: tiny_llama(kv_heads=2, dtype=dtype),
-    "llama-tied": lambda dtype=torch.float32: tiny_llama(tied=True, kv_heads=4, dtype=dtype),
-    "gpt2": lambda dtype=torch.float32: tiny_gpt2(dtype=dtype),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -64,22 +69,6 @@ def _enable_checkpointing(net, reentrant: bool | None) -> None:
     net.train()
 
 
-def _hf_loss(net, tokens):
-    return net(input_ids=tokens, labels=tokens).loss
-
-
-def hf_single_process(name: str, dtype=torch.float32) -> torch.Tensor:
-    """AdamW on one process over each step's global batch, the parameters after ``STEPS`` steps."""
-    net = HF_MODELS[name](dtype)
-    net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
-    for step in range(STEPS):
-        _hf_loss(net, token_batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return flat(net)
-
-
 def hf_train(comm, name: str, wrapper: str, reentrant: bool | None) -> torch.Tensor:
     config = ShardingConfiguration(comm)
     net = HF_MODELS[name]()
@@ -87,7 +76,7 @@ def hf_train(comm, name: str, wrapper: str, reentrant: bool | None) -> torch.Ten
     model = WRAPPERS[wrapper](net, config)
     opt = ZeRO3Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
     for step in range(STEPS):
-        _hf_loss(model, token_batch(step, comm.rank, comm.world_size)).backward()
+        hf_loss(model, token_batch(step, comm.rank, comm.world_size)).backward()
         opt.step()
         opt.zero_grad()
     return model.gather_full_parameters()
@@ -217,7 +206,7 @@ def _step_memory(model, tokens, mode: LiveBytes) -> tuple[int, int]:
     """(bytes live after forward: what autograd keeps for backward, and the loss; peak bytes over forward and
     backward) of one step."""
     with mode:
-        loss = _hf_loss(model, tokens)
+        loss = hf_loss(model, tokens)
         after_forward = mode.live
         loss.backward()
     return after_forward, mode.peak
@@ -228,7 +217,7 @@ def memory_fsdp(comm, reentrant: bool | None) -> tuple[int, int]:
     _enable_checkpointing(net, reentrant)
     model = FSDPModel(net, ShardingConfiguration(comm))
     tokens = token_batch(0, comm.rank, comm.world_size, size=MEMORY_BATCH)
-    _hf_loss(model, tokens).backward()  # the first step allocates the flat gradient buffer; measure the second
+    hf_loss(model, tokens).backward()  # the first step allocates the flat gradient buffer; measure the second
     mode = LiveBytes()
     mode.skip_collectives(comm)
     return _step_memory(model, tokens, mode)
@@ -238,7 +227,7 @@ def memory_single_process(reentrant: bool | None) -> tuple[int, int]:
     net = tiny_llama(layers=MEMORY_LAYERS)
     _enable_checkpointing(net, reentrant)
     tokens = token_batch(0, 0, 2, size=MEMORY_BATCH)  # one rank's share
-    _hf_loss(net, tokens).backward()
+    hf_loss(net, tokens).backward()
     return _step_memory(net, tokens, LiveBytes())
 
 
@@ -284,7 +273,7 @@ SAVE_STRATEGIES = {
 def _forward_loss(model, name: str, tokens):
     if name == "tinylm":
         return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-    return _hf_loss(model, tokens)
+    return hf_loss(model, tokens)
 
 
 def save_and_load(comm, name: str, strategy: str, path: str) -> dict:

@@ -345,14 +345,6 @@ class _Verdict:
         else:
             self._host = norm.reshape(1).double()
 
-    @classmethod
-    def none(cls) -> _Verdict:
-        return cls(None)
-
-    @classmethod
-    def of(cls, norm: torch.Tensor) -> _Verdict:
-        return cls(norm)
-
     def ready(self) -> bool:
         """Whether the norm is on the host (so reading it does not wait)."""
         return self._host is None or self._event is None or self._event.query()
@@ -449,7 +441,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._state = {"momentum_buffer": fp32_state()}
         self._inner: torch.optim.Optimizer | None = None
         self._comm_hook = None
-        self._verdict = _Verdict.none()
+        self._verdict = _Verdict(None)
         """The last step's global gradient norm, on the device (and on its way to the host)."""
         self._unsettled: list[tuple[_Verdict, list[int]]] = []
         """Fused steps whose verdict the host has not read yet, with the groups whose step count each incremented
@@ -647,7 +639,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             with self.comm.unchecked():  # one float64 on every rank, by construction: no per-step signature check
                 self.comm.all_reduce(total, ReductionOperation.SUM)
             norm = total.sqrt_()
-        self._verdict = _Verdict.of(norm)
+        self._verdict = _Verdict(norm)
         found_inf = (~torch.isfinite(norm)).float()
         scale = None
         if self.config.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s rule
