@@ -192,6 +192,7 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_torchrun_elastic_kill_one_of_three_then_scale_back_up(tmp_path):
     """Three torchrun agents (one worker each, --nnodes=2:3) train with checkpoints every 4 steps; one node is
     killed mid-training, the other two restart at world size 2 from the newest checkpoint and go on; a new node
