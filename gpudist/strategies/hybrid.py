@@ -26,7 +26,7 @@ from ..config import ShardingConfiguration
 from .layout import ParallelLayout, make_groups
 from .model import ShardedModel, module_table
 from .optimizer import DataParallelWrapper
-from .pipeline import SCHEDULES, PipelineParallelModel
+from .pipeline import PipelineParallelModel
 from .pipeline.adapters import BlocksArg, PipelineParts, find_adapter, pipeline_parts
 from .tensor import Plan, VocabParallelOutput, apply_plan, validate_plan
 from .zero import data_parallel_optimizer
@@ -67,8 +67,10 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
             sequence of modules), or the dotted name of a decoder model's block list; needed when
             ``pipeline_parallel_size > 1`` and ``module`` is neither a sequence nor a model an adapter recognises.
         micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, ``"zero_bubble"``, ``"zbv"`` or ``"dualpipev"``, as
+            for :class:`~gpudist.PipelineParallelModel`.
         balance: How blocks are split into stages: ``"parameters"``, ``"uniform"``, or a list of blocks per stage.
+        virtual_stages: Chunks per rank with ``schedule="interleaved"`` (None: 2).
 
     Raises:
         TypeError: When ``config`` is not a :class:`~gpudist.ShardingConfiguration`, ``module`` is not an
@@ -98,6 +100,7 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         micro_batches: int = 4,
         schedule: str = "1f1b",
         balance: str | Sequence[int] = "parameters",
+        virtual_stages: int | None = None,
     ):
         if not isinstance(config, ShardingConfiguration):
             raise TypeError(f"config must be a gpudist.ShardingConfiguration, got {type(config).__name__}")
@@ -118,14 +121,12 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
                     f"pipeline_parallel_size={pipeline_parallel_size}: {e} (e.g. examples/lm.py's as_sequential)"
                 ) from None
             self._adapter = None  # one stage: the module is its one block
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages, config.backend)
         if isinstance(module, (list, tuple)):
             module = nn.Sequential(*module)
         self._setup = {"layout": layout, "balance": balance, "plan": plan, "blocks": blocks}
-        self.micro_batches, self.schedule = micro_batches, schedule
         ShardedModel.__init__(self, module, config)
 
     def _prepare(self, module: nn.Module) -> tuple[PipelineParts, list[dict]]:

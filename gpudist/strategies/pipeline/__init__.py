@@ -13,6 +13,11 @@ schedule:
   chunks and rank ``r`` holds chunks ``r, r + p, ...`` (``virtual_stages=v``, default 2); activations go round
   the ranks ``v`` times. Bubble ``(p - 1) / (v m + p - 1)``, for ``v`` times the messages; ``m`` must be a
   multiple of ``p``.
+- ``"zero_bubble"`` (ZB-H1), ``"zbv"`` (ZB-V) and ``"dualpipev"`` (DualPipe-V): each backward split into the input's
+  gradient (B) and the weights' (W, :mod:`.backward`), W deferred into the bubble. ZB-H1 keeps 1F1B's order and
+  memory bound (``p`` micro-batches); the V schedules hold two chunks per rank, ``s`` and ``2 p - 1 - s`` (the loss
+  on rank 0). At equal F, B and W costs the bubble is ``(p - 1) / (3 m + p - 1)`` (ZB-H1) and
+  ``(p - 1) / (6 m + p - 1)`` (the V).
 
 The loss is computed on the last stage (``loss_fn`` must average over its micro-batch, like
 ``F.cross_entropy``) and returned on every rank. Parameters shared between stages (a language model's tied
@@ -29,12 +34,26 @@ mask) and head on the right stages, and checkpoints keep the model's own paramet
 from .adapters import ADAPTERS, DecoderAdapter, GPT2Adapter, LlamaAdapter, register_adapter
 from .model import PipelineParallelModel
 from .p2p import StageLink
-from .schedule import INTERLEAVED, SCHEDULES, partition_blocks, schedule_bubble, stage_schedule
+from .schedule import (
+    ALL_SCHEDULES,
+    DUALPIPE_V,
+    INTERLEAVED,
+    SCHEDULES,
+    ZBV,
+    ZERO_BUBBLE,
+    partition_blocks,
+    schedule_bubble,
+    stage_schedule,
+)
 
 __all__ = [
     "ADAPTERS",
+    "ALL_SCHEDULES",
+    "DUALPIPE_V",
     "INTERLEAVED",
     "SCHEDULES",
+    "ZBV",
+    "ZERO_BUBBLE",
     "DecoderAdapter",
     "GPT2Adapter",
     "LlamaAdapter",

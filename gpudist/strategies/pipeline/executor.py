@@ -33,32 +33,46 @@ import torch
 from torch import nn
 
 from ...comm import ReductionOperation
+from .backward import SplitBackward
 from .p2p import META_LEN, ActivationSpec, StageLink, flatten_activation, unflatten_activation
+from .schedule import holder, virtual_stage
 
-__all__ = ["StepExecutor", "receive_plan"]
+__all__ = ["StepExecutor", "loss_path", "peer_streams", "receive_plan"]
 
 
 def _chunk(op: tuple) -> int:
     return op[2] if len(op) == 3 else 0
 
 
-def peer_streams(orders: list[list[tuple]], rank: int) -> dict[int, list[tuple]]:
+def loss_path(where: str, p: int, v: int, rank: int) -> tuple[int | None, int | None]:
+    """The ranks ``rank`` receives the step's loss from and passes it on to (None: computes it / the end): it travels
+    one rank at a time away from the rank holding the last virtual stage (rank ``p - 1``, or rank 0 in a V)."""
+    source = holder(where, p, p * v - 1)[0]
+    step = -1 if source == p - 1 else 1
+    ahead = rank + step
+    return None if rank == source else rank - step, ahead if 0 <= ahead < p else None
+
+
+def peer_streams(orders: list[list[tuple]], rank: int, where: str = "loop") -> dict[int, list[tuple]]:
     """Per peer, the messages it sends ``rank`` in one step, in order: ``("meta", c)`` (the spec of chunk ``c``'s
     activations), ``("act", m, c)`` and ``("grad", m, c)`` (for this rank's op on micro-batch ``m``, chunk ``c``),
-    ``("loss",)``. ``orders`` holds every rank's schedule."""
+    ``("loss",)``. ``orders`` holds every rank's schedule, ``where`` the chunks' :func:`placement`; activations and
+    gradients between two chunks of one rank (the turn of a V) are no message."""
     p = len(orders)
-    last = p * (1 + max(_chunk(op) for order in orders for op in order)) - 1
+    v = 1 + max(_chunk(op) for order in orders for op in order)
+    last = p * v - 1
     streams: dict[int, list[tuple]] = {}
     for q in range(p):
         items = []
         for op in orders[q]:
-            kind, m, u = op[0], op[1], _chunk(op) * p + q
-            if kind == "F" and u < last and (q + 1) % p == rank:
-                items += [("meta", (u + 1) // p)] if m == 0 else []
-                items.append(("act", m, (u + 1) // p))
-            elif kind == "B" and u > 0 and (q - 1) % p == rank:
-                items.append(("grad", m, (u - 1) // p))
-        if q == rank + 1:
+            kind, m, u = op[0], op[1], virtual_stage(where, p, q, _chunk(op))
+            if kind == "F" and u < last and holder(where, p, u + 1)[0] == rank != q:
+                c = holder(where, p, u + 1)[1]
+                items += [("meta", c)] if m == 0 else []
+                items.append(("act", m, c))
+            elif kind == "B" and u > 0 and holder(where, p, u - 1)[0] == rank != q:
+                items.append(("grad", m, holder(where, p, u - 1)[1]))
+        if q == loss_path(where, p, v, rank)[0]:
             items.append(("loss",))
         if items:
             streams[q] = items
@@ -76,7 +90,7 @@ def receive_plan(order: list[tuple], streams: dict[int, list[tuple]], ordered: b
     the first forward of the steady state), as Megatron-LM groups them, each forward-backward pair posts both its
     messages before the forward and its sends after the backward, one group per pair."""
     where = {item: (q, i) for q, items in streams.items() for i, item in enumerate(items)}
-    own = [where.get(("act" if op[0] == "F" else "grad", op[1], _chunk(op))) for op in order]
+    own = [where.get(("act" if op[0] == "F" else "grad", op[1], _chunk(op))) if op[0] != "W" else None for op in order]
     steady = set()
     if steady_from is not None:
         k = steady_from
@@ -105,10 +119,12 @@ def receive_plan(order: list[tuple], streams: dict[int, list[tuple]], ordered: b
 
 class StepExecutor:
     """Runs one step of stage ``link.stage``: ``order`` (from :func:`stage_schedule`; ``orders`` holds every
-    stage's) over ``micro_batches`` micro-batches of ``chunks`` (one module, or ``v`` with the interleaved
-    schedule); virtual stage 0 reads ``inputs``, the last computes ``loss_fn`` against ``targets`` (lists of
-    micro-batches, None elsewhere); ``steady_from``: see :func:`receive_plan`. :meth:`run` returns the step's
-    loss, averaged over micro-batches and, through ``data_group``, over replicas, on every stage."""
+    stage's) over ``micro_batches`` micro-batches of ``chunks`` (one module, or ``v`` placed by ``where``,
+    :func:`placement`); virtual stage 0 reads ``inputs``, the last computes ``loss_fn`` against ``targets`` (lists
+    of micro-batches, None elsewhere); ``steady_from``: see :func:`receive_plan`. A backward whose ``("W", ...)``
+    op is in the order runs as :class:`SplitBackward`'s input pass, the ``W`` as its weight pass; one without is a
+    whole backward. :meth:`run` returns the step's loss, averaged over micro-batches and, through ``data_group``,
+    over replicas, on every stage."""
 
     def __init__(
         self,
@@ -123,12 +139,15 @@ class StepExecutor:
         data_group=None,
         stage_output: Callable[[Any], Any] = lambda y: y,
         steady_from: int | None = None,
+        where: str = "loop",
     ):
         self.chunks, self.link, self.order = chunks, link, orders[link.stage]
-        self.orders = orders
+        self.orders, self.where = orders, where
         p = len(orders)
-        self.first, self.last = link.stage == 0, link.stage == p - 1
+        self.loss_from, self.loss_to = loss_path(where, p, len(chunks), link.stage)
         self.last_virtual = p * len(chunks) - 1
+        self.split = {op[1:] for op in self.order if op[0] == "W"}  # (micro-batch[, chunk]) of split backwards
+        self.local: dict[tuple, Any] = {}  # activations and gradients between two chunks of this rank
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.data_group, self.stage_output = data_group, stage_output
         self.steady_from = steady_from
@@ -136,14 +155,15 @@ class StepExecutor:
         self.ordered = link.group.ordered_p2p
         self.outbox: list | None = [] if self.ordered else None
         self.pending: list = []  # (Work, tensors it holds) of every op posted this step
-        self.streams = peer_streams(orders, link.stage)
+        self.streams = peer_streams(orders, link.stage, where)
         self.posted = dict.fromkeys(self.streams, 0)  # per peer: messages of its stream posted
         self.guessed: dict[int, int] = {}  # peer -> chunk whose first activation was posted with last step's spec
         self.received: dict[tuple, tuple[list[torch.Tensor], Any]] = {}  # posted receives, by stream item
         self.spec: dict[int, ActivationSpec] = {}  # per chunk, of the activations received this step
         self.out: dict[int, ActivationSpec] = {}  # and of those sent
-        # per (micro-batch, chunk): the received tensors that need a gradient, and the outputs that carry one
-        self.in_flight: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
+        # per (micro-batch, chunk): the received tensors that need a gradient and the outputs that carry one, or
+        # after a split backward's input pass its SplitBackward (alive until its W)
+        self.in_flight: dict[tuple[int, int], Any] = {}
         # On the device, written by a device copy per micro-batch: the host reads the loss once, after the step.
         self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device=link.device)
         self.max_in_flight = 0
@@ -160,8 +180,10 @@ class StepExecutor:
                     self._post(dict([own[k]]), needed=True)
                 if op[0] == "F":
                     self._forward(op[1], _chunk(op))
+                elif op[0] == "B":
+                    self._backward(op[1], _chunk(op), split=op[1:] in self.split)
                 else:
-                    self._backward(op[1], _chunk(op))
+                    self._weight(op[1], _chunk(op))
                 if not receives[k + 1]:
                     link.flush(self.pending, self.outbox)
             loss = self._loss()
@@ -241,20 +263,33 @@ class StepExecutor:
 
     # -- ops ------------------------------------------------------------------------------------------------------
 
+    def _virtual(self, c: int) -> int:
+        return virtual_stage(self.where, len(self.orders), self.link.stage, c)
+
+    def _neighbour(self, u: int) -> tuple[int, int]:
+        """``(offset from this rank, chunk there)`` of virtual stage ``u``; offset 0: a chunk of this rank."""
+        rank, chunk = holder(self.where, len(self.orders), u)
+        return rank - self.link.stage, chunk
+
     def _forward(self, i: int, c: int) -> None:
         needs_grad: list[torch.Tensor] = []
-        virtual = c * len(self.orders) + self.link.stage
+        virtual = self._virtual(c)
         if virtual == 0:
             x = self.inputs[i]
         else:
-            if c not in self.spec:  # its first activation was posted ahead with the right guess
-                self._learn_spec(c, (self.link.stage - 1) % len(self.orders))
-            received, work = self.received.pop(("act", i, c))
-            work.wait()
-            for t, (_, _, grad) in zip(received, self.spec[c].leaves, strict=True):
+            offset, _ = self._neighbour(virtual - 1)
+            if offset == 0:  # the turn of a V: the previous chunk's output, cut from its graph
+                spec, received = self.local.pop(("act", i, c))
+            else:
+                if c not in self.spec:  # its first activation was posted ahead with the right guess
+                    self._learn_spec(c, self.link.stage + offset)
+                received, work = self.received.pop(("act", i, c))
+                work.wait()
+                spec = self.spec[c]
+            for t, (_, _, grad) in zip(received, spec.leaves, strict=True):
                 if grad:  # as on the sending stage
                     needs_grad.append(t.requires_grad_())
-            x = unflatten_activation(self.spec[c], received)
+            x = unflatten_activation(spec, received)
         t0 = time.perf_counter()
         y = self.stage_output(self.chunks[c](x))
         if virtual == self.last_virtual:
@@ -266,63 +301,90 @@ class StepExecutor:
             self.losses[i] = y.detach().reshape(())
         self.busy += time.perf_counter() - t0
         if virtual != self.last_virtual:
+            offset, chunk = self._neighbour(virtual + 1)
             spec = self.link.check_sendable(y)
-            if i == 0:
-                self._announce(spec, c)
-            elif spec != self.out[c]:
-                raise ValueError(
-                    f"PipelineParallelModel: stage {self.link.stage}'s output for micro-batch {i} is {spec}, but "
-                    f"micro-batch 0's was {self.out[c]}; every micro-batch's activation must have the same shapes"
-                )
             _, tensors = flatten_activation(y)
-            for t in tensors:
-                self.link.send(t.detach(), +1, self.pending, self.outbox)
+            if offset == 0:
+                self.local[("act", i, chunk)] = (spec, [t.detach() for t in tensors])
+            else:
+                if i == 0:
+                    self._announce(spec, c, offset)
+                elif spec != self.out[c]:
+                    raise ValueError(
+                        f"PipelineParallelModel: stage {self.link.stage}'s output for micro-batch {i} is {spec}, but "
+                        f"micro-batch 0's was {self.out[c]}; every micro-batch's activation must have the same shapes"
+                    )
+                for t in tensors:
+                    self.link.send(t.detach(), offset, self.pending, self.outbox)
             y = [t for t in tensors if t.requires_grad]
         self.in_flight[(i, c)] = (needs_grad, y)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
-    def _announce(self, spec: ActivationSpec, c: int) -> None:
-        """Send chunk ``c``'s spec message; if the spec changed since the last step, first dummies of the old spec
-        for the receives the next stage posted speculatively."""
+    def _announce(self, spec: ActivationSpec, c: int, offset: int) -> None:
+        """Send chunk ``c``'s spec message to the rank ``offset`` away; if the spec changed since the last step,
+        first dummies of the old spec for the receives that rank posted speculatively."""
         link = self.link
         self.out[c] = spec
-        link.send(link.encode_spec(spec), +1, self.pending, self.outbox)
+        link.send(link.encode_spec(spec), offset, self.pending, self.outbox)
         old = link.sent_spec.get(c)
         if old not in (None, spec) and not self.ordered:  # the receiver's guess
             for shape, dtype in old.buffers:
-                link.send(torch.zeros(shape, dtype=dtype, device=link.device), +1, self.pending)
+                link.send(torch.zeros(shape, dtype=dtype, device=link.device), offset, self.pending)
         link.sent_spec[c] = spec
 
-    def _backward(self, i: int, c: int) -> None:
+    def _backward(self, i: int, c: int, split: bool) -> None:
+        """Micro-batch ``i``'s backward through chunk ``c``: whole, or (``split``) its input pass, the weight pass
+        left to its ``W``; then the input's gradient to the previous virtual stage."""
         x, y = self.in_flight.pop((i, c))
-        last = c * len(self.orders) + self.link.stage == self.last_virtual
+        virtual = self._virtual(c)
+        last = virtual == self.last_virtual
         if not last:
-            grads, work = self.received.pop(("grad", i, c))
-            work.wait()
+            offset, _ = self._neighbour(virtual + 1)
+            if offset == 0:
+                grads = self.local.pop(("grad", i, c))
+            else:
+                grads, work = self.received.pop(("grad", i, c))
+                work.wait()
         t0 = time.perf_counter()
-        if last:
-            (y / self.micro_batches).backward()
-        elif y:
-            torch.autograd.backward(y, grads)
+        outputs, output_grads = ([y / self.micro_batches], None) if last else (y, grads)
+        if split:
+            part = SplitBackward(outputs, output_grads, x, list(self.chunks[c].parameters()))
+            input_grads = part.input_pass()
+            self.in_flight[(i, c)] = part
+        else:
+            if outputs:
+                torch.autograd.backward(outputs, output_grads)
+            input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x]
         self.busy += time.perf_counter() - t0
-        for t in x:
-            self.link.send(t.grad if t.grad is not None else torch.zeros_like(t), -1, self.pending, self.outbox)
+        if virtual > 0:
+            offset, chunk = self._neighbour(virtual - 1)
+            if offset == 0:
+                self.local[("grad", i, chunk)] = input_grads
+            else:
+                for g in input_grads:
+                    self.link.send(g, offset, self.pending, self.outbox)
+
+    def _weight(self, i: int, c: int) -> None:
+        """Micro-batch ``i``'s weight pass through chunk ``c`` (its split backward's second half)."""
+        t0 = time.perf_counter()
+        self.in_flight.pop((i, c)).weight_pass()
+        self.busy += time.perf_counter() - t0
 
     def _loss(self) -> torch.Tensor:
-        """The step's loss: computed on the last stage (averaged over replicas), passed back stage by stage."""
+        """The step's loss: computed on the rank holding the last virtual stage (averaged over replicas), passed on
+        one rank at a time (:func:`loss_path`)."""
         link = self.link
-        if self.last:
+        if self.loss_from is None:
             loss = self.losses.mean().reshape(1)
             if self.data_group is not None:  # the replicas' batches are equal slices: their mean is the global's
                 with self.data_group.unchecked():  # one float64 on every replica, by construction
                     self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
         else:
-            peer = link.stage + 1
-            self._post({peer: len(self.streams[peer]) - 1}, needed=True)
+            self._post({self.loss_from: len(self.streams[self.loss_from]) - 1}, needed=True)
             loss, work = self.received.pop(("loss",))
             loss = loss[0]
             work.wait()
-        if not self.first:
-            link.send(loss, -1, self.pending, self.outbox)
+        if self.loss_to is not None:
+            link.send(loss, self.loss_to - link.stage, self.pending, self.outbox)
             link.flush(self.pending, self.outbox)
         return loss

@@ -19,7 +19,16 @@ from ..tensor import held_segments
 from .adapters import BlocksArg, DecoderAdapter, PipelineParts, find_adapter, pipeline_parts
 from .executor import StepExecutor
 from .p2p import META_LEN, StageLink, flatten_activation, unflatten_activation
-from .schedule import INTERLEAVED, SCHEDULES, check_interleaved, interleaved_warmup, partition_blocks, stage_schedule
+from .schedule import (
+    INTERLEAVED,
+    check_schedule,
+    holder,
+    interleaved_warmup,
+    partition_blocks,
+    placement,
+    stage_schedule,
+    virtual_stage,
+)
 
 __all__ = ["PipelineParallelModel"]
 
@@ -76,17 +85,19 @@ class PipelineParallelModel(ShardedModel):
     Pass such a model's ``input_ids`` (or a dict with ``attention_mask``, ``position_ids``) as inputs and its
     ``labels`` as targets: ``loss_fn=None`` is the model's causal-LM loss.
 
-    Stages are balanced by parameter count (``balance="parameters"``), ``"uniform"`` in block count, or given as
-    a list of blocks per stage. A block gets the previous block's output: a tensor as its argument, a tuple as its
+    Stages are balanced by parameter count (``balance="parameters"``), ``"uniform"`` in block count, or given as a
+    list of blocks per stage. A block gets the previous block's output: a tensor as its argument, a tuple as its
     positional arguments, a dict as its keyword arguments (integer tensors such as a padding mask travel with the
-    activations; gradients only for the tensors that need one). Train with :meth:`train_step`, which runs
-    the ``schedule`` ("1f1b", "gpipe" or "interleaved") over ``micro_batches`` micro-batches and returns the global
-    batch's loss on every rank; ``forward`` runs the whole pipeline without gradients (``predict``) and returns the
-    output on every rank. Memory: each rank holds its stage's parameters, gradients and optimizer state, plus the
-    activations of the micro-batches in flight (at most ``num_stages - stage`` with 1F1B, all of them with GPipe;
-    interleaved: at most ``2 (p - s - 1) + (v - 1) p + 1`` chunk activations, each ``1/v`` of a stage's).
-    Communication per step: each micro-batch's activation and its gradient across every stage boundary (``v``
-    times round the ring of ranks, interleaved, rank ``p - 1`` sending back to rank 0).
+    activations; gradients only for the tensors that need one). Train with :meth:`train_step`, which runs the
+    ``schedule`` ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv" or "dualpipev") over ``micro_batches``
+    micro-batches and returns the global batch's loss on every rank; ``forward`` runs the whole pipeline without
+    gradients (``predict``) and returns the output on every rank. Memory: each rank holds its stage's parameters,
+    gradients and optimizer state, plus the activations of the micro-batches in flight (at most ``num_stages -
+    stage`` with 1F1B, all of them with GPipe; interleaved: at most ``2 (p - s - 1) + (v - 1) p + 1`` chunk
+    activations, each ``1/v`` of a stage's; ZB-H1 ``p`` on every stage; ZB-V ``2 p`` half-size chunk activations,
+    DualPipe-V ``2 p + 1``, alive until their W). Communication per step: each micro-batch's activation and its
+    gradient across every stage boundary (``v`` times round the ring of ranks, interleaved, rank ``p - 1`` sending
+    back to rank 0).
 
     Saving: :meth:`full_state_dict` and ``save_model("x.safetensors")`` give the full module on every rank
     (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
@@ -101,7 +112,8 @@ class PipelineParallelModel(ShardedModel):
         config: The settings shared with the optimizer; ``config.backend`` is the world group.
         num_stages: Pipeline stages; it must divide the world size (None: the world size, no replicas).
         micro_batches: Micro-batches per training step; each replica's batch size must be divisible by it.
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` (:mod:`gpudist.strategies.pipeline`).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, ``"zero_bubble"`` (ZB-H1), ``"zbv"`` or
+            ``"dualpipev"`` (:mod:`gpudist.strategies.pipeline`).
         balance: ``"parameters"``, ``"uniform"``, or a list of blocks per stage (per chunk, interleaved).
         blocks: A function of ``module`` returning its blocks in order (an ``nn.Sequential`` or a list; names stay
             ``module``'s), or the dotted name of a decoder model's block list; None: ``module`` is the sequence, or
@@ -135,24 +147,36 @@ class PipelineParallelModel(ShardedModel):
         if isinstance(module, (list, tuple, nn.ModuleList)):
             module = nn.Sequential(*module)
         self._adapter = find_adapter(module, blocks, "PipelineParallelModel")
-        if schedule not in (*SCHEDULES, INTERLEAVED):
-            raise ValueError(f"schedule={schedule!r}; use one of {(*SCHEDULES, INTERLEAVED)}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
         world = config.backend.world_size
         layout = ParallelLayout.resolve(world, num_stages or world)
-        if schedule == INTERLEAVED:
-            self.virtual_stages = 2 if virtual_stages is None else virtual_stages
-            check_interleaved(layout.pipeline_parallel_size, micro_batches, self.virtual_stages)
-        elif virtual_stages not in (None, 1):
-            raise ValueError(f"virtual_stages={virtual_stages!r} needs schedule='interleaved' (got {schedule!r})")
+        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages, config.backend)
         self._setup = {
             "layout": layout,
             "balance": balance,
             "blocks": blocks,
         }
-        self.micro_batches, self.schedule = micro_batches, schedule
         super().__init__(module, config)
+
+    def _set_schedule(
+        self, schedule: str, num_stages: int, micro_batches: int, virtual_stages: int | None, backend
+    ) -> None:
+        """Check the schedule settings (:func:`check_schedule`) and keep them.
+
+        Raises:
+            ValueError: As :func:`check_schedule`, and for a V-shaped schedule on a backend whose point-to-point
+                runs in issue order (NCCL): its executor has no deadlock-free grouping of sends and receives for
+                the V's messages yet.
+        """
+        self.virtual_stages = check_schedule(schedule, num_stages, micro_batches, virtual_stages)
+        self.micro_batches, self.schedule, self.placement = micro_batches, schedule, placement(schedule)
+        if self.placement == "v" and num_stages > 1 and backend.ordered_p2p:
+            raise ValueError(
+                f"schedule={schedule!r} does not run on {type(backend).__name__} yet (point-to-point in issue "
+                "order: the V's sends and receives have no deadlock-free grouping there); use "
+                "schedule='zero_bubble' or 'interleaved' on it, or Gloo / MPI / in-memory"
+            )
 
     # -- construction ----------------------------------------------------------------------------------------------
 
@@ -189,7 +213,8 @@ class PipelineParallelModel(ShardedModel):
         parts, self._table = self._prepare(root)
         blocks = parts.blocks
         num_stages, v = layout.pipeline_parallel_size, self.virtual_stages
-        chunks = num_stages * v  # virtual stages: chunk c of rank s is c * num_stages + s
+        chunks = num_stages * v  # virtual stages: chunk c of rank s is virtual_stage(placement, p, s, c)
+        where = self.placement
         seen: set[int] = set()
         costs = []
         for i, block in enumerate(blocks):  # a parameter shared with an earlier block costs nothing more
@@ -215,7 +240,9 @@ class PipelineParallelModel(ShardedModel):
 
         def stage_modules(s: int) -> dict[str, nn.Module]:
             """Rank ``s``'s modules, over its chunks."""
-            return {name: m for c in range(v) for name, m in chunk_modules(c * num_stages + s).items()}
+            return {
+                name: m for c in range(v) for name, m in chunk_modules(virtual_stage(where, num_stages, s, c)).items()
+            }
 
         # Where each parameter of the full model lives: its name (hence offset and shape in the full vector) and
         # the stages that hold it. The first holder owns it in gather_full_parameters.
@@ -274,8 +301,11 @@ class PipelineParallelModel(ShardedModel):
             glue = {name: m for name, m in chunk_modules(u).items() if not name.isdigit()}
             return _Stage({i: blocks[i] for i in range(a, b)}, glue, parts.adapter, first=u == 0, last=u == chunks - 1)
 
-        # interleaved: the chunks in a list, their parameters named "c.<block>..." here (checkpoints use full names)
-        self.module = chunk(stage) if v == 1 else nn.ModuleList(chunk(c * num_stages + stage) for c in range(v))
+        # several chunks: in a list, their parameters named "c.<block>..." here (checkpoints use full names)
+        if v == 1:
+            self.module = chunk(stage)
+        else:
+            self.module = nn.ModuleList(chunk(virtual_stage(where, num_stages, stage, c)) for c in range(v))
         params = list(self.module.parameters())
         self._stage_params = params
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
@@ -334,8 +364,10 @@ class PipelineParallelModel(ShardedModel):
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this rank runs the last stage (the one that computes the loss)."""
-        return self.pipeline_parallel_rank == self.num_stages - 1
+        """Whether this rank runs the last stage (the one that computes the loss): rank ``p - 1``, or rank 0 with a
+        V-shaped schedule (``"zbv"``, ``"dualpipev"``)."""
+        last = self.num_stages * self.virtual_stages - 1
+        return self.pipeline_parallel_rank == holder(self.placement, self.num_stages, last)[0]
 
     def _bytes_total(self) -> int:
         return sum(group.stats.total_bytes for group in {id(g): g for g in self._groups}.values())
@@ -441,7 +473,10 @@ class PipelineParallelModel(ShardedModel):
             targets=self._micro(targets, "targets") if last else None,
             loss_fn=self._loss_fn(loss_fn) if last else loss_fn,
             data_group=self.data_group if self.data_parallel_size > 1 else None,
-            steady_from=interleaved_warmup(p, self.pipeline_parallel_rank, self.micro_batches, v) if v > 1 else None,
+            steady_from=interleaved_warmup(p, self.pipeline_parallel_rank, self.micro_batches, v)
+            if self.schedule == INTERLEAVED
+            else None,
+            where=self.placement,
         )
         loss = executor.run()
         self.last_schedule = executor.report()
@@ -489,13 +524,16 @@ class PipelineParallelModel(ShardedModel):
                 "in predict() or under torch.no_grad()"
             )
         pending: list = []
-        last = self.num_stages - 1
+        p, stage = self.num_stages, self.pipeline_parallel_rank
+        last = holder(self.placement, p, p * self.virtual_stages - 1)[0]
         with torch.no_grad():
-            for c, chunk in enumerate(self._chunks()):  # round the ring once per chunk
-                x = inputs if self.is_first_stage and c == 0 else self.link.recv_activation()
-                y = chunk(x)
-                if not (self.is_last_stage and c == self.virtual_stages - 1):
-                    self.link.send_activation(y, pending)
+            for c, chunk in enumerate(self._chunks()):  # once round the ring per chunk, or down and up a V
+                u = virtual_stage(self.placement, p, stage, c)
+                if u > 0 and holder(self.placement, p, u - 1)[0] != stage:  # else the previous chunk's output
+                    y = self.link.recv_activation(holder(self.placement, p, u - 1)[0] - stage)
+                y = chunk(inputs if u == 0 else y)
+                if u < p * self.virtual_stages - 1 and holder(self.placement, p, u + 1)[0] != stage:
+                    self.link.send_activation(y, pending, holder(self.placement, p, u + 1)[0] - stage)
             for work, _ in pending:
                 work.wait()
             if self.is_last_stage:
@@ -677,7 +715,10 @@ class PipelineParallelModel(ShardedModel):
                 "stage": self.pipeline_parallel_rank,
                 "stage_blocks": self.stage_blocks[self.pipeline_parallel_rank]
                 if self.virtual_stages == 1
-                else self.stage_blocks[self.pipeline_parallel_rank :: self.num_stages],
+                else [
+                    self.stage_blocks[virtual_stage(self.placement, self.num_stages, self.pipeline_parallel_rank, c)]
+                    for c in range(self.virtual_stages)
+                ],
                 "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages,
                 "micro_batches": self.micro_batches,

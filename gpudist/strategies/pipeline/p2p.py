@@ -214,16 +214,17 @@ class StageLink:
                 )
         return spec
 
-    def send_activation(self, value: Any, pending: list) -> None:
-        """Send ``value`` with its spec message first (no-gradient paths: forward, predict)."""
+    def send_activation(self, value: Any, pending: list, offset: int = 1) -> None:
+        """Send ``value`` with its spec message first to the stage ``offset`` away (no-gradient paths: forward,
+        predict)."""
         spec = self.check_sendable(value)
-        self.send(self.encode_spec(spec), +1, pending)
+        self.send(self.encode_spec(spec), offset, pending)
         for t in flatten_activation(value)[1]:
-            self.send(t, +1, pending)
+            self.send(t, offset, pending)
 
-    def recv_activation(self) -> Any:
-        """The activation :meth:`send_activation` sent from the previous stage."""
-        spec = self.decode_spec(self.recv(torch.Size([META_LEN]), torch.int64, -1))
-        bufs, work = self.post_recvs(spec.buffers, -1)
+    def recv_activation(self, offset: int = -1) -> Any:
+        """The activation :meth:`send_activation` sent from the stage ``offset`` away (default: the previous)."""
+        spec = self.decode_spec(self.recv(torch.Size([META_LEN]), torch.int64, offset))
+        bufs, work = self.post_recvs(spec.buffers, offset)
         work.wait()
         return unflatten_activation(spec, bufs)

@@ -1,0 +1,314 @@
+"""Zero-bubble schedules (issue 26): ZB-H1 (``schedule="zero_bubble"``), ZB-V (``"zbv"``) and DualPipe-V
+(``"dualpipev"``), whose backwards are split into an input-gradient pass B and a weight-gradient pass W.
+
+The schedule replay (bubble below 1F1B's for the same p and m, at several forward/B/W costs; ZB-H1's
+``(p - 1) / (3 m + p - 1)`` and the V's ``(p - 1) / (6 m + p - 1)`` at equal costs; activations alive from F to W
+per rank), the split backward itself against one ``backward()``, training parity with one process on the global
+batch (in memory, with replicas, a tied embedding, ZB-H1 over the simulated in-order NCCL, in a pipeline x
+tensor hybrid), a Hugging Face Llama with checkpoints under its own names, and the errors.
+
+Parity tolerance: as tests/test_pipeline.py, a multiple of the float32 single-process run's own distance from the
+float64 one (tests/tolerances.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gpudist
+from gpudist import PipelineParallelModel, ShardingConfiguration
+from gpudist.checkpoint import read_manifest
+from gpudist.strategies.pipeline import schedule_bubble, stage_schedule
+from gpudist.strategies.pipeline.backward import SplitBackward
+from gpudist.strategies.pipeline.schedule import placement
+from gpudist.testing import run_ranks
+
+from .fakenccl import FakeNccl, run_nccl
+from .helpers import check_training, global_batch, hybrid_check, hybrid_train, pipeline_reference, pipeline_train
+from .test_pipeline import lm, lm_batch, lm_loss
+from .test_pipeline_interleaved import deep, llama4, llama_reference
+from .tolerances import assert_matches_reference, reference_pair
+
+NEW = ("zero_bubble", "zbv", "dualpipev")
+
+
+def orders_of(schedule: str, p: int, m: int) -> list[list[tuple]]:
+    return [stage_schedule(schedule, p, s, m) for s in range(p)]
+
+
+def alive_peaks(orders: list[list[tuple]]) -> list[int]:
+    """Per rank, the most micro-batch activations (of a chunk) alive at once: from the forward to the W of a split
+    backward, or to a whole backward."""
+    peaks = []
+    for order in orders:
+        split = {op[1:] for op in order if op[0] == "W"}
+        alive = peak = 0
+        for op in order:
+            alive += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def memory_bound(schedule: str, p: int, m: int) -> int:
+    """Chunk activations a rank may hold: ZB-H1 the 1F1B maximum, p (stage 0's, now on every stage, Qi et al.);
+    the V holds two half-size chunks per rank, so 2 p is the same memory, and DualPipe-V one chunk more."""
+    return {"zero_bubble": min(p, m), "zbv": min(2 * p, 2 * m), "dualpipev": 2 * p + 1}[schedule]
+
+
+def grid(schedule: str) -> list[tuple[int, int]]:
+    return [(p, m) for p in (2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12) if schedule != "dualpipev" or m >= 2 * p]
+
+
+# ---------------------------------------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("schedule", NEW)
+def test_replay_runs_every_op_once_with_a_bubble_below_1f1b_and_bounded_memory(schedule):
+    """For p = 2..4 and m = 1..12: every rank runs each (micro-batch, chunk) forward and backward once and each W
+    once after its B; the replay does not deadlock; the bubble is below 1F1B's at equal compute for several
+    forward/B/W costs; at F = B = W (forward 1, backward 2 of which W is 1) ZB-H1 idles (p-1)/(3m+p-1) for
+    m >= p (the paper's (p-1)(T_F + T_B - T_W) per stage), and the V schedules (p-1)/(6m+p-1) for m >= 2p-1 (the
+    last rank waits p-1 half-stage forwards before its first op, and nothing else); each rank holds at most
+    ``memory_bound`` chunk activations. Catches a W run before its B or twice, a deferred W never run (the
+    activation never freed), a V whose turn or chunk order breaks the dependencies, and a schedule that keeps
+    more micro-batches alive than 1F1B's memory."""
+    where = placement(schedule)
+    chunks = (0, 1) if where == "v" else (None,)
+    for p, m in grid(schedule):
+        orders = orders_of(schedule, p, m)
+        for order in orders:
+            keys = [op[1:] for op in order]
+            for c in chunks:
+                for mb in range(m):
+                    key = (mb,) if c is None else (mb, c)
+                    assert [op[0] for op in order if op[1:] == key] in (["F", "B"], ["F", "B", "W"])
+            assert len(keys) == len(order)
+        for costs in [(1.0, 2.0, 1.0), (1.0, 2.0, 0.6), (1.0, 1.5, 1.0), (1.0, 3.0, 1.5)]:
+            ours = schedule_bubble(orders, *costs, where=where)
+            assert ours < schedule_bubble(orders_of("1f1b", p, m), *costs), (p, m, costs)
+        equal = schedule_bubble(orders, 1.0, 2.0, 1.0, where=where)
+        if schedule == "zero_bubble" and m >= p:
+            assert equal == pytest.approx((p - 1) / (3 * m + p - 1))
+        if where == "v" and m >= 2 * p - 1:
+            assert equal == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert max(alive_peaks(orders)) <= memory_bound(schedule, p, m)
+        if schedule == "zero_bubble":
+            assert alive_peaks(orders) == [min(p, m)] * p
+
+
+def test_replay_refuses_a_deadlocked_v():
+    """A V order where rank 0 runs chunk 1's first forward before chunk 0's: the replay raises instead of
+    reporting a bubble. Catches a replay that ignores the V's placement (it would see no dependency)."""
+    orders = orders_of("zbv", 2, 4)
+    first = orders[0].index(("F", 0, 1))
+    orders[0] = [orders[0][first], *orders[0][:first], *orders[0][first + 1 :]]
+    with pytest.raises(ValueError, match="deadlock"):
+        schedule_bubble(orders, where="v")
+
+
+# ------------------------------------------------------------------------------------------------- split backward
+
+
+def _mlp_blocks() -> list[nn.Module]:
+    return [nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 4)]
+
+
+class _Reused(nn.Module):
+    """A weight used on both sides of the input's path, and an output computed from a parameter alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(4, 4), nn.Linear(4, 4), nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.b(torch.tanh(self.a(x))) * self.scale)))
+        return h, self.scale * 2
+
+
+@pytest.mark.parametrize(("build", "whole"), [(lambda: nn.Sequential(*_mlp_blocks()), False), (_Reused, True)])
+def test_split_backward_equals_one_backward(build, whole):
+    """The input pass gives the input's gradient and leaves every ``.grad`` untouched; the weight pass then gives
+    the parameters' gradients of one ``autograd.grad`` over everything (an MLP: restarted at the boundary nodes;
+    a weight used twice around the input's path: the whole-backward fallback, which restarting would double
+    count). Catches an input pass that also accumulates weight gradients (the W would add them twice), a weight
+    pass that walks on down the input's path (lower layers counted twice), and a missed parameter-only output."""
+    torch.manual_seed(0)
+    net = build()
+    x = torch.randn(3, 4, requires_grad=True)
+    outputs = net(x)
+    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+    grads = [torch.randn_like(t) for t in outputs]
+    params = list(net.parameters())
+    want = torch.autograd.grad(outputs, [x, *params], grads, retain_graph=True)
+    part = SplitBackward(outputs, grads, [x], params)
+    (dx,) = part.input_pass()
+    assert part.whole is whole
+    assert all(p.grad is None for p in params)
+    torch.testing.assert_close(dx, want[0])
+    part.weight_pass()
+    for p, g in zip(params, want[1:], strict=True):
+        torch.testing.assert_close(p.grad, g)
+
+
+# ------------------------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("schedule", NEW)
+@pytest.mark.parametrize(("world", "micro"), [(2, 4), (4, 8)])
+def test_matches_single_process_training(schedule, world, micro):
+    """2 and 4 ranks, 3 Adam steps of the 8-block MLP in memory (gradients accumulated over the micro-batches):
+    parameters and the loss on every rank equal one process on the global batch; the V places chunks r and
+    2p-1-r on rank r; each rank keeps exactly the activations the schedule's replay says. Catches a W never run
+    or run twice (a missing or doubled weight gradient), a deferred W computed from a later micro-batch's graph, a
+    V's activation sent the wrong way or its turn on rank p-1 lost, and the loss read on the wrong rank."""
+    want = reference_pair(pipeline_reference, build=deep)
+    results = run_ranks(pipeline_train, world, "inmemory", micro=micro, schedule=schedule, build=deep)
+    v = 2 if schedule != "zero_bubble" else 1
+    counts = [8 // (world * v)] * (world * v)
+    spans = [(sum(counts[:u]), sum(counts[: u + 1])) for u in range(world * v)]
+    for params, losses, _, blocks in results:
+        check_training(params, losses, want)
+        assert blocks == spans
+    assert [r[2] for r in results] == alive_peaks(orders_of(schedule, world, micro))
+
+
+@pytest.mark.parametrize("schedule", NEW)
+def test_with_replicas_and_tied_embedding(schedule):
+    """2 stages x 2 replicas (world 4), and TinyLM (embedding tied to the head) on 2 ranks: both equal one
+    process. In the V the embedding (chunk 0) and the head (chunk 1) both sit on rank 0, so the tied weight gets
+    both chunks' gradients there. Catches replicas averaged over the wrong group, a W's gradient landing after
+    the replica average, and the tied weight's two gradients not both accumulated."""
+    want = reference_pair(pipeline_reference, build=deep)
+    for params, losses, _, _ in run_ranks(
+        pipeline_train, 4, "inmemory", stages=2, micro=4, schedule=schedule, build=deep
+    ):
+        check_training(params, losses, want)
+    want = reference_pair(pipeline_reference, build=lm, batch=lm_batch, loss_fn=lm_loss)
+    for params, losses, _, _ in run_ranks(
+        pipeline_train, 2, "inmemory", micro=4, schedule=schedule, build=lm, batch=lm_batch, loss_fn=lm_loss
+    ):
+        check_training(params, losses, want)
+
+
+def test_zbv_predict_goes_down_and_up_the_v():
+    """predict() of an untrained ZB-V model on 2 ranks equals the plain model's output on every rank. Catches
+    sends whose direction assumes a ring (chunk 1's activations go to rank r-1) and a prediction broadcast from
+    rank p-1 instead of rank 0, which holds the V's last chunk."""
+    x = global_batch(0)[0]
+    for got in run_ranks(predicting, 2, "inmemory", x=x):
+        torch.testing.assert_close(got, deep()(x))
+
+
+def predicting(comm, x):
+    model = PipelineParallelModel(deep(), ShardingConfiguration(comm), micro_batches=4, schedule="zbv")
+    return model.predict(x)
+
+
+def test_zero_bubble_over_nccl_matches_one_process():
+    """ZB-H1 over the simulated NCCL (p2p in issue order, a send waits for its receive), p = 2, 3, 4, one step:
+    equals one process. Catches a W op posting a receive (it has none: the peer's stream would be read out of
+    order) and a deadlock between the deferred W's sends and a crossing receive."""
+    want = reference_pair(pipeline_reference, build=deep, steps=1)
+    for world, micro in [(2, 4), (3, 8), (4, 8)]:
+        fake = FakeNccl(timeout=20)
+        results = run_nccl(pipeline_train, world, fake, micro=micro, schedule="zero_bubble", build=deep, steps=1)
+        for params, losses, _, _ in results:
+            check_training(params, losses, want)
+
+
+def test_zbv_in_pipeline_by_tensor_hybrid():
+    """HybridShardedModel, pp=2 x tp=2 (world 4), TinyLM with heads and MLP split and the vocabulary-parallel
+    loss, ZeRO-1: equals one process. Catches a split backward that runs the tensor-parallel all-reduces of the
+    input's gradient again in the weight pass (ranks would disagree or double the gradient)."""
+    hybrid_check(run_ranks(hybrid_train, 4, "inmemory", pp=2, tp=2, dp=1, schedule="zbv"), "adamw", 4)
+
+
+# ------------------------------------------------------------------------------------------------- Hugging Face
+
+
+def llama_training(comm, save_to, schedule):
+    from .test_hf_pipeline import STEPS, batch
+
+    model = PipelineParallelModel(llama4(), ShardingConfiguration(comm), micro_batches=4, schedule=schedule)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = [model.train_step(*batch(step, padded=True), None, opt) for step in range(STEPS)]
+    gpudist.save_checkpoint(save_to, model, opt)
+    return model.full_state_dict(), losses
+
+
+def test_hf_llama_dualpipev_matches_single_process_and_checkpoints(tmp_path):
+    """A tied 4-layer Llama as it is on 2 ranks under DualPipe-V (one layer per chunk, the embedding and the head
+    both on rank 0), a left-padded batch: parameters under the model's own names and the
+    per-step losses equal one process; the checkpoint lists the model's names and loads into the plain model.
+    Catches rotary inputs or the padding mask lost at the V's turn, the adapter's glue run on the wrong chunk,
+    and chunk-prefixed names in checkpoints."""
+    pytest.importorskip("transformers")
+    from .test_hf_pipeline import flat
+
+    (want32, losses32), (want64, losses64) = reference_pair(llama_reference)
+    for state, losses in run_ranks(llama_training, 2, "inmemory", save_to=tmp_path / "pipe", schedule="dualpipev"):
+        assert sorted(state) == sorted(llama4().state_dict())
+        assert_matches_reference(flat(state), want32, want64, what="parameters")
+        assert_matches_reference(losses, losses32, losses64, what="losses")
+    names = sorted(row["name"] for row in read_manifest(tmp_path / "pipe")["parameters"])
+    assert names == sorted(n for n, _ in llama4().named_parameters())
+    fresh = llama4()
+    gpudist.load_checkpoint(tmp_path / "pipe", fresh)
+    assert all(torch.equal(fresh.state_dict()[k].to(v.device), v) for k, v in state.items())
+
+
+# ------------------------------------------------------------------------------------------------------------ errors
+
+
+def bad_settings(comm):
+    config = ShardingConfiguration(comm)
+    errors = []
+    for kwargs in (
+        {"micro_batches": 3, "schedule": "dualpipev"},
+        {"micro_batches": 4, "schedule": "zbv", "virtual_stages": 3},
+        {"micro_batches": 4, "schedule": "zero_bubble", "virtual_stages": 2},
+        {"micro_batches": 4, "schedule": "zb-h2"},
+    ):
+        with pytest.raises(ValueError) as info:
+            PipelineParallelModel(deep(), config, **kwargs)
+        errors.append(str(info.value))
+    return errors
+
+
+def v_on_nccl(comm):
+    with pytest.raises(ValueError) as info:
+        PipelineParallelModel(deep(), ShardingConfiguration(comm), micro_batches=4, schedule="zbv")
+    return str(info.value)
+
+
+def test_bad_settings_are_refused_up_front():
+    """DualPipe-V with fewer than 2p micro-batches, a V with other than 2 chunks per rank, ZB-H1 with chunks, an
+    unknown name, and a V on NCCL (no deadlock-free grouping of its messages in issue order yet) are refused at
+    construction, naming the value and the fix. Catches a schedule built anyway: DualPipe-V's steady state would
+    start before both warm-ups end (a rank waits for a micro-batch that never comes), a V would hang on NCCL."""
+    errors = run_ranks(bad_settings, 2, "inmemory")[0]
+    assert "needs micro_batches >= 2 x num_stages = 4, got micro_batches=3; use 4 or more" in errors[0]
+    assert "virtual_stages=3: schedule='zbv' holds exactly 2 chunks per rank" in errors[1]
+    assert "virtual_stages=2 needs schedule='interleaved' (got 'zero_bubble')" in errors[2]
+    assert "schedule='zb-h2'; use one of" in errors[3] and "'zero_bubble', 'zbv', 'dualpipev'" in errors[3]
+    message = run_nccl(v_on_nccl, 2, FakeNccl(timeout=20))[0]
+    assert "schedule='zbv' does not run on NCCLCommunicationBackend yet" in message
+    assert "use schedule='zero_bubble' or 'interleaved'" in message
+
+
+def test_traffic_settings_differ_between_schedules():
+    """The schedule decides every message of a step, so ranks wrapping with different schedules are refused when
+    the model is wrapped rather than hanging later. Catches a new schedule left out of the compared settings."""
+    errors = run_ranks(mixed_schedules, 2, "inmemory")
+    assert any("schedule" in e for e in errors if e)
+
+
+def mixed_schedules(comm):
+    try:
+        PipelineParallelModel(deep(), ShardingConfiguration(comm), micro_batches=4, schedule=("zbv", "1f1b")[comm.rank])
+    except ValueError as e:
+        return str(e)
+    return None
