@@ -5,7 +5,9 @@
 - ``gpt``: a GPT-style decoder (pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, learned positions,
   tied output head). The default, 6 layers of width 384 with a vocabulary of 8192 and 256 positions, has 13.9M
   parameters in 76 tensors; ``gpt-deep`` (24 layers of width 192) has 12.2M in 292 tensors, where per-tensor
-  overheads dominate.
+  overheads dominate. ``gpt-small`` (4 layers of width 128, a vocabulary of 4096, sequences of 64) has 1.3M: the
+  strategy steps of the pytest-benchmark tier (``benchmarks/test_strategies.py``), sized so that the tier runs in
+  minutes.
 
 ``make(name, **overrides)`` builds one (seeded, so every rank and every variant starts from the same values) and
 ``batch(name, size, generator)`` gives its inputs and targets; ``loss(name, model, inputs, targets)`` the training
@@ -87,6 +89,7 @@ WORKLOADS = {
     "mlp": {},
     "gpt": {"layers": 6, "width": 384, "heads": 6},
     "gpt-deep": {"layers": 24, "width": 192, "heads": 6},
+    "gpt-small": {"layers": 4, "width": 128, "heads": 4, "vocab": 4096, "seq": 64},
 }
 
 

@@ -55,11 +55,12 @@ def _bench(args: argparse.Namespace) -> int:
         elements = parse_size(args.elements) if args.elements else None
         run_kernels(args.device, elements, ops, args.rounds, json_path=args.json)
         return 0
-    args.ops = args.ops or "all_reduce,reduce_scatter,all_gather"
-    ops = tuple(args.ops.split(","))
-    unknown = [o for o in ops if o not in ("all_reduce", "reduce_scatter", "all_gather")]
+    from .bench.collectives import BUS_FACTORS, SWEEP_OPS
+
+    ops = tuple(args.ops.split(",")) if args.ops else SWEEP_OPS
+    unknown = [o for o in ops if o not in BUS_FACTORS]
     if unknown:
-        print(f"gpudist bench: unknown op(s) {unknown}; use all_reduce, reduce_scatter, all_gather", file=sys.stderr)
+        print(f"gpudist bench: unknown op(s) {unknown}; use {', '.join(BUS_FACTORS)}", file=sys.stderr)
         return 2
     run_collectives(
         backend=args.backend,
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--ops",
         default=None,
-        help="collectives: all_reduce,reduce_scatter,all_gather (default all); "
+        help="collectives: all_reduce,reduce_scatter,all_gather (default), broadcast, all_to_all; "
         "kernels: a subset of the kernel ops (default all)",
     )
     common.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")

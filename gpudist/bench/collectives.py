@@ -24,13 +24,33 @@ import torch
 from ..comm import CommunicationBackend, split_sizes
 from ..fileio import atomic_write_json
 
-__all__ = ["BUS_FACTORS", "environment", "format_table", "interleaved_times", "parse_size", "run_collectives", "sweep"]
+__all__ = [
+    "BASELINES",
+    "BUS_FACTORS",
+    "SWEEP_OPS",
+    "collective_buffers",
+    "collective_rank",
+    "collective_variants",
+    "environment",
+    "format_table",
+    "interleaved_round_times",
+    "interleaved_times",
+    "measure_collective",
+    "parse_size",
+    "run_collectives",
+    "sweep",
+]
 
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
+"""nccl-tests' bus bandwidth factors (busbw = algbw x factor), one per op every benchmark here measures."""
+SWEEP_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+"""What ``gpudist bench collectives`` sweeps unless ``--ops`` says otherwise."""
 
 
 def parse_size(text: str) -> int:
@@ -81,14 +101,39 @@ def environment() -> dict:
     return env
 
 
-def _variants(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch.Tensor, baseline: bool):
-    """name -> zero-argument callable running one op."""
-    if op == "all_reduce":
-        ours = lambda: comm.all_reduce(inp)
-    elif op == "reduce_scatter":
-        ours = lambda: comm.reduce_scatter(inp, out)
-    else:
-        ours = lambda: comm.all_gather(inp, out)
+def collective_buffers(comm: CommunicationBackend, op: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of ``op`` on ``count`` fp32 elements (nccl-tests' size: the all-reduce, broadcast and all-to-all
+    buffer, the reduce-scatter input, the all-gather output; ``count`` a multiple of the world size). Zeros, so that
+    repeated sums stay finite."""
+    n, dev = comm.world_size, comm.device
+    if count % n:
+        raise ValueError(f"count {count} is not a multiple of the world size {n}; round it down to {count // n * n}")
+    if op == "all_gather":
+        return torch.zeros(count // n, device=dev), torch.empty(count, device=dev)
+    if op == "reduce_scatter":
+        return torch.zeros(count, device=dev), torch.empty(count // n, device=dev)
+    if op == "all_to_all":
+        return torch.zeros(count, device=dev), torch.empty(count, device=dev)
+    if op in ("all_reduce", "broadcast"):
+        buf = torch.zeros(count, device=dev)
+        return buf, buf
+    raise ValueError(f"unknown collective {op!r}; use one of {', '.join(BUS_FACTORS)}")
+
+
+def collective_variants(
+    comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch.Tensor, baseline: bool = True
+) -> dict[str, Callable[[], None]]:
+    """name -> zero-argument callable running one ``op`` on these buffers: "baseline" (the transport's own library
+    called directly, :data:`BASELINES`; absent where it has no such call or ``baseline`` is False), "gpudist_nocheck"
+    (gpudist inside ``comm.unchecked()``, beside the baseline) and "gpudist" (the default, with the cross-rank check).
+    """
+    ours = {
+        "all_reduce": lambda: comm.all_reduce(inp),
+        "reduce_scatter": lambda: comm.reduce_scatter(inp, out),
+        "all_gather": lambda: comm.all_gather(inp, out),
+        "broadcast": lambda: comm.broadcast(inp, 0),
+        "all_to_all": lambda: comm.all_to_all(inp, out),
+    }[op]
     variants: dict[str, Callable[[], None]] = {}
     raw = _raw_call(comm, op, inp, out) if baseline else None
     if raw is not None:
@@ -119,6 +164,8 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
             "all_reduce": lambda: dist.all_reduce(inp),
             "reduce_scatter": lambda: reduce_scatter(out, inp),
             "all_gather": lambda: all_gather(out, inp),
+            "broadcast": lambda: dist.broadcast(inp, src=0),
+            "all_to_all": lambda: dist.all_to_all_single(out, inp),
         }[op]
     if comm.name == "mpi":
         from mpi4py import MPI
@@ -129,6 +176,8 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
             "all_reduce": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
             "reduce_scatter": lambda: mpi.Reduce_scatter(a, b, counts),
             "all_gather": lambda: mpi.Allgather(a, b),
+            "broadcast": lambda: mpi.Bcast(a, root=0),
+            "all_to_all": lambda: mpi.Alltoall(a, b),
         }[op]
     if comm.name == "nccl":
         nccl, lib = comm._comm, comm._lib
@@ -143,17 +192,20 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
             "all_gather": lambda: nccl.allGather(
                 inp.data_ptr(), out.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, stream()
             ),
+            "broadcast": lambda: nccl.broadcast(
+                inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, 0, stream()
+            ),
         }
-        return calls[op]
+        return calls.get(op)  # all_to_all: cupy.cuda.nccl has no call of its own (it is grouped send/recv)
     return None
 
 
-def interleaved_times(
+def interleaved_round_times(
     comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int, rounds: int, warmup: bool = True
-) -> dict[str, float]:
-    """Seconds per call of each variant on every rank of ``comm``: one warm-up call each, then ``rounds`` rounds
-    in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits all alike.
-    Each round counts at its slowest rank's pace; the median round is returned."""
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant in each round, on every rank of ``comm``: one warm-up call each, then
+    ``rounds`` rounds in which every variant runs ``steps`` times after a barrier, round-robin so machine noise hits
+    all alike. Each round counts at its slowest rank's pace (every rank returns the same lists)."""
     cuda = comm.device.type == "cuda"
     for fn in variants.values() if warmup else ():
         fn()
@@ -169,7 +221,15 @@ def interleaved_times(
             if cuda:  # GPU ops are only enqueued: the round ends when the device is done
                 torch.cuda.synchronize(comm.device)
             times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(_slowest(comm, ts)) for name, ts in times.items()}
+    return {name: _slowest(comm, ts) for name, ts in times.items()}
+
+
+def interleaved_times(
+    comm: CommunicationBackend, variants: dict[str, Callable[[], object]], steps: int, rounds: int, warmup: bool = True
+) -> dict[str, float]:
+    """The median round of :func:`interleaved_round_times`, per variant."""
+    per_round = interleaved_round_times(comm, variants, steps, rounds, warmup)
+    return {name: statistics.median(ts) for name, ts in per_round.items()}
 
 
 def _slowest(comm: CommunicationBackend, seconds: list[float]) -> list[float]:
@@ -178,9 +238,39 @@ def _slowest(comm: CommunicationBackend, seconds: list[float]) -> list[float]:
     return t.tolist()
 
 
+def measure_collective(
+    comm: CommunicationBackend,
+    op: str,
+    count: int,
+    rounds: int = 5,
+    target_seconds: float = 0.05,
+    baseline: bool = True,
+) -> dict:
+    """On every rank: ``op`` on ``count`` fp32 elements (a multiple of the world size), every variant of
+    :func:`collective_variants` in interleaved rounds. Returns the row: ``{name}_s`` the median round per variant,
+    ``rounds_s`` every round's seconds per call (the slowest rank's). What ``gpudist bench collectives`` sweeps and
+    the pytest-benchmark tier (``benchmarks/test_collectives.py``) times."""
+    inp, out = collective_buffers(comm, op, count)
+    variants = collective_variants(comm, op, inp, out, baseline)
+    for fn in variants.values():  # warm up every variant
+        fn()
+    # Calibrate the number of iterations per round so one round of a variant takes ~target_seconds.
+    start = time.perf_counter()
+    variants["gpudist"]()
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize(comm.device)
+    once = _slowest(comm, [time.perf_counter() - start])[0]
+    iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
+    per_round = interleaved_round_times(comm, variants, iters, rounds, warmup=False)
+    row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters, "rounds": rounds}
+    row.update({f"{name}_s": statistics.median(t) for name, t in per_round.items()})
+    row["rounds_s"] = per_round
+    return row
+
+
 def sweep(
     comm: CommunicationBackend,
-    ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather"),
+    ops: tuple[str, ...] = SWEEP_OPS,
     min_bytes: int = 1 << 10,
     max_bytes: int = 64 << 20,
     factor: int = 4,
@@ -190,35 +280,13 @@ def sweep(
 ) -> list[dict]:
     """Run on every rank; returns one row per (op, size) with times (seconds per op) per variant."""
     n = comm.world_size
-    dtype = torch.float32
     rows = []
     size = min_bytes
     while size <= max_bytes:
         for op in ops:
             count = max(n, size // 4 // n * n)  # elements, a multiple of the world size
-            dev = comm.device
-            if op == "all_reduce":
-                inp = torch.ones(count, dtype=dtype, device=dev)
-                out = inp
-            elif op == "reduce_scatter":
-                inp = torch.ones(count, dtype=dtype, device=dev)
-                out = torch.empty(split_sizes(count, n)[comm.rank], dtype=dtype, device=dev)
-            else:
-                out = torch.empty(count, dtype=dtype, device=dev)
-                inp = torch.ones(split_sizes(count, n)[comm.rank], dtype=dtype, device=dev)
-            variants = _variants(comm, op, inp, out, baseline)
-            for fn in variants.values():  # warm up every variant
-                fn()
-            # Calibrate the number of iterations per round so one round of a variant takes ~target_seconds.
-            start = time.perf_counter()
-            variants["gpudist"]()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            once = _slowest(comm, [time.perf_counter() - start])[0]
-            iters = int(min(200, max(2, target_seconds / max(once, 1e-6))))
-            seconds = interleaved_times(comm, variants, iters, rounds, warmup=False)
-            row = {"op": op, "bytes": count * 4, "count": count, "dtype": "float32", "iters": iters, "rounds": rounds}
-            row.update({f"{name}_s": t for name, t in seconds.items()})
+            row = measure_collective(comm, op, count, rounds, target_seconds, baseline)
+            del row["rounds_s"]
             rows.append(row)
         size *= factor
     for row in rows:
@@ -267,14 +335,31 @@ def _sweep_rank(comm: CommunicationBackend, **kwargs) -> list[dict]:
     return sweep(comm, **kwargs)
 
 
-def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
-    """A spawned Gloo rank builds the NCCL group of the same ranks (one GPU each, or several ranks per GPU where
-    NCCL allows it) and sweeps over NCCL."""
+def on_nccl(gloo: CommunicationBackend, body: Callable, **kwargs):
+    """On a spawned Gloo rank: its GPU (rank modulo the GPUs; several ranks share one where NCCL allows it), the NCCL
+    group of the same ranks, then ``body(gloo, nccl, **kwargs)``; the NCCL group is shut down after."""
     from ..comm.nccl import NCCLCommunicationBackend
 
-    device = comm.rank % torch.cuda.device_count()
+    device = gloo.rank % torch.cuda.device_count()
     torch.cuda.set_device(device)
-    return _sweep_rank(NCCLCommunicationBackend.from_bootstrap(comm, device=device), **kwargs)
+    nccl = NCCLCommunicationBackend.from_bootstrap(gloo, device=device)
+    try:
+        return body(gloo, nccl, **kwargs)
+    finally:
+        nccl.shutdown()
+
+
+def _sweep_rank_nccl(comm: CommunicationBackend, **kwargs) -> list[dict]:
+    return on_nccl(comm, lambda gloo, nccl: _sweep_rank(nccl, **kwargs))
+
+
+def collective_rank(comm: CommunicationBackend, backend: str, op: str, count: int, rounds: int) -> dict:
+    """A rank of the pytest-benchmark tier: :func:`measure_collective` over ``backend`` ("gloo": the pool's own
+    group; "nccl": the NCCL group of the same ranks, built for this call)."""
+    torch.manual_seed(0)
+    if backend == "nccl":
+        return on_nccl(comm, lambda gloo, nccl: measure_collective(nccl, op, count, rounds))
+    return measure_collective(comm, op, count, rounds)
 
 
 def _check_gpus(world_size: int) -> None:

@@ -52,8 +52,15 @@ from pathlib import Path
 import torch
 
 from ..fileio import atomic_write_json
-from .collectives import BUS_FACTORS as _RING_FACTORS
-from .collectives import _raw_call, environment, interleaved_times, parse_size
+from .collectives import (
+    BUS_FACTORS,
+    collective_buffers,
+    collective_variants,
+    environment,
+    interleaved_times,
+    on_nccl,
+    parse_size,
+)
 
 __all__ = [
     "BUS_FACTORS",
@@ -76,10 +83,9 @@ __all__ = [
 
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 EXIT_OK, EXIT_PART_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
-
-BUS_FACTORS: dict[str, Callable[[int], float]] = {**_RING_FACTORS, "broadcast": lambda n: 1.0}
-"""busbw = algbw x factor(n), as nccl-tests: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1.
-At n = 1 the ring factors are 0: one rank moves nothing between GPUs, and its time is launch overhead."""
+# BUS_FACTORS (from .collectives): busbw = algbw x factor(n), as nccl-tests: all-reduce 2(n-1)/n, all-gather and
+# reduce-scatter (n-1)/n, broadcast 1. At n = 1 the ring factors are 0: one rank moves nothing between GPUs, and its
+# time is launch overhead.
 
 GOOD_FRACTION = 0.8
 """A memory-bound kernel should reach this fraction of the copy bandwidth (one read and one write of each byte)."""
@@ -306,37 +312,6 @@ def kernels_part(settings: GPUSettings, device: str = "cuda") -> dict:
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
-def _collective_buffers(comm, op: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n, dev = comm.world_size, comm.device
-    if op == "all_gather":
-        return torch.zeros(count // n, device=dev), torch.empty(count, device=dev)
-    if op == "reduce_scatter":
-        return torch.zeros(count, device=dev), torch.empty(count // n, device=dev)
-    buf = torch.zeros(count, device=dev)  # zeros: repeated sums stay finite
-    return buf, buf
-
-
-def _collective_variants(comm, op: str, inp: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """raw cupy.cuda.nccl, gpudist without and with its cross-rank check: the same op on the same buffers."""
-    ours = {
-        "all_reduce": lambda: comm.all_reduce(inp),
-        "all_gather": lambda: comm.all_gather(inp, out),
-        "reduce_scatter": lambda: comm.reduce_scatter(inp, out),
-        "broadcast": lambda: comm.broadcast(inp, 0),
-    }[op]
-    if op == "broadcast":  # not in the sweep of `gpudist bench collectives`: CuPy's call, on the backend's stream
-        nccl, lib = comm._comm, comm._lib
-        raw = lambda: nccl.broadcast(inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, 0, comm._stream())
-    else:
-        raw = _raw_call(comm, op, inp, out)
-
-    def unchecked() -> None:
-        with comm.unchecked():
-            ours()
-
-    return {"raw": raw, "gpudist_nocheck": unchecked, "gpudist": ours}
-
-
 def collective_rows(
     comm, sizes: tuple[int, ...], rounds: int, ops: tuple[str, ...] = COLLECTIVE_OPS, target_s: float = 0.05
 ) -> list[dict]:
@@ -349,8 +324,10 @@ def collective_rows(
         for op in ops:
             row = {"op": op, "bytes": count * 4, "count": count, "world_size": n, "rounds": rounds}
             try:  # a failure the ranks share (a bad call) leaves the other rows to run; a one-sided one times out
-                inp, out = _collective_buffers(comm, op, count)
-                variants = _collective_variants(comm, op, inp, out)
+                inp, out = collective_buffers(comm, op, count)
+                # raw cupy.cuda.nccl, gpudist without and with its cross-rank check: the same op on the same buffers
+                ours = collective_variants(comm, op, inp, out)
+                variants = {"raw" if k == "baseline" else k: v for k, v in ours.items()}
                 once = interleaved_times(comm, {"gpudist": variants["gpudist"]}, 1, 1)["gpudist"]
                 row["iters"] = iters = int(min(200, max(2, target_s / max(once, 1e-6))))
                 times = interleaved_times(comm, variants, iters, rounds)
@@ -366,19 +343,6 @@ def collective_rows(
     return rows
 
 
-def _on_nccl(gloo, body: Callable, **kwargs):
-    """On a spawned rank: its GPU (rank modulo the GPUs), the NCCL group of the same ranks, then ``body``."""
-    from ..comm.nccl import NCCLCommunicationBackend
-
-    device = gloo.rank % torch.cuda.device_count()
-    torch.cuda.set_device(device)
-    nccl = NCCLCommunicationBackend.from_bootstrap(gloo, device=device)
-    try:
-        return body(gloo, nccl, **kwargs)
-    finally:
-        nccl.shutdown()
-
-
 def _collectives_body(gloo, nccl, sizes, rounds):
     return collective_rows(nccl, sizes, rounds)
 
@@ -391,7 +355,7 @@ def collectives_part(settings: GPUSettings) -> dict:
     world = _world(settings)
     timeout = settings.timeouts["collectives"] - 60
     rows = spawn(
-        _on_nccl,
+        on_nccl,
         world,
         body=_collectives_body,
         sizes=settings.collective_bytes,
@@ -552,7 +516,7 @@ def strategies_part(settings: GPUSettings) -> dict:
     _repo(settings)
     world = _world(settings)
     timeout = settings.timeouts["strategies"] - 60
-    rows = spawn(_on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
+    rows = spawn(on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
     return {
         "world_size": world,
         "peers": {

@@ -25,7 +25,16 @@ from .. import kernels as K
 from ..fileio import atomic_write_json
 from .collectives import environment
 
-__all__ = ["OPS", "format_kernel_table", "run_kernels"]
+__all__ = [
+    "OPS",
+    "copy_bandwidth",
+    "default_elements",
+    "format_kernel_table",
+    "measure_kernel",
+    "round_times",
+    "run_kernels",
+    "time_variants",
+]
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -47,8 +56,12 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return cuda if device.type == "cuda" else cpu
 
 
-def time_variants(variants: dict[str, Callable[[], object]], device, rounds: int = 7, target_s: float = 0.05):
-    """Median seconds per call of each variant, measured round-robin so machine noise hits all alike."""
+def round_times(
+    variants: dict[str, Callable[[], object]], device, rounds: int = 7, target_s: float = 0.05
+) -> tuple[dict[str, list[float]], int]:
+    """Seconds per call of each variant in each of ``rounds`` rounds, and the calls per round. Round-robin (every
+    variant once per round, the order reversed every other round), so machine noise hits all alike; the calls per
+    round are chosen so that one round of the slowest variant takes about ``target_s`` (at most 100)."""
     timer = _timer(device)
     for fn in variants.values():  # warm-up: compilation, allocator, caches
         fn()
@@ -56,9 +69,16 @@ def time_variants(variants: dict[str, Callable[[], object]], device, rounds: int
     once = max(timer(fn, 1) for fn in variants.values())
     iters = int(min(100, max(1, target_s / max(once, 1e-6))))
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    order = list(variants.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else reversed(order):  # A B, B A, ...: neither always runs first
             times[name].append(timer(fn, iters))
+    return times, iters
+
+
+def time_variants(variants: dict[str, Callable[[], object]], device, rounds: int = 7, target_s: float = 0.05):
+    """Median seconds per call of each variant (over :func:`round_times`' rounds), and the calls per round."""
+    times, iters = round_times(variants, device, rounds, target_s)
     return {name: statistics.median(t) for name, t in times.items()}, iters
 
 
@@ -242,6 +262,42 @@ def _targets(row: dict, device: torch.device, n: int) -> dict:
     return out
 
 
+def measure_kernel(
+    op: str, n: int, device: torch.device, rounds: int, copy_gbps: float, target_s: float = 0.05
+) -> dict:
+    """One row of the kernel table: ``OPS[op]`` on ``n`` elements, gpudist against its torch baseline in interleaved
+    rounds. ``rounds_s`` holds every round's seconds per call of both ("gpudist", "torch"); the other times are
+    their medians; ``target_s``: about how long a variant runs per round. ``speedup`` = torch time / gpudist time
+    (> 1: gpudist faster). What ``gpudist bench kernels`` and
+    the pytest-benchmark tier (``benchmarks/test_kernels.py``) both measure."""
+    moved, variants, extra = OPS[op](n, device)
+    per_round, iters = round_times(variants, device, rounds, target_s)
+    del variants
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    ours, base = statistics.median(per_round["gpudist"]), statistics.median(per_round["torch"])
+    return {
+        "op": op,
+        "elements": n,
+        "bytes_moved": moved,
+        "iters": iters,
+        "gpudist_s": ours,
+        "torch_s": base,
+        "gpudist_GBps": moved / ours / 1e9,
+        "torch_GBps": moved / base / 1e9,
+        "speedup": base / ours,
+        **extra,
+        "fraction_of_copy": moved / ours / 1e9 / copy_gbps,
+        "rounds_s": per_round,
+    }
+
+
+def default_elements(device: torch.device) -> int:
+    """Elements per op when none are asked for: 2^26 on CUDA (256 MiB of fp32, past every cache), 2^22 on CPU (16 MiB,
+    past the CI machine's L2)."""
+    return 1 << 26 if device.type == "cuda" else 1 << 22
+
+
 def run_kernels(
     device: str = "auto",
     elements: int | None = None,
@@ -253,7 +309,7 @@ def run_kernels(
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    n = elements or (1 << 26 if dev.type == "cuda" else 1 << 22)
+    n = elements or default_elements(dev)
     ops = ops or list(OPS)
     unknown = [o for o in ops if o not in OPS]
     if unknown:
@@ -262,27 +318,10 @@ def run_kernels(
     copy_gbps = copy_bandwidth(n, dev, rounds)
     rows = []
     for op in ops:
-        moved, variants, extra = OPS[op](n, dev)
-        times, iters = time_variants(variants, dev, rounds)
-        ours, base = times["gpudist"], times["torch"]
-        row = {
-            "op": op,
-            "elements": n,
-            "bytes_moved": moved,
-            "iters": iters,
-            "gpudist_s": ours,
-            "torch_s": base,
-            "gpudist_GBps": moved / ours / 1e9,
-            "torch_GBps": moved / base / 1e9,
-            "speedup": base / ours,
-            **extra,
-        }
-        row["fraction_of_copy"] = row["gpudist_GBps"] / copy_gbps
+        row = measure_kernel(op, n, dev, rounds, copy_gbps)
+        del row["rounds_s"]
         row["targets"] = _targets(row, dev, n)
         rows.append(row)
-        del variants
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
     doc = {
         "benchmark": "kernels",
         "device": str(dev),
