@@ -72,6 +72,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_keeping_identity",
+    "load_snapshots",
     "module_segments",
     "module_table",
     "optimizer_pieces",
@@ -81,6 +82,7 @@ __all__ = [
     "save_checkpoint",
     "saved_optimizer",
     "scalar_of",
+    "snapshot_state",
     "stage_optimizer",
     "stage_torch_optimizer",
     "torch_optimizer_pieces",
@@ -479,6 +481,128 @@ def save_checkpoint(
     return CheckpointWrite(path, model, optimizer, step=step, extra=extra, background=False).wait()
 
 
+def _capture(
+    model: nn.Module, optimizer, comm: CommunicationBackend | None, step: int, extra: dict[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
+    """This rank's pieces (host copies), its optimizer scalars and the manifest body (without ``files``); no
+    communication, so it also works on a group that has failed (:func:`snapshot_state`)."""
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    parts = _model_parts(model, comm)
+    pieces: dict[str, torch.Tensor] = {}
+    for tensor, segments in parts.held:
+        flat = tensor.detach().reshape(-1)
+        for pos, n, name, c in written(canonical(segments, 0, flat.numel()), parts.share, True):
+            pieces[f"param|{name}|{c}"] = flat[pos : pos + n].contiguous().cpu().clone()
+    for name, b, writes in parts.buffers:
+        if writes:
+            pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
+    scalars, opt_desc = {}, None
+    if optimizer is not None:
+        segmap = {id(t): segs for t, segs in parts.held}
+        opt_pieces, scalars, opt_desc = optimizer_pieces(optimizer, segmap, parts.share, rank, world)
+        pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
+    body = {
+        "format": FORMAT,
+        "strategy": parts.strategy,
+        "world_size": world,
+        "step": int(step),
+        "extra": extra or {},
+        "parameters": _param_table(model),
+        "buffers": parts.buffer_table,
+        "optimizer": opt_desc,
+    }
+    return pieces, scalars, body
+
+
+def _merged_body(body: dict[str, Any], infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """``body`` with every rank's file entry and the optimizer scalars of all ranks merged in."""
+    merged: dict[str, dict[str, float]] = {}
+    for i in infos:
+        for name, values in i["scalars"].items():
+            merged.setdefault(name, {}).update(values)
+    body = dict(body)
+    if body["optimizer"] is not None:
+        body["optimizer"] = {**body["optimizer"], "scalars": merged}
+    body["files"] = [{k: i[k] for k in ("file", "sha256", "bytes", "pieces") if k in i} for i in infos]
+    return body
+
+
+def snapshot_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int = 0, extra: dict | None = None
+) -> bytes:
+    """This rank's part of a checkpoint of ``model`` and ``optimizer`` as bytes in memory, for sending to a peer
+    (live healing) instead of writing a file. Not collective, so it works after the group failed: the pieces are
+    in the coordinates of the group the model was built on (a replicated model's rank writes only its share; pass
+    the plain module and torch optimizer for a whole copy). :func:`load_snapshots` loads any set of them that
+    covers the state, at any world size.
+
+    Args:
+        model: A gpudist ``ShardedModel``, or a plain ``nn.Module`` (then written whole).
+        optimizer: A gpudist or torch optimizer over ``model``'s parameters; None: no optimizer state.
+        step: The training step recorded with it.
+        extra: A JSON-serializable dict carried with it.
+
+    Returns:
+        A safetensors file's bytes whose metadata carries the manifest body.
+
+    Raises:
+        TypeError: When ``extra`` is not JSON-serializable, or ``model`` is not an ``nn.Module``.
+    """
+    if extra is not None and not _jsonable(extra):
+        raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
+    pieces, scalars, body = _capture(model, optimizer, _comm_of(model, optimizer), step, extra)
+    stored, listed = _pack_runs(pieces)
+    meta = {"format": FORMAT, "body": json.dumps(body), "pieces": json.dumps(listed), "scalars": json.dumps(scalars)}
+    return st_save(stored, metadata=meta)
+
+
+def load_snapshots(
+    snapshots: list[bytes], model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointInfo:
+    """Load the union of :func:`snapshot_state` results into ``model`` (and ``optimizer``), as
+    :func:`load_checkpoint` loads a folder (collective; all ranks apply or none does): any strategy and world size.
+
+    Args:
+        snapshots: The snapshots whose pieces together cover what this rank needs (the same list on every rank,
+            or at least lists that cover each rank's needs); the first one's manifest body is used.
+        model: The gpudist ``ShardedModel`` or plain ``nn.Module`` to load into.
+        optimizer: The optimizer to load the state into; None loads the model only.
+
+    Returns:
+        The snapshots' step, world size, strategy and ``extra`` (``path`` is ``"<memory>"``).
+
+    Raises:
+        CheckpointError: When the snapshots are malformed, do not match the model or optimizer, lack data this rank
+            needs, or another rank could not load its own.
+    """
+
+    def source() -> tuple[dict, Reader]:
+        if not snapshots:
+            raise CheckpointError("no snapshot to load from")
+        infos, files, bodies = [], {}, []
+        for f, data in enumerate(snapshots):
+            try:
+                tensors = st_load(data)
+                meta = _safetensors_metadata(data)
+                infos.append({"pieces": json.loads(meta["pieces"]), "scalars": json.loads(meta["scalars"])})
+                bodies.append(json.loads(meta["body"]))
+            except Exception as e:  # safetensors and json raise several types for garbled input
+                raise CheckpointError(f"snapshot {f} is damaged: {type(e).__name__}: {e}") from None
+            files[f] = tensors
+        body = _merged_body(bodies[0], infos)
+        reader = Reader(Path("<memory>"), body)
+        reader.files = files
+        return body, reader
+
+    return _load(Path("<memory>"), source, model, optimizer)
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in ``data`` (its header is 8 bytes of length, then JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + length]).get("__metadata__", {})
+
+
 class CheckpointWrite:
     """One checkpoint being written; :func:`save_checkpoint` is ``CheckpointWrite(...).wait()``.
 
@@ -516,32 +640,7 @@ class CheckpointWrite:
         self.rank, self.world = rank, world
         if extra is not None and not _jsonable(extra):
             raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
-        parts = _model_parts(model, self.comm)
-        table = _param_table(model)
-        pieces: dict[str, torch.Tensor] = {}
-        for tensor, segments in parts.held:
-            flat = tensor.detach().reshape(-1)
-            for pos, n, name, c in written(canonical(segments, 0, flat.numel()), parts.share, True):
-                pieces[f"param|{name}|{c}"] = flat[pos : pos + n].contiguous().cpu().clone()
-        for name, b, writes in parts.buffers:
-            if writes:
-                pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
-        scalars, opt_desc = {}, None
-        if optimizer is not None:
-            segmap = {id(t): segs for t, segs in parts.held}
-            opt_pieces, scalars, opt_desc = optimizer_pieces(optimizer, segmap, parts.share, rank, world)
-            pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
-        self.body = {
-            "format": FORMAT,
-            "strategy": parts.strategy,
-            "world_size": world,
-            "step": int(step),
-            "extra": extra or {},
-            "parameters": table,
-            "buffers": parts.buffer_table,
-            "optimizer": opt_desc,
-        }
-        self.scalars = scalars
+        pieces, self.scalars, self.body = _capture(model, optimizer, self.comm, step, extra)
         token = uuid.uuid4().hex[:12]
         if self.comm is not None:  # one temporary folder name for all ranks: rank 0's
             token = exchange_bytes(self.comm, token.encode())[0].decode()
@@ -633,14 +732,7 @@ class CheckpointWrite:
 
     def _commit(self, infos: list[dict]) -> None:
         """Rank 0: write the manifest into the staging folder, then move it into place."""
-        merged: dict[str, dict[str, float]] = {}
-        for i in infos:
-            for name, values in i["scalars"].items():
-                merged.setdefault(name, {}).update(values)
-        body = dict(self.body)
-        if body["optimizer"] is not None:
-            body["optimizer"] = {**body["optimizer"], "scalars": merged}
-        body["files"] = [{k: i[k] for k in ("file", "sha256", "bytes", "pieces")} for i in infos]
+        body = _merged_body(self.body, infos)
         atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
         old = self.path.with_name(f".{self.path.name}.old-{self.token}")
         if self.path.exists():
@@ -953,6 +1045,16 @@ def load_checkpoint(
             parameter groups), or another rank could not load it.
     """
     path = Path(path)
+
+    def source() -> tuple[dict, Reader]:
+        body = read_manifest(path)
+        return body, Reader(path, body)
+
+    return _load(path, source, model, optimizer)
+
+
+def _load(path: Path, source: Callable[[], tuple[dict, Reader]], model: nn.Module, optimizer) -> CheckpointInfo:
+    """:func:`load_checkpoint`'s body, reading the manifest and pieces through ``source`` (files or memory)."""
     comm = _comm_of(model, optimizer)
     parts = _model_parts(model, comm)
     held = parts.held
@@ -961,9 +1063,8 @@ def load_checkpoint(
     finish = None
     error: Exception | None = None
     try:
-        body = read_manifest(path)
+        body, reader = source()
         _check_model(body, table, parts.buffers)
-        reader = Reader(path, body)
         for tensor, segments in held:
             flat = tensor.data.reshape(-1)
             for pos, n, name, c in canonical(segments, 0, flat.numel()):

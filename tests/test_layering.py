@@ -16,13 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ["gpudist.kernels"],
-    ["gpudist.comm"],
+    ["gpudist.comm", "gpudist.topology"],
     ["gpudist.config", "gpudist.fileio", "gpudist.memory", "gpudist.flat", "gpudist.compression"],
     ["gpudist.checkpoint"],
     ["gpudist.strategies"],
-    ["gpudist.elastic", "gpudist.launch"],
+    ["gpudist.elastic", "gpudist.live", "gpudist.launch"],
     ["gpudist.testing", "gpudist.bench"],
-    ["gpudist.cli", "gpudist.testing.elastic_job", "gpudist.plan", "gpudist"],
+    [
+        "gpudist.cli",
+        "gpudist.testing.elastic_job",
+        "gpudist.testing.live_job",
+        "gpudist.testing.multihost_job",
+        "gpudist.plan",
+        "gpudist",
+    ],
 ]
 """Lowest first; a module may import from its own layer or below. ``gpudist`` itself (the package's __init__, the
 public facade) is on top, with the command line and the elastic demo job, which use it as any training script does."""

@@ -336,6 +336,56 @@ class GlooCommunicationBackend(CommunicationBackend):
             ) from e
         return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store)
 
+    @classmethod
+    def join_group(
+        cls,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        name: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        connect_timeout: float | None = None,
+    ) -> GlooCommunicationBackend:
+        """Form a new Gloo group of ``world_size`` ranks meeting on ``store``, outside ``torch.distributed``'s
+        default group, so a process can leave a failed group and form another without leaving Python (live elastic
+        training builds one per membership generation). Give each group a fresh namespace
+        (``dist.PrefixStore(f"gen-{g}/", store)``): Gloo's connection keys must not meet an earlier group's.
+
+        Args:
+            store: Where the ranks exchange their addresses (every rank passes the same one).
+            rank: This process's rank in the new group.
+            world_size: The number of ranks in the new group.
+            name: The group's name in errors (e.g. ``"live-gen-3"``).
+            timeout: Seconds every op may take.
+            validate: Check every collective's call signature across ranks.
+            connect_timeout: Seconds to wait for every rank to connect (default: as :meth:`create`).
+
+        Returns:
+            This rank's backend of the new group.
+
+        Raises:
+            CommunicationTimeoutError: When a rank did not connect within ``connect_timeout`` (it died, or never
+                called this).
+            ValueError: When ``rank`` is not in ``0..world_size-1`` or a timeout is not positive.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={world_size}")
+        join = join_timeout(timeout, connect_timeout)
+        try:
+            pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=join))
+        except RuntimeError as e:
+            raise CommunicationTimeoutError(
+                f"rank {rank}: Gloo group {name!r} of {world_size} did not form within {join:g}s: {first_line(e)}",
+                op="init",
+                group=name,
+                rank=rank,
+            ) from e
+        return cls(
+            timeout=timeout, validate=validate, _gloo=pg, _store=store, _rank_world=(rank, world_size), _group_name=name
+        )
+
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")

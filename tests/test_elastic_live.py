@@ -1,0 +1,230 @@
+"""Live elastic training (gpudist.live): survivors retrain the failed step in-process, newcomers heal from peers.
+
+Most cases run the workers as threads over in-memory groups, with a real membership service (a TCPStore server in
+this process, one client per worker): a "death" raises out of the worker at the chosen point, aborts its group (as a
+killed process's TCP connections reset) and stops its heartbeat. One case runs Gloo processes and SIGKILLs one.
+
+Every final model is compared with single-process training on the same global batches (the elastic job's), within a
+multiple of the float32 reference's own distance from the float64 one (tests/tolerances.py): live training splits
+each global batch over however many members there are, which changes only the summation order. Members that finish
+together must hold bit-identical parameters (replicated state).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpudist.live import STORE_ENV, LiveElasticTrainer, Membership, MembershipService
+from gpudist.testing import elastic_job
+from gpudist.testing.live_job import TINY_BUCKETS, Faults
+
+from .test_elastic import reference
+from .tolerances import assert_matches_reference
+
+pytestmark = pytest.mark.faults
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 120.0
+"""Seconds a thread-run case may take in all before it counts as hung (normally a few)."""
+
+
+class Death(BaseException):
+    """A simulated kill: not an Exception, so nothing in the trainer catches it."""
+
+
+@functools.cache
+def _refs(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference(steps, torch.float32), reference(steps, torch.float64)
+
+
+def _run(
+    tmp_path,
+    job: str,
+    plans: list,
+    steps: int,
+    *,
+    zero_stage=0,
+    every=100,
+    newcomer_after=None,
+    hold=None,
+):
+    """Run ``len(plans)`` workers (threads; ``plans[i] = (step, where)`` to die there, or None) and, once generation
+    ``newcomer_after`` is decided, one newcomer; the first members wait at step ``hold`` until it has asked to join
+    (so it joins a running job however fast the steps are). Return {worker: (final parameters, events)} for those
+    that finished."""
+    service = MembershipService()
+    first = len(plans)
+    results: dict[str, object] = {}
+    errors: dict[str, str] = {}
+
+    def worker(name: str, plan, after: int | None = None) -> None:
+        step, where = plan or (None, None)
+        groups = []  # every group this worker formed: a "killed" thread aborts them all, as a killed process would
+
+        class Recording(LiveElasticTrainer):
+            def _group(self, g):
+                groups.append(super()._group(g))
+                return groups[-1]
+
+        def kill():
+            raise Death
+
+        faults = Faults(step, where, kill)
+        membership = Membership.connect(
+            service.address, job=job, min_size=first, failure_timeout=1.0, join_timeout=LIMIT
+        )
+        try:
+            _wait(lambda: after is None or membership.store.check([f"gen/{after}"]))
+            trainer = Recording(
+                faults.build_module,
+                faults.build_optimizer,
+                membership,
+                tmp_path / "checkpoints",
+                every,
+                zero_stage=zero_stage,
+                backend="inmemory",
+                timeout=LIMIT,
+                config_options=TINY_BUCKETS,
+            )
+            faults.trainer, faults.forming = trainer, True
+            while trainer.step_count < steps:
+                if trainer.step_count == hold:
+                    _wait(lambda: membership.store.add("joins", 0) > first)
+                trainer.train_step(elastic_job.batch, faults.loss)
+            trainer.finish()
+            flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
+            results[name] = (flat, trainer.events)
+        except Death:
+            for comm in groups:
+                comm.abort(f"{name} was killed")
+        except BaseException as e:  # reported below
+            errors[name] = f"{type(e).__name__}: {e}"
+        finally:
+            membership.close()
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}", p), daemon=True) for i, p in enumerate(plans)]
+    if newcomer_after is not None:
+        threads.append(threading.Thread(target=worker, args=("newcomer", None, newcomer_after), daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LIMIT)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert not errors, errors
+    return results
+
+
+def _wait(condition) -> None:
+    """Poll ``condition`` until true, at most ``LIMIT`` seconds."""
+    pause = threading.Event()
+    for _ in range(int(LIMIT / 0.02)):
+        if condition():
+            return
+        pause.wait(0.02)
+    raise TimeoutError("condition not met")
+
+
+def _check(results: dict, steps: int, expect_finishers: set[str]) -> None:
+    assert set(results) == expect_finishers
+    finals = [flat for flat, _ in results.values()]
+    ref32, ref64 = _refs(steps)
+    for flat in finals:
+        assert_matches_reference(flat, ref32, ref64, what="live-trained parameters")
+        assert torch.equal(flat, finals[0]), "members that finished together differ"
+    for _, events in results.values():  # no applied step is ever undone, and none applied twice
+        for e in events:
+            if e["step_before"] is not None and e["heal"] != "disk":
+                assert e["step"] >= e["step_before"], e
+
+
+def test_deaths_in_forward_backward_and_optimizer_step_are_survived(tmp_path):
+    """Catches a survivor that does not retry the failed step at the new world size (or retries it with the lost
+    rank's share missing, or applies it twice): three members die one after another (forward of step 2; backward
+    of step 4, while the later layers' gradient buckets are being all-reduced; inside the optimizer step of step 6),
+    and the last survivor must end where single-process training on every global batch ends."""
+    results = _run(tmp_path, "fbo", [None, (6, "optimizer"), (4, "backward"), (2, "forward")], steps=8)
+    _check(results, 8, {"w0"})
+    events = results["w0"][1]
+    assert [e["world"] for e in events] == [4, 3, 2, 1]
+    assert all(e["heal"] == "local" for e in events[1:]), events  # the survivor's own state; nothing redone
+
+
+def test_two_deaths_in_a_row_one_during_the_heal_then_a_newcomer_heals_from_the_survivor(tmp_path):
+    """Catches a reconfiguration that cannot survive a second failure while it forms the next generation (w1 dies
+    inside the heal that follows w2's death), and a newcomer that does not receive the survivor's parameters and
+    optimizer state (its final model would then differ from the survivor's and from the reference)."""
+    results = _run(
+        tmp_path,
+        "heal",
+        [None, (3, "heal"), (3, "backward")],
+        steps=9,
+        newcomer_after=3,
+        hold=6,
+    )
+    _check(results, 9, {"w0", "newcomer"})
+    survivor, newcomer = results["w0"][1], results["newcomer"][1]
+    assert [(e["generation"], e["world"]) for e in survivor[:2]] == [(1, 3), (3, 1)]  # generation 2 never formed
+    assert newcomer[0]["heal"] == "peer" and newcomer[0]["world"] == 2
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_falls_back_to_the_checkpoint_when_a_shard_is_lost_and_reshards_live_on_a_join(tmp_path, zero_stage):
+    """Catches ZeRO state handled as if it were replicated: when a member dies its optimizer shard is gone, so the
+    survivors must reload the newest checkpoint (redoing the steps since it, in-process), and when a newcomer joins
+    with nobody lost, the shards must be resharded live over the new group (heal "peers"); a lost or misplaced shard
+    moves the final model far from the reference."""
+    results = _run(
+        tmp_path,
+        f"zero{zero_stage}",
+        [None, None, (5, "backward")],
+        steps=9,
+        zero_stage=zero_stage,
+        every=2,
+        newcomer_after=2,
+        hold=6,
+    )
+    _check(results, 9, {"w0", "w1", "newcomer"})
+    heals = [e["heal"] for e in results["w0"][1]]
+    assert heals[:3] == ["initial", "disk", "peers"], results["w0"][1]
+    fallback = results["w0"][1][1]
+    # Step 4's checkpoint was committed by the optimizer step that made step 5: one step is redone.
+    assert fallback["step_before"] == 5 and fallback["step"] == 4
+
+
+def test_gloo_processes_survive_a_sigkill_and_a_replacement_heals_over_gloo(tmp_path):
+    """Catches what in-memory groups cannot show: a worker process SIGKILLed during backward's all-reduces (its Gloo
+    connections reset; some survivors may have completed the collective, others not), survivors that must form a
+    new Gloo group in the same processes, and a replacement process whose state arrives by a Gloo broadcast. Every
+    process is bounded by a timeout."""
+    service = MembershipService()
+    env = {**os.environ, STORE_ENV: service.address, "PYTHONPATH": str(ROOT)}
+    steps, go = 12, tmp_path / "go"
+    cmd = [sys.executable, "-m", "gpudist.testing.live_job", "--dir", str(tmp_path), "--steps", str(steps)]
+    cmd += ["--min-size", "3", "--hold", "8:4"]  # at step 8 the survivors wait for the replacement to ask
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT) for _ in range(2)]
+    victim = subprocess.Popen([*cmd, "--die", "4:backward"], env=env, cwd=ROOT)
+    replacement = subprocess.Popen([*cmd, "--wait-for", str(go)], env=env, cwd=ROOT)  # imports torch meanwhile
+    try:
+        assert victim.wait(LIMIT) == -9
+        go.touch()
+        for p in [*procs, replacement]:
+            assert p.wait(LIMIT) == 0
+    finally:
+        for p in [*procs, victim, replacement]:
+            if p.poll() is None:
+                p.kill()
+    finals = [torch.load(f) for f in sorted(tmp_path.glob("final-*.pt"))]
+    results = {str(r["id"]): (r["params"], r["events"]) for r in finals}
+    _check(results, steps, set(results))
+    assert len(results) == 3
+    # The replacement may be admitted by the same generation that drops the victim, or by the next one.
+    assert any(e["reason"].startswith("failure") and e["lost"] for _, ev in results.values() for e in ev)
+    assert any(e["heal"] == "peer" for _, ev in results.values() for e in ev)
