@@ -26,6 +26,7 @@ estimates (docs/plan.md says what is and is not modelled). Validation is the con
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -38,7 +39,16 @@ from torch import nn
 
 from .flat import assign_buckets, padded_shard
 from .strategies.layout import ParallelLayout
-from .strategies.pipeline.schedule import SCHEDULES, partition_blocks
+from .strategies.pipeline.schedule import (
+    ALL_SCHEDULES,
+    check_schedule,
+    holder,
+    partition_blocks,
+    placement,
+    schedule_bubble,
+    stage_schedule,
+    virtual_stage,
+)
 from .strategies.tensor.layers import require_divisible
 
 __all__ = [
@@ -645,10 +655,17 @@ def enumerate_configs(
                 why_m = why
                 if why_m is None and (per_replica < m or per_replica % m):
                     why_m = f"batch per replica {per_replica} is not a multiple of micro_batches={m}"
-                for schedule in SCHEDULES:
+                for schedule in ALL_SCHEDULES:
+                    why_s = why_m
+                    if why_s is None:
+                        try:  # the constructors' checks: interleaved m a multiple of pp, dualpipev m >= 2 pp, blocks
+                            v = check_schedule(schedule, pp, m, None)
+                            partition_blocks(model.block_costs, pp * v)
+                        except ValueError as e:
+                            why_s = str(e)
                     for zs in stages:
                         cfg = Config(strategy, micro_batches=m, schedule=schedule, zero_stage=zs, **base)
-                        out.append((cfg, why_m))
+                        out.append((cfg, why_s))
     return out
 
 
@@ -928,21 +945,73 @@ def _finish_memory(mem: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def _stage_params(m: ModelSpec, pp: int) -> list[list[ParamSpec]]:
+def _chunks_of(schedule: str, pp: int) -> int:
+    """Chunks per rank the pipeline runs ``schedule`` with (interleaved: its default 2; the V: 2)."""
+    return check_schedule(schedule, pp, 2 * pp, None)
+
+
+def _stage_blocks(m: ModelSpec, pp: int, schedule: str = "1f1b") -> list[list[tuple[int, int]]]:
+    """Per rank, the ``[first, end)`` blocks of each of its chunks (virtual stages placed as the schedule does)."""
+    v = _chunks_of(schedule, pp)
+    counts = partition_blocks(m.block_costs, pp * v)
+    bounds = [(sum(counts[:u]), sum(counts[: u + 1])) for u in range(pp * v)]
+    return [[bounds[virtual_stage(placement(schedule), pp, s, c)] for c in range(v)] for s in range(pp)]
+
+
+def _stage_params(m: ModelSpec, pp: int, schedule: str = "1f1b") -> list[list[ParamSpec]]:
     """Each stage's parameters (a tied parameter on every stage that uses it), as the pipeline splits them."""
-    counts = partition_blocks(m.block_costs, pp)
-    bounds, at = [], 0
-    for c in counts:
-        bounds.append((at, at + c))
-        at += c
-    stages: list[list[ParamSpec]] = []
-    for lo, hi in bounds:
-        stages.append([p for p in m.params if any(lo <= b < hi for b in (p.block, *p.tied_blocks))])
-    return stages
+    return [
+        [p for p in m.params if any(lo <= b < hi for lo, hi in chunks for b in (p.block, *p.tied_blocks))]
+        for chunks in _stage_blocks(m, pp, schedule)
+    ]
+
+
+@functools.cache
+def _orders(schedule: str, pp: int, micro: int) -> tuple[list[list[tuple]], float]:
+    """Every rank's op order and its bubble at equal F, B and W (forward 1, backward 2: ``schedule_bubble``)."""
+    v = _chunks_of(schedule, pp)
+    orders = [stage_schedule(schedule, pp, s, micro, v) for s in range(pp)]
+    return orders, schedule_bubble(orders, 1.0, 2.0, 1.0, placement(schedule))
+
+
+def _alive(order: list[tuple], weights: list[int]) -> tuple[int, list[int]]:
+    """The most ``sum(weights[c] x micro-batches alive on chunk c)`` along ``order`` (alive from F to W, or to a
+    whole B), and how many were alive on each chunk at that peak."""
+    split = {op[1:] for op in order if op[0] == "W"}
+    alive, peak, at_peak = [0] * len(weights), 0, [0] * len(weights)
+    for op in order:
+        c = op[2] if len(op) == 3 else 0
+        alive[c] += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
+        load = sum(a * w for a, w in zip(alive, weights, strict=True))
+        if load > peak:
+            peak, at_peak = load, list(alive)
+    return peak, at_peak
 
 
 def _tp_numel(params: list[ParamSpec], tp: int) -> list[int]:
     return [p.numel // tp if p.split else p.numel for p in params]
+
+
+def _messages(orders: list[list[tuple]], where: str) -> list[tuple[int, int, int]]:
+    """Per rank, the pipeline messages it sends or receives in a step: spec messages (one per chunk and peer),
+    activation and gradient tensors (one hidden-state tensor each), and the loss's hops (:func:`loss_path`)."""
+    p = len(orders)
+    v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
+    count = [[0, 0, 0] for _ in range(p)]
+    for q, order in enumerate(orders):
+        for op in order:
+            u = virtual_stage(where, p, q, op[2] if len(op) == 3 else 0)
+            if op[0] == "W" or (op[0] == "F" and u == p * v - 1) or (op[0] == "B" and u == 0):
+                continue
+            to = holder(where, p, u + 1 if op[0] == "F" else u - 1)[0]
+            if to != q:
+                for r in (q, to):
+                    count[r][0] += op[0] == "F" and op[1] == 0
+                    count[r][1] += 1
+    source = holder(where, p, p * v - 1)[0]
+    for r in range(p):
+        count[r][2] += (r != source) + (0 <= r + (1 if source == 0 else -1) < p)
+    return [tuple(c) for c in count]
 
 
 def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
@@ -953,13 +1022,20 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
     abytes = _BYTES[w.compute_dtype]
     lowp = pbytes < 4
     k = _k(w.optimizer)
-    stages = _stage_params(m, pp) if pp > 1 else [list(m.params)]
+    stages = _stage_params(m, pp, cfg.schedule) if pp > 1 else [list(m.params)]
     links = _links(cfg, cl)
     per_replica = w.global_batch // dp
     micro = max(1, cfg.micro_batches)
     mb = per_replica // micro if pp > 1 else per_replica
     tokens_mb = mb * m.seq_len
-    counts = partition_blocks(m.block_costs, pp) if pp > 1 else [len(m.block_costs)]
+    counts = partition_blocks(m.block_costs, pp) if pp > 1 else [len(m.block_costs)]  # tensor bytes: one chunk each
+    chunk_blocks = _stage_blocks(m, pp, cfg.schedule) if pp > 1 else [[(0, len(m.block_costs))]]
+    v = len(chunk_blocks[0])
+    where = placement(cfg.schedule)
+    if pp > 1:
+        orders, bubble_fraction = _orders(cfg.schedule, pp, micro)
+        messages = _messages(orders, where)
+    last_rank = holder(where, pp, pp * v - 1)[0] if pp > 1 else 0
     preds: list[Prediction] = []
     for s, params in enumerate(stages):
         numels = _tp_numel(params, tp)
@@ -987,31 +1063,36 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
             mem["optimizer_state"] = k * owned * (4 if lowp else pbytes)
             mem["master"] = owned * 4 if lowp else 0
         mem["padding"] = padding * pbytes
-        # activations: blocks of this stage; 1F1B keeps min(pp - s, m) micro-batches, GPipe all m
-        lo = sum(counts[:s])
-        layers_here = sum(1 for b in range(lo, lo + counts[s]) if b in m.layer_blocks) if pp > 1 else m.layers
-        in_flight = micro if cfg.schedule == "gpipe" else min(pp - s, micro)
+        # activations: per chunk, its layers times the micro-batches the schedule keeps alive there (from F to W, or
+        # to a whole B: 1F1B min(pp - s, m), GPipe all m), at the rank's peak
+        layers = [sum(1 for b in range(lo, hi) if b in m.layer_blocks) for lo, hi in chunk_blocks[s]]
         if pp == 1:
-            in_flight = 1
-        mem["activations"] = _activation_bytes(w, cfg, mb * in_flight, layers_here, s == len(stages) - 1)
+            mem["activations"] = _activation_bytes(w, cfg, mb, m.layers, True)
+        else:
+            peak, alive = _alive(orders[s], layers)
+            head = alive[holder(where, pp, pp * v - 1)[1]] if s == last_rank else 0
+            if cfg.schedule in ("1f1b", "gpipe"):  # one chunk: the same as below, the checkpointed block per in flight
+                mem["activations"] = _activation_bytes(w, cfg, mb * alive[0], layers[0], s == last_rank)
+            else:
+                mem["activations"] = _activation_bytes(w, cfg, mb, peak, False) + (
+                    _activation_bytes(w, cfg, mb * head, 0, True) if head else 0
+                )
+        layers_here = sum(layers)
         # -- counted bytes (the rank's own counters: sends and receives, the tensor group's, the data group's)
         counted = 0
         ops: list[tuple[str, str, float, int]] = []  # (group, op, payload, calls)
         if pp > 1:
             act = tokens_mb * m.hidden * abytes
-            messages = 0
-            if s > 0:
-                messages += 128 * 8 + micro * act * 2 + 8  # spec in, activations in, gradients out, loss out
-            if s < pp - 1:
-                messages += 128 * 8 + micro * act * 2 + 8
-            counted += messages
-            ops.append(("pipeline", "p2p", micro * act * ((s > 0) + (s < pp - 1)), 2 * micro))
-            tied = [p for p in params if p.tied_blocks]
-            if tied and s in (0, pp - 1):
+            specs, tensors, hops = messages[s]  # spec messages, activations and gradients, loss hops in or out
+            counted += specs * 128 * 8 + tensors * act + hops * 8
+            ops.append(("pipeline", "p2p", tensors * act / 2, 2 * micro * v))
+            rank_of = {b: r for r, chunks in enumerate(chunk_blocks) for lo, hi in chunks for b in range(lo, hi)}
+            tied = [p for p in params if len({rank_of[b] for b in (p.block, *p.tied_blocks)}) > 1]
+            if tied:
                 tied_numel = sum(_tp_numel(tied, tp))
                 counted += tied_numel * pbytes
                 ops.append(("pipeline", "all_reduce", tied_numel * pbytes, 1))
-            if s == pp - 1 and dp > 1:
+            if s == last_rank and dp > 1:
                 counted += 8
         if tp > 1:
             tp_bytes = _tensor_parallel_bytes(m, tokens_mb, abytes, tp, s, len(stages), counts)
@@ -1043,7 +1124,8 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
                 comm_time[group] = comm_time.get(group, 0.0) + _comm_time(op, payload, size, bw, lat, calls)
         stage_params = sum(p.numel for p in params) / tp
         compute = _flops(w, cfg, per_replica, stage_params) / cl.device_flops
-        bubble = compute * (pp - 1) / micro if pp > 1 else 0.0
+        # the schedule's idle share at equal F, B, W (1F1B, GPipe: (p - 1) / (m + p - 1), so (p - 1) / m of compute)
+        bubble = compute * bubble_fraction / (1 - bubble_fraction) if pp > 1 else 0.0
         optimizer_time = (mem["optimizer_state"] + mem["master"] + 3 * numel * pbytes) * 2 / cl.memory_bandwidth
         pred.time_parts = {
             "compute": compute,

@@ -13,19 +13,23 @@ float64 one (tests/tolerances.py).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gpudist
 from gpudist import PipelineParallelModel, ShardingConfiguration
 from gpudist.checkpoint import read_manifest
-from gpudist.strategies.pipeline import schedule_bubble, stage_schedule
+from gpudist.strategies.pipeline import ALL_SCHEDULES, schedule_bubble, stage_schedule
 from gpudist.strategies.pipeline.backward import SplitBackward
-from gpudist.strategies.pipeline.schedule import placement
+from gpudist.strategies.pipeline.executor import exchange_plan, peer_streams
+from gpudist.strategies.pipeline.schedule import holder, placement, virtual_stage
 from gpudist.testing import run_ranks
 
-from .fakenccl import FakeNccl, run_nccl
+from .fakenccl import AsyncRuntime, FakeNccl, count_host_syncs, run_nccl
 from .helpers import check_training, global_batch, hybrid_check, hybrid_train, pipeline_reference, pipeline_train
 from .test_pipeline import lm, lm_batch, lm_loss
 from .test_pipeline_interleaved import deep, llama4, llama_reference
@@ -207,16 +211,122 @@ def predicting(comm, x):
     return model.predict(x)
 
 
-def test_zero_bubble_over_nccl_matches_one_process():
-    """ZB-H1 over the simulated NCCL (p2p in issue order, a send waits for its receive), p = 2, 3, 4, one step:
-    equals one process. Catches a W op posting a receive (it has none: the peer's stream would be read out of
-    order) and a deadlock between the deferred W's sends and a crossing receive."""
+@pytest.mark.parametrize("schedule", NEW)
+def test_over_nccl_matches_one_process(schedule):
+    """ZB-H1, ZB-V and DualPipe-V over the simulated NCCL (p2p in issue order, a send waits for its receive),
+    p = 2, 3, 4, one step: equals one process. Catches sends and receives issued in an order some pair of ranks
+    does not share (the V's ranks send both ways: posting each receive just before its op deadlocks there), a W
+    op given a message, and a receive posted after the op that reads it."""
     want = reference_pair(pipeline_reference, build=deep, steps=1)
     for world, micro in [(2, 4), (3, 8), (4, 8)]:
         fake = FakeNccl(timeout=20)
-        results = run_nccl(pipeline_train, world, fake, micro=micro, schedule="zero_bubble", build=deep, steps=1)
+        results = run_nccl(pipeline_train, world, fake, micro=micro, schedule=schedule, build=deep, steps=1)
         for params, losses, _, _ in results:
             check_training(params, losses, want)
+
+
+def _spec_reads(schedule: str, p: int) -> list[int]:
+    """Per rank, its chunks whose input comes from another rank: each reads that step's spec message on the host."""
+    where = placement(schedule)
+    reads = [0] * p
+    for u in range(1, 2 * p):
+        (r, _), (before, _) = holder(where, p, u), holder(where, p, u - 1)
+        reads[r] += r != before
+    return reads
+
+
+def v_on_a_device(comm, schedule):
+    model = PipelineParallelModel(deep(), ShardingConfiguration(comm), micro_batches=8, schedule=schedule)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        with count_host_syncs() as syncs:
+            losses.append(model.train_step(*global_batch(step), F.mse_loss, opt))
+    return model.gather_full_parameters(), losses, syncs.total
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_on_an_asynchronous_device_reads_only_its_spec_messages(schedule):
+    """ZB-V and DualPipe-V on 3 ranks over the simulated NCCL on a GPU-like device (ops run only when waited for;
+    buffers checked while in flight): 3 steps equal one process, and a steady-state step's host syncs are the spec
+    messages a rank reads (one per chunk fed by another rank: 1 on the end ranks, 2 on the middle one, as
+    interleaved; the 1F1B budget of tests/test_gpu_model.py, 1, holds at p = 2). Catches an activation read before
+    its receive ran, a send buffer reused while in flight, and any other host sync added to the V's step."""
+    want = reference_pair(pipeline_reference, build=deep)
+    fake = FakeNccl(timeout=30)
+    results = run_nccl(v_on_a_device, 3, fake, runtime=AsyncRuntime, schedule=schedule)
+    assert fake.stream_errors == []
+    for params, losses, _ in results:
+        check_training(params, losses, want)
+    assert [syncs for _, _, syncs in results] == _spec_reads(schedule, 3)
+
+
+def _issue_in_order(schedule: str, p: int, m: int) -> bool:
+    """Whether every rank can issue :func:`exchange_plan`'s groups where a group's sends complete only once taken
+    and its receives only once sent (NCCL, as tests/fakenccl.py), the executor's way: a group per op, cut before
+    a chunk's first activation (its spec message is read first). Each message carries its stream item, checked
+    against the one the receiver expects."""
+    where = placement(schedule)
+    v = 2 if where == "v" or schedule == "interleaved" else 1
+    orders = [stage_schedule(schedule, p, s, m, v) for s in range(p)]
+    groups = []
+    for r in range(p):
+        streams, spec, mine = peer_streams(orders, r, where), set(), [[]]
+        for events in exchange_plan(orders, r, where):
+            for event in events:
+                if event[0] == "send":
+                    kind, mb, *chunk = orders[r][event[1]]
+                    u = virtual_stage(where, p, r, chunk[0] if chunk else 0)
+                    to, c = holder(where, p, u + 1 if kind == "F" else u - 1)
+                    items = ([("meta", c)] if mb == 0 else []) + [("act", mb, c)] if kind == "F" else [("grad", mb, c)]
+                    mine[-1] += [("send", to, item) for item in items]
+                    continue
+                item = streams[event[1]][event[2]]
+                if item[0] == "act" and item[2] not in spec:
+                    spec.add(item[2])
+                    mine.append([])
+                mine[-1].append(("recv", event[1], item))
+            mine.append([])
+        groups.append([g for g in mine if g])
+    channels: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+    at, started, taken = [0] * p, [False] * p, set()
+    while any(at[r] < len(groups[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if at[r] == len(groups[r]):
+                continue
+            group = groups[r][at[r]]
+            if not started[r]:
+                for op in group:
+                    if op[0] == "send":
+                        channels[(r, op[1])].append((id(op), op[2]))
+                started[r], progressed = True, True
+            while True:
+                pending = [op for op in group if op[0] == "recv" and id(op) not in taken]
+                if not pending or not channels[(pending[0][1], r)]:
+                    break
+                sent, item = channels[(pending[0][1], r)].popleft()
+                assert item == pending[0][2], (r, item, pending[0][2])
+                taken.update((sent, id(pending[0])))
+                progressed = True
+            if all(id(op) in taken for op in group):
+                at[r], started[r], progressed = at[r] + 1, False, True
+        if not progressed:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+def test_exchange_plan_issues_in_one_order_every_rank_can_follow(schedule):
+    """For p = 2..5 and m = 1..2p+1 (those each schedule takes), the groups each rank issues under p2p in issue
+    order (:func:`exchange_plan`) complete without a deadlock, each receive matching the item its peer sent. Catches
+    a plan that orders two ranks' messages differently (the V at every p), a send issued before an earlier
+    receive of its group's order, and a receive planned after the op that reads it (the plan raises)."""
+    for p in range(2, 6):
+        for m in range(1, 2 * p + 2):
+            if (schedule == "interleaved" and m % p) or (schedule == "dualpipev" and m < 2 * p):
+                continue
+            assert _issue_in_order(schedule, p, m), (p, m)
 
 
 def test_zbv_in_pipeline_by_tensor_hybrid():
@@ -278,25 +388,16 @@ def bad_settings(comm):
     return errors
 
 
-def v_on_nccl(comm):
-    with pytest.raises(ValueError) as info:
-        PipelineParallelModel(deep(), ShardingConfiguration(comm), micro_batches=4, schedule="zbv")
-    return str(info.value)
-
-
 def test_bad_settings_are_refused_up_front():
-    """DualPipe-V with fewer than 2p micro-batches, a V with other than 2 chunks per rank, ZB-H1 with chunks, an
-    unknown name, and a V on NCCL (no deadlock-free grouping of its messages in issue order yet) are refused at
-    construction, naming the value and the fix. Catches a schedule built anyway: DualPipe-V's steady state would
-    start before both warm-ups end (a rank waits for a micro-batch that never comes), a V would hang on NCCL."""
+    """DualPipe-V with fewer than 2p micro-batches, a V with other than 2 chunks per rank, ZB-H1 with chunks and an
+    unknown name are refused at construction, naming the value and the fix. Catches a schedule built anyway:
+    DualPipe-V's steady state would start before both warm-ups end (a rank waits for a micro-batch that never
+    comes)."""
     errors = run_ranks(bad_settings, 2, "inmemory")[0]
     assert "needs micro_batches >= 2 x num_stages = 4, got micro_batches=3; use 4 or more" in errors[0]
     assert "virtual_stages=3: schedule='zbv' holds exactly 2 chunks per rank" in errors[1]
     assert "virtual_stages=2 needs schedule='interleaved' (got 'zero_bubble')" in errors[2]
     assert "schedule='zb-h2'; use one of" in errors[3] and "'zero_bubble', 'zbv', 'dualpipev'" in errors[3]
-    message = run_nccl(v_on_nccl, 2, FakeNccl(timeout=20))[0]
-    assert "schedule='zbv' does not run on NCCLCommunicationBackend yet" in message
-    assert "use schedule='zero_bubble' or 'interleaved'" in message
 
 
 def test_traffic_settings_differ_between_schedules():

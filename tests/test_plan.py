@@ -21,7 +21,8 @@ from torch.nn import functional as F
 import gpudist
 from examples.lm import TinyLM, as_sequential, lm_loss, tinylm_plan
 from gpudist.cli import main
-from gpudist.plan import Cluster, Config, ModelSpec, build, predict
+from gpudist.plan import Cluster, Config, ModelSpec, build, enumerate_configs, predict
+from gpudist.strategies.pipeline import ALL_SCHEDULES
 from gpudist.testing import run_ranks
 from tests.hf_models import requires_transformers, tiny_llama, token_batch
 
@@ -99,7 +100,7 @@ def train_three_steps(comm, config: Config, kind: str) -> dict:
     }
 
 
-def check(config: Config, kind: str) -> None:
+def check(config: Config, kind: str, memory: bool = True) -> None:
     world = config.dp * config.tp * config.pp
     module = Net() if kind == "mlp" else small_lm()
     lm = kind == "lm"
@@ -112,6 +113,8 @@ def check(config: Config, kind: str) -> None:
     results = run_ranks(train_three_steps, world, "inmemory", config=config, kind=kind)
     by_stage = pred.bytes_by_stage
     assert [r["bytes"] for r in results] == [by_stage[r["stage"]] for r in results], config.describe()
+    if not memory:
+        return
     first = next(r for r in results if r["stage"] == 0)
     live = first["memory"]
     want = pred.memory
@@ -142,6 +145,14 @@ def test_model_parallel_predictions_match_live_counters(config):
     tensor-parallel all-reduces (column: input gradient, row: output, vocabulary embedding and loss) or of the
     hybrid's data-group ZeRO-1 (padded reduce-scatter, chunked gather, the global norm): exact bytes per stage."""
     check(config, "lm")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv", "dualpipev"])
+def test_chunked_schedules_bytes_match_live_counters(schedule):
+    """Two chunks per rank (interleaved: round the ring twice; the V: down and back up, the loss on rank 0, the tied
+    embedding and head both on rank 0, so no tied sum): the predicted bytes of every stage equal its counters.
+    Catches a planner that counts 1F1B's messages for them (one spec, one boundary per side)."""
+    check(Config("pipeline", dp=1, pp=2, micro_batches=4, schedule=schedule), "lm", memory=False)
 
 
 def test_invalid_configurations_say_why_with_the_constructors_words():
@@ -232,3 +243,27 @@ def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
     }
     ratio = mem["gpipe"]["activations"] / mem["1f1b"]["activations"]
     assert 3.5 < ratio < 4.5
+
+
+def test_every_schedule_is_enumerated_with_its_bubble_memory_and_constraints():
+    """Catches a planner that offers only 1F1B/GPipe, prices every schedule's bubble as 1F1B's (p - 1)/m of compute,
+    keeps 1F1B's activations for the chunked ones, or offers a schedule its constructor refuses (DualPipe-V with
+    m < 2 pp: check_schedule's words). Bubbles come from the schedule replay at F = B = W, so ZB-H1's is below
+    1F1B's and the V's below ZB-H1's; ZB-H1 keeps pp micro-batches on every stage (the last one's logits too),
+    more than 1F1B's peak and less than GPipe's all m."""
+    spec = ModelSpec.preset("llama-7b-like", seq_len=1024)
+    cluster = Cluster(nodes=1, devices_per_node=8)
+    configs = enumerate_configs(spec, 8, 64, devices_per_node=8)
+    offered = {c.schedule for c, why in configs if c.pp > 1 and why is None}
+    assert offered == set(ALL_SCHEDULES)
+    refused = [why for c, why in configs if c.schedule == "dualpipev" and c.micro_batches < 2 * c.pp]
+    assert refused and all("needs micro_batches >= 2 x num_stages" in why for why in refused)
+    pred = {
+        s: predict(Config("pipeline", dp=2, pp=4, micro_batches=8, schedule=s), spec, cluster, 64)
+        for s in ("1f1b", "gpipe", "zero_bubble", "zbv", "dualpipev", "interleaved")
+    }
+    bubble = {s: p.time_parts["bubble"] / p.time_parts["compute"] for s, p in pred.items()}
+    assert bubble["1f1b"] == pytest.approx(3 / 8)
+    assert bubble["zbv"] < bubble["zero_bubble"] < bubble["interleaved"] < bubble["1f1b"]
+    activations = {s: p.memory["activations"] for s, p in pred.items()}
+    assert activations["1f1b"] < activations["zero_bubble"] < activations["gpipe"]

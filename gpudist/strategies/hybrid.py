@@ -123,7 +123,7 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
             self._adapter = None  # one stage: the module is its one block
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
-        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages, config.backend)
+        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages)
         if isinstance(module, (list, tuple)):
             module = nn.Sequential(*module)
         self._setup = {"layout": layout, "balance": balance, "plan": plan, "blocks": blocks}

@@ -15,12 +15,14 @@ yet read is not posted ahead. Gradients travel back for the tensors the spec mar
 mask or position ids). The loss (averaged over replicas on the last stage) travels back one stage at a time behind
 the last gradient.
 
-Where point-to-point runs in issue order (NCCL on the compute stream), a receive is posted only when its op runs,
-together with the sends made since (a crossing send and receive in one group cannot deadlock); sends go out at once
-when the next op posts no receive. Interleaved, the steady state's forward-backward pairs post one group each, as
-Megatron-LM's interleaved schedule does: both their receives before the forward, both their sends with the next
-group (posting each receive just in time deadlocks there on the simulated NCCL, at p = 2 and at p = 4, m = 8: ranks
-end up each waiting for a send the other has not posted a receive for yet).
+Where point-to-point runs in issue order (NCCL: one communicator and stream, a send completes only when its
+receive runs), every rank issues its sends and receives in one global order of the step's messages
+(:func:`exchange_plan`: by when a replay of all the ranks' orders has each message's producing op finish), each
+send after the op that made it, each receive as early as that order allows, consecutive ones in one group. The
+earliest message not yet done is then next on both its ends, so no schedule deadlocks: not the V's (ZB-V,
+DualPipe-V), whose ranks send both ways, nor interleaved, where posting each receive just before its op does (at
+p = 2 and at p = 4, m = 8 on the simulated NCCL: ranks end up each waiting for a send the other has not posted a
+receive for yet).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from torch import nn
 from ...comm import ReductionOperation
 from .backward import SplitBackward
 from .p2p import META_LEN, ActivationSpec, StageLink, flatten_activation, unflatten_activation
-from .schedule import holder, virtual_stage
+from .schedule import holder, replay, virtual_stage
 
-__all__ = ["StepExecutor", "loss_path", "peer_streams", "receive_plan"]
+__all__ = ["StepExecutor", "exchange_plan", "loss_path", "peer_streams", "receive_plan"]
 
 
 def _chunk(op: tuple) -> int:
@@ -79,49 +81,82 @@ def peer_streams(orders: list[list[tuple]], rank: int, where: str = "loop") -> d
     return streams
 
 
-def receive_plan(order: list[tuple], streams: dict[int, list[tuple]], ordered: bool, steady_from: int | None = None):
-    """For each op ``k`` of a rank's ``order``: the message it receives (``own[k]``: ``(peer, index)`` in the
-    peer's stream, or None); per peer, the last message of its stream (:func:`peer_streams`) to post before op
-    ``k`` runs (``ahead[k]``); and whether op ``k`` posts any or must find sends waiting (``receives[k]``, with a
-    final False: where it is False the sends before it go out at once).
-
-    Unless p2p is ``ordered`` that is the next forward's and backward's message after op ``k`` (all that is left,
-    the loss included, when none follows). Ordered, it is op ``k``'s own; from op ``steady_from`` on (interleaved:
-    the first forward of the steady state), as Megatron-LM groups them, each forward-backward pair posts both its
-    messages before the forward and its sends after the backward, one group per pair."""
+def receive_plan(order: list[tuple], streams: dict[int, list[tuple]]):
+    """Where p2p runs out of order (Gloo, MPI, in-memory), for each op ``k`` of a rank's ``order``: the message it
+    receives (``own[k]``: ``(peer, index)`` in the peer's stream, or None) and, per peer, the last message of its
+    stream (:func:`peer_streams`) to post before op ``k`` runs (``ahead[k]``): the next forward's and backward's
+    message after op ``k`` (all that is left, the loss included, when none follows)."""
     where = {item: (q, i) for q, items in streams.items() for i, item in enumerate(items)}
     own = [where.get(("act" if op[0] == "F" else "grad", op[1], _chunk(op))) if op[0] != "W" else None for op in order]
-    steady = set()
-    if steady_from is not None:
-        k = steady_from
-        while k + 1 < len(order) and order[k][0] == "F" and order[k + 1][0] == "B":
-            steady.add(k)
-            k += 2
     ahead: list[dict[int, int]] = [{} for _ in order]
     following: dict[str, tuple[int, int] | None] = {"F": None, "B": None}
     for k in range(len(order) - 1, -1, -1):
-        if ordered:
-            spots = [] if k - 1 in steady else [own[k], own[k + 1]] if k in steady else [own[k]]
-            targets = {}
-        else:
-            spots = [following["F"], following["B"], own[k]]
-            targets = {q: len(items) - 1 for q, items in streams.items()}
-            if own[k] is not None:
-                following[order[k][0]] = own[k]
+        spots = [following["F"], following["B"], own[k]]
+        targets = {q: len(items) - 1 for q, items in streams.items()}
+        if own[k] is not None:
+            following[order[k][0]] = own[k]
         seen: set[int] = set()
         for q, i in (spot for spot in spots if spot is not None):
             targets[q] = i if q not in seen else max(targets[q], i)
             seen.add(q)
         ahead[k] = targets
-    receives = [bool(targets) or (ordered and k - 1 in steady) for k, targets in enumerate(ahead)] + [False]
-    return own, ahead, receives
+    return own, ahead
+
+
+def exchange_plan(orders: list[list[tuple]], rank: int, where: str = "loop") -> list[list[tuple]]:
+    """For ordered p2p: what ``rank`` exchanges before each op of its order (entry ``k``; entry ``len(order)``: after
+    the last op, before the loss), as events in one global order of the step's messages: ``("send", j)``, the
+    message(s) its op ``j`` produced, and ``("recv", peer, index)``, message ``index`` of ``peer``'s stream
+    (:func:`peer_streams`).
+
+    The global order is the messages sorted by when :func:`replay` has their producing op finish (then by sender
+    and op). A message's consumer starts at or after that time and its producer's later ops finish after it, so
+    every rank can issue its sends after their ops and its receives before theirs, in that one order; each rank
+    issues its events in it (receives as early as it allows). Then no NCCL group waits on one that waits on it: the
+    earliest message not yet done is next on both its sender and its receiver. Consecutive events may share a
+    group; splitting one (before an activation whose spec message was just received) keeps the order."""
+    p = len(orders)
+    v = 1 + max(_chunk(op) for order in orders for op in order)
+    last = p * v - 1
+    finish = replay(orders, where=where)
+    streams = peer_streams(orders, rank, where)
+    index = {(q, item): i for q, items in streams.items() for i, item in enumerate(items)}
+    messages = []  # (time, sender, op index, events on this rank)
+    for q in range(p):
+        for j, op in enumerate(orders[q]):
+            kind, m, u = op[0], op[1], virtual_stage(where, p, q, _chunk(op))
+            if kind == "F" and u < last:
+                to, c = holder(where, p, u + 1)
+                items = [("meta", c), ("act", m, c)] if m == 0 else [("act", m, c)]
+            elif kind == "B" and u > 0:
+                to, c = holder(where, p, u - 1)
+                items = [("grad", m, c)]
+            else:
+                continue
+            if to == q or rank not in (q, to):
+                continue
+            events = [("send", j)] if q == rank else [("recv", q, index[(q, item)]) for item in items]
+            messages.append((finish[q][j], q, j, events))
+    order = orders[rank]
+    plan: list[list[tuple]] = [[] for _ in range(len(order) + 1)]
+    consumer = {("act" if op[0] == "F" else "grad", op[1], _chunk(op)): k for k, op in enumerate(order) if op[0] != "W"}
+    issued = 0  # ops of this rank before the next event
+    for _, q, j, events in sorted(messages, key=lambda msg: msg[:3]):
+        if q == rank:
+            issued = max(issued, j + 1)
+        for event in events:
+            item = streams[event[1]][event[2]] if event[0] == "recv" else None
+            if item is not None and item[0] != "meta" and consumer[item] < issued:
+                raise RuntimeError(f"exchange_plan: rank {rank} would receive {item} after the op that needs it")
+        plan[issued] += events
+    return plan
 
 
 class StepExecutor:
     """Runs one step of stage ``link.stage``: ``order`` (from :func:`stage_schedule`; ``orders`` holds every
     stage's) over ``micro_batches`` micro-batches of ``chunks`` (one module, or ``v`` placed by ``where``,
     :func:`placement`); virtual stage 0 reads ``inputs``, the last computes ``loss_fn`` against ``targets`` (lists
-    of micro-batches, None elsewhere); ``steady_from``: see :func:`receive_plan`. A backward whose ``("W", ...)``
+    of micro-batches, None elsewhere). A backward whose ``("W", ...)``
     op is in the order runs as :class:`SplitBackward`'s input pass, the ``W`` as its weight pass; one without is a
     whole backward. :meth:`run` returns the step's loss, averaged over micro-batches and, through ``data_group``,
     over replicas, on every stage."""
@@ -138,7 +173,6 @@ class StepExecutor:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         data_group=None,
         stage_output: Callable[[Any], Any] = lambda y: y,
-        steady_from: int | None = None,
         where: str = "loop",
     ):
         self.chunks, self.link, self.order = chunks, link, orders[link.stage]
@@ -150,7 +184,6 @@ class StepExecutor:
         self.local: dict[tuple, Any] = {}  # activations and gradients between two chunks of this rank
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.data_group, self.stage_output = data_group, stage_output
-        self.steady_from = steady_from
         self.micro_batches = micro_batches
         self.ordered = link.group.ordered_p2p
         self.outbox: list | None = [] if self.ordered else None
@@ -168,24 +201,34 @@ class StepExecutor:
         self.losses = torch.zeros(self.micro_batches, dtype=torch.float64, device=link.device)
         self.max_in_flight = 0
         self.busy = 0.0
+        self.produced: dict[int, list] = {}  # ordered p2p: op k's sends, until exchange_plan says they go out
 
     def run(self) -> torch.Tensor:
         """The step; returns the loss as a 1-element float64 tensor. ``report()`` describes it afterwards."""
         link, started = self.link, time.perf_counter()
-        own, ahead, receives = receive_plan(self.order, self.streams, self.ordered, self.steady_from)
+        if self.ordered:
+            plan = exchange_plan(self.orders, link.stage, self.where)
+        else:
+            own, ahead = receive_plan(self.order, self.streams)
         with link.group.unchecked():  # every message's shape is agreed by the step's shape messages
             for k, op in enumerate(self.order):
-                self._post(ahead[k], needed=self.ordered)
-                if own[k] is not None:
-                    self._post(dict([own[k]]), needed=True)
+                if self.ordered:
+                    self._exchange(plan[k])
+                else:
+                    self._post(ahead[k], needed=False)
+                    if own[k] is not None:
+                        self._post(dict([own[k]]), needed=True)
                 if op[0] == "F":
                     self._forward(op[1], _chunk(op))
                 elif op[0] == "B":
                     self._backward(op[1], _chunk(op), split=op[1:] in self.split)
                 else:
                     self._weight(op[1], _chunk(op))
-                if not receives[k + 1]:
-                    link.flush(self.pending, self.outbox)
+                if self.ordered:  # its sends wait for their turn in the plan
+                    self.produced[k] = self.outbox[:]
+                    self.outbox.clear()
+            if self.ordered:
+                self._exchange(plan[-1])
             loss = self._loss()
             for work, _ in self.pending:
                 work.wait()
@@ -239,11 +282,36 @@ class StepExecutor:
                     batch.append((item, [(torch.Size([1]), torch.float64)], offset))
         self._post_batch(batch)
 
-    def _post_batch(self, batch: list[tuple[tuple, list, int]]) -> None:
+    def _post_batch(self, batch: list[tuple[tuple, list, int]], sends: list | None = None) -> None:
+        """Post ``batch``'s receives in one group with ``sends`` (default: the outbox; ordered p2p)."""
         if batch:
-            posted = self.link.post_recv_group([(buffers, offset) for _, buffers, offset in batch], *self._box)
+            wanted = [(buffers, offset) for _, buffers, offset in batch]
+            posted = self.link.post_recv_group(wanted, self.pending, self.outbox if sends is None else sends)
             self.received.update(zip((item for item, _, _ in batch), posted, strict=True))
             batch.clear()
+
+    def _exchange(self, events: list[tuple]) -> None:
+        """Issue ``events`` (an entry of :func:`exchange_plan`) in order, consecutive ones in one group; a group
+        ends before an activation whose spec message it holds (read before that activation's buffers exist)."""
+        sends: list = []
+        batch: list[tuple[tuple, list, int]] = []
+        for event in events:
+            if event[0] == "send":
+                sends += self.produced.pop(event[1])
+                continue
+            _, peer, i = event
+            item, offset = self.streams[peer][i], peer - self.link.stage
+            self.posted[peer] = i + 1
+            if item[0] == "meta":
+                batch.append((item, [(torch.Size([META_LEN]), torch.int64)], offset))
+                continue
+            if item[0] == "act" and item[2] not in self.spec:
+                self._post_batch(batch, sends)
+                self._learn_spec(item[2], peer)
+            buffers = self.spec[item[2]].buffers if item[0] == "act" else self.out[item[2]].gradients
+            batch.append((item, buffers, offset))
+        self._post_batch(batch, sends)
+        self.link.flush(self.pending, sends)
 
     @property
     def _box(self) -> tuple[list, list | None]:

@@ -20,10 +20,8 @@ from .adapters import BlocksArg, DecoderAdapter, PipelineParts, find_adapter, pi
 from .executor import StepExecutor
 from .p2p import META_LEN, StageLink, flatten_activation, unflatten_activation
 from .schedule import (
-    INTERLEAVED,
     check_schedule,
     holder,
-    interleaved_warmup,
     partition_blocks,
     placement,
     stage_schedule,
@@ -151,7 +149,7 @@ class PipelineParallelModel(ShardedModel):
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
         world = config.backend.world_size
         layout = ParallelLayout.resolve(world, num_stages or world)
-        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages, config.backend)
+        self._set_schedule(schedule, layout.pipeline_parallel_size, micro_batches, virtual_stages)
         self._setup = {
             "layout": layout,
             "balance": balance,
@@ -159,24 +157,14 @@ class PipelineParallelModel(ShardedModel):
         }
         super().__init__(module, config)
 
-    def _set_schedule(
-        self, schedule: str, num_stages: int, micro_batches: int, virtual_stages: int | None, backend
-    ) -> None:
+    def _set_schedule(self, schedule: str, num_stages: int, micro_batches: int, virtual_stages: int | None) -> None:
         """Check the schedule settings (:func:`check_schedule`) and keep them.
 
         Raises:
-            ValueError: As :func:`check_schedule`, and for a V-shaped schedule on a backend whose point-to-point
-                runs in issue order (NCCL): its executor has no deadlock-free grouping of sends and receives for
-                the V's messages yet.
+            ValueError: As :func:`check_schedule`.
         """
         self.virtual_stages = check_schedule(schedule, num_stages, micro_batches, virtual_stages)
         self.micro_batches, self.schedule, self.placement = micro_batches, schedule, placement(schedule)
-        if self.placement == "v" and num_stages > 1 and backend.ordered_p2p:
-            raise ValueError(
-                f"schedule={schedule!r} does not run on {type(backend).__name__} yet (point-to-point in issue "
-                "order: the V's sends and receives have no deadlock-free grouping there); use "
-                "schedule='zero_bubble' or 'interleaved' on it, or Gloo / MPI / in-memory"
-            )
 
     # -- construction ----------------------------------------------------------------------------------------------
 
@@ -473,9 +461,6 @@ class PipelineParallelModel(ShardedModel):
             targets=self._micro(targets, "targets") if last else None,
             loss_fn=self._loss_fn(loss_fn) if last else loss_fn,
             data_group=self.data_group if self.data_parallel_size > 1 else None,
-            steady_from=interleaved_warmup(p, self.pipeline_parallel_rank, self.micro_batches, v)
-            if self.schedule == INTERLEAVED
-            else None,
             where=self.placement,
         )
         loss = executor.run()

@@ -17,13 +17,14 @@ __all__ = [
     "interleaved_warmup",
     "partition_blocks",
     "placement",
+    "replay",
     "schedule_bubble",
     "stage_schedule",
     "virtual_stage",
 ]
 
 SCHEDULES = ("1f1b", "gpipe")
-"""The schedules the planner enumerates (it does not model the others yet)."""
+"""The one-chunk schedules without a split backward (1F1B, GPipe)."""
 INTERLEAVED = "interleaved"
 """Interleaved 1F1B: ``v`` virtual stages (chunks) per rank, placed round-robin (``"loop"``)."""
 ZERO_BUBBLE = "zero_bubble"
@@ -313,19 +314,23 @@ def _dualpipev(p: int, s: int, m: int) -> list[tuple[str, int, int]]:
     return o.order
 
 
-def schedule_bubble(
+def replay(
     orders: Sequence[Sequence[tuple]],
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     weight_cost: float | None = None,
     where: str = "loop",
-) -> float:
-    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs (of the whole stage: a chunk
-    of ``v`` costs ``1/v`` of them), each op starting as soon as its input arrived (``F`` of virtual stage ``u``
-    after ``F(u - 1)``, ``B(u)`` after ``B(u + 1)``, ``W(u)`` after ``B(u)``; virtual stages placed by ``where``,
-    :func:`placement`) and the stage is free. A backward with its ``W`` in the order costs ``backward_cost -
-    weight_cost`` and its ``W`` ``weight_cost`` (default: half the backward); one without, ``backward_cost``.
-    For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
+) -> list[list[float]]:
+    """When each op of ``orders[s]`` finishes, per stage, when every stage runs its order with these costs (of the
+    whole stage: a chunk of ``v`` costs ``1/v`` of them), each op starting as soon as its input arrived (``F`` of
+    virtual stage ``u`` after ``F(u - 1)``, ``B(u)`` after ``B(u + 1)``, ``W(u)`` after ``B(u)``; virtual stages
+    placed by ``where``, :func:`placement`) and the stage is free. A backward with its ``W`` in the order costs
+    ``backward_cost - weight_cost`` and its ``W`` ``weight_cost`` (default: half the backward); one without,
+    ``backward_cost``.
+
+    Raises:
+        ValueError: When the orders deadlock (an op waits for one that never runs).
+    """
     p = len(orders)
     v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
     weight = backward_cost / 2 if weight_cost is None else weight_cost
@@ -333,14 +338,14 @@ def schedule_bubble(
     split = [{op[1:] for op in order if op[0] == "W"} for order in orders]
     cost = {"F": forward_cost / v, "B": (backward_cost - weight) / v, "W": weight / v, "whole": backward_cost / v}
     done: dict[tuple[str, int, int], float] = {}
+    finish: list[list[float]] = [[] for _ in range(p)]
     clock = [0.0] * p
-    position = [0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
+    while any(len(finish[s]) < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
-            if position[s] == len(orders[s]):
+            if len(finish[s]) == len(orders[s]):
                 continue
-            kind, m, *chunk = op = orders[s][position[s]]
+            kind, m, *chunk = op = orders[s][len(finish[s])]
             u = virtual_stage(where, p, s, chunk[0] if chunk else 0)
             dep = {"F": ("F", u - 1, m) if u > 0 else None, "B": ("B", u + 1, m), "W": ("B", u, m)}[kind]
             if kind == "B" and u == last:
@@ -350,10 +355,24 @@ def schedule_bubble(
             duration = cost["whole" if kind == "B" and op[1:] not in split[s] else kind]
             start = max(clock[s], done[dep] if dep is not None else 0.0)
             clock[s] = done[(kind, u, m)] = start + duration
-            position[s] += 1
+            finish[s].append(clock[s])
             progressed = True
         if not progressed:
             raise ValueError("the stage orders deadlock: some op waits for one that never runs")
-    makespan = max(clock)
+    return finish
+
+
+def schedule_bubble(
+    orders: Sequence[Sequence[tuple]],
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    weight_cost: float | None = None,
+    where: str = "loop",
+) -> float:
+    """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, as :func:`replay` times
+    them. For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
+    p = len(orders)
+    v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
+    makespan = max(f[-1] for f in replay(orders, forward_cost, backward_cost, weight_cost, where) if f)
     busy = sum(1 for order in orders for op in order if op[0] == "F") * (forward_cost + backward_cost) / v
     return 1.0 - busy / (p * makespan)
