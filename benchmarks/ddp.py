@@ -40,6 +40,7 @@ def bench_rank(
     analysis: bool,
     phase_steps: int = 0,
     only: list[str] | None = None,
+    transport_ab: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     batches = peers.rank_batches(workload, batch, comm.world_size)
@@ -49,6 +50,10 @@ def bench_rank(
         peers.torch_ddp_variant(workload, x, y, best=True, bucket_mb=bucket_mb),
         peers.torch_ddp_variant(workload, x, y, best=False, bucket_mb=bucket_mb),
     ]
+    other = peers.other_transport(comm) if transport_ab else None
+    if other is not None:
+        suffix = "_" + peers.transport(other)
+        variants.insert(1, peers.gpudist_variant(other, workload, x, y, "ddp", bucket_mb, suffix=suffix))
     if analysis:
         local = W.make(workload)
         local_opt = peers.adamw(local.parameters(), fused=True)
@@ -83,10 +88,14 @@ def bench_rank(
 
 
 def comparisons(rounds: dict, summary: dict) -> list[dict]:
+    """gpudist (the default transport) against the peers; with ``--transport-ab`` its twin on the other transport
+    against torch_best and against it."""
+    pairs = [("gpudist", "torch_best", True), ("gpudist", "torch_default", False)]
+    pairs += [(twin, peer, False) for twin in ("gpudist_shm", "gpudist_tcp") for peer in ("torch_best", "gpudist")]
     return [
-        peers.compare(rounds, summary, "gpudist", peer, target)
-        for peer, target in (("torch_best", True), ("torch_default", False))
-        if "gpudist" in summary and peer in summary
+        peers.compare(rounds, summary, ours, peer, target)
+        for ours, peer, target in pairs
+        if ours in summary and peer in summary
     ]
 
 
@@ -104,6 +113,7 @@ def run(workload: str, args) -> dict:
         analysis=not args.no_analysis,
         phase_steps=args.phases,
         only=args.only,
+        transport_ab=args.transport_ab,
         timeout=1800.0,
     )
     doc = peers.document("ddp", workload, args, batch, res_all, comparisons)

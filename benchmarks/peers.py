@@ -142,8 +142,25 @@ def plain_params(module: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
 # -- gpudist -------------------------------------------------------------------------------------------------------
 
 
-def gpudist_variant(comm, workload: str, x, y, strategy: str, bucket_mb: float, units=None) -> Variant:
-    """gpudist's model wrapper and optimizer for ``strategy`` (ddp, zero1, zero2, fsdp, zero3), default config."""
+def transport(comm) -> str:
+    """How a Gloo backend moves the collectives' bytes: ``"shm"`` (shared memory) or ``"tcp"``."""
+    return "shm" if getattr(comm, "shared_memory", False) else "tcp"
+
+
+def other_transport(comm):
+    """A new group of the same ranks on the other Gloo transport (``--transport-ab``), or None where this one cannot
+    share memory (collective)."""
+    import torch.distributed as dist
+
+    other = type(comm)(dist.new_group(backend="gloo"), timeout=comm.timeout, shm=transport(comm) == "tcp")
+    return other if transport(other) != transport(comm) else None
+
+
+def gpudist_variant(
+    comm, workload: str, x, y, strategy: str, bucket_mb: float, units=None, suffix: str = ""
+) -> Variant:
+    """gpudist's model wrapper and optimizer for ``strategy`` (ddp, zero1, zero2, fsdp, zero3), default config;
+    ``suffix`` is appended to its name (``_shm``/``_tcp`` for the other transport's twin)."""
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb)
     net = W.make(workload)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
@@ -164,12 +181,17 @@ def gpudist_variant(comm, workload: str, x, y, strategy: str, bucket_mb: float, 
         "fsdp": "FSDPModel + ZeRO3Optimizer",
         "zero3": "ZeRO3Model + ZeRO3Optimizer",
     }[strategy]
-    settings = {"bucket_cap_mb": bucket_mb, "config": "ShardingConfiguration defaults", "optimizer": "AdamW"}
+    settings = {
+        "bucket_cap_mb": bucket_mb,
+        "config": "ShardingConfiguration defaults",
+        "optimizer": "AdamW",
+        "transport": transport(comm),
+    }
     if sharded:
         settings["units"] = len(model.units()) if hasattr(model, "units") else None
     params = model.full_state_dict if sharded else plain_params(model.module)
     return Variant(
-        f"gpudist_{strategy}" if strategy != "ddp" else "gpudist",
+        (f"gpudist_{strategy}" if strategy != "ddp" else "gpudist") + suffix,
         "gpudist",
         f"gpudist {label}",
         train_step(workload, model, opt, x, y),
@@ -604,6 +626,11 @@ def arguments(doc: str, bucket_help: str) -> argparse.ArgumentParser:
         default=0,
         metavar="STEPS",
         help="also time forward, backward, step and zero_grad of each variant over STEPS steps",
+    )
+    parser.add_argument(
+        "--transport-ab",
+        action="store_true",
+        help="also time gpudist over the other Gloo transport (shared memory or TCP) in the same rounds",
     )
     parser.add_argument("--out", default=None, help="JSON path; {workload} is replaced by the workload's name")
     return parser

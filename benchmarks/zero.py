@@ -40,6 +40,7 @@ def bench_rank(
     deepspeed: bool,
     phase_steps: int = 0,
     only: list[str] | None = None,
+    transport_ab: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     batches = peers.rank_batches(workload, batch, comm.world_size)
@@ -63,6 +64,13 @@ def bench_rank(
         del factories["gpudist_zero3"]
     if not deepspeed:
         factories = {k: v for k, v in factories.items() if not k.startswith("deepspeed")}
+    other = peers.other_transport(comm) if transport_ab else None
+    if other is not None:  # the ZeRO-1/2 twins on the other Gloo transport
+        suffix = "_" + peers.transport(other)
+        for strategy in ("zero1", "zero2"):
+            factories[f"gpudist_{strategy}{suffix}"] = lambda s=strategy: peers.gpudist_variant(
+                other, workload, x, y, s, bucket_mb, suffix=suffix
+            )
     variants = [make() for name, make in factories.items() if only is None or name in only]
     return peers.measure(comm, workload, batches, variants, steps, rounds, phase_steps)
 
@@ -83,6 +91,12 @@ def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
         ("gpudist_zero2", "deepspeed_zero2_default", False),
         ("gpudist_fsdp", "fsdp2_default", False),
         ("gpudist_fsdp", "deepspeed_zero3_default", False),
+    ]
+    pairs += [
+        (f"gpudist_{s}_{t}", peer, False)
+        for s in ("zero1", "zero2")
+        for t in ("shm", "tcp")
+        for peer in ("torch_zero_best", f"gpudist_{s}")
     ]
     return [
         peers.compare(rounds, summary, ours, peer, target)
@@ -106,6 +120,7 @@ def run(workload: str, args) -> dict:
         deepspeed=skipped is None,
         phase_steps=args.phases,
         only=args.only,
+        transport_ab=args.transport_ab,
         timeout=1800.0,
     )
     doc = peers.document("zero", workload, args, batch, res_all, comparisons_for)

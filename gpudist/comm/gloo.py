@@ -42,6 +42,7 @@ from .base import (
     p2p_mismatch_error,
     shard_range,
 )
+from .shm import SharedMemoryChannel, shm_requested
 
 try:  # the option structs moved between modules across torch releases; both names exist in 2.11-2.13
     from torch.distributed.distributed_c10d import (
@@ -180,6 +181,9 @@ class GlooCommunicationBackend(CommunicationBackend):
         timeout: Seconds every op may take (> 0).
         validate: Check across ranks, before each collective, that all called the same op with the same shape,
             dtype and root (one small round trip per op).
+        shm: Collective when not None: every rank says whether it wants ``all_reduce``, ``reduce_scatter``,
+            ``all_gather`` and ``broadcast`` to go through a shared-memory region (``gpudist.comm.shm``); they do
+            when all want it and share a host. None: plain Gloo, no exchange. Sub-groups inherit it.
 
     Raises:
         CommunicationError: When ``process_group`` is None and ``torch.distributed`` is not initialized.
@@ -198,6 +202,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         _store: dist.Store | None = None,
         _rank_world: tuple[int, int] | None = None,
         _group_name: str = "world",
+        shm: bool | None = None,
     ):
         if _gloo is None:
             if process_group is None:
@@ -231,6 +236,13 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._children: weakref.WeakSet[GlooCommunicationBackend] = weakref.WeakSet()
         self._in_flight: list = []  # see _retain
         self._in_flight_lock = threading.Lock()
+        self._shm_wish = shm
+        self._shm: SharedMemoryChannel | None = None
+        if shm is not None:
+            with self._failures("init"):
+                self._shm = SharedMemoryChannel.open(
+                    self._gather_rows, self.rank, self.world_size, self.group, self.timeout, shm
+                )
 
     @classmethod
     def from_env(
@@ -280,6 +292,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         validate: bool = True,
         store: dist.Store | None = None,
         connect_timeout: float | None = None,
+        shm: bool | None = None,
     ) -> GlooCommunicationBackend:
         """Initialize ``torch.distributed``'s default group with Gloo and return this rank's backend.
 
@@ -297,6 +310,8 @@ class GlooCommunicationBackend(CommunicationBackend):
             validate: Check every collective's call signature across ranks.
             store: An existing ``torch.distributed`` store to rendezvous through; None: create one.
             connect_timeout: Seconds to wait for every rank to join, as described above.
+            shm: Run the collectives through shared memory where every rank shares this host (see the class);
+                None: ``GPUDIST_SHM`` (``0`` or ``1``), else ``gpudist.comm.shm.DEFAULT``.
 
         Returns:
             This rank's backend of the new default (world) group.
@@ -334,7 +349,7 @@ class GlooCommunicationBackend(CommunicationBackend):
                 group="world",
                 rank=rank,
             ) from e
-        return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store)
+        return cls(dist.group.WORLD, timeout=timeout, validate=validate, _store=store, shm=shm_requested(shm))
 
     @classmethod
     def join_group(
@@ -390,6 +405,12 @@ class GlooCommunicationBackend(CommunicationBackend):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``broadcast`` go through a shared-memory
+        region (``gpudist.comm.shm``) rather than TCP."""
+        return self._shm is not None
+
     # -- machinery ---------------------------------------------------------------------------------------------------
 
     def _translate(self, error: BaseException, op: str) -> CommunicationError:
@@ -405,6 +426,11 @@ class GlooCommunicationBackend(CommunicationBackend):
         if any(s in text for s in _PEER_GONE):
             return self._error(f"a peer process closed its connection (it died or was killed): {text}", op)
         return self._error(text, op)
+
+    def _gather_rows(self, mine: torch.Tensor) -> torch.Tensor:
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype)
+        self._gather_signatures("init", mine, everyone)
+        return everyone.view(self.world_size, -1)
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         self._keep(self._gloo._allgather_base(everyone, mine, self._opts(AllgatherOptions))).wait()
@@ -463,6 +489,8 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         self._check(sig)
+        if self._shm is not None:
+            return self._shm.all_reduce(tensor, op)
         return self._work(self._gloo.allreduce([tensor], self._opts(AllreduceOptions, reduceOp=_TORCH_OPS[op])))
 
     # Gloo's own reduce-scatter and all-gather are the slow ones here: on 2-4 loopback processes (torch 2.13,
@@ -477,6 +505,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
     ) -> Work:
         self._check(sig)
+        if self._shm is not None:
+            return self._shm.reduce_scatter(inp, out, op)
         scratch = inp.view(-1) if scratch_input else inp.reshape(-1).clone()
         start, end = shard_range(scratch.numel(), self.world_size, self.rank)
         work = self._gloo.allreduce([scratch], self._opts(AllreduceOptions, reduceOp=_TORCH_OPS[op]))
@@ -487,6 +517,8 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _all_gather(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
         self._check(sig)
+        if self._shm is not None:
+            return self._shm.all_gather(inp, out)
         flat = out.view(-1)
         ranges = [shard_range(flat.numel(), self.world_size, r) for r in range(self.world_size)]
         mine = flat[slice(*ranges[self.rank])]
@@ -501,6 +533,8 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _broadcast(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         self._check(sig)
+        if self._shm is not None:
+            return self._shm.broadcast(tensor, src)
         return self._work(self._gloo.broadcast([tensor], self._opts(BroadcastOptions, rootRank=src, rootTensor=0)))
 
     def _all_to_all(self, sig: Signature, inp: torch.Tensor, out: torch.Tensor) -> Work:
@@ -509,6 +543,8 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     def _barrier(self, sig: Signature) -> Work:
         self._check(sig)
+        if self._shm is not None:  # like Gloo's barrier, which waits for the group's earlier ops
+            self._shm.drain()
         return self._work(self._gloo.barrier(self._opts(BarrierOptions)))
 
     # Point-to-point with validation. Gloo completes a send only once the receiver posted its recv, and aborts
@@ -581,6 +617,7 @@ class GlooCommunicationBackend(CommunicationBackend):
             _store=store,
             _rank_world=(ranks.index(self.rank), len(ranks)),
             _group_name=name,
+            shm=self._shm_wish,
         )
         self._children.add(child)
         return child
@@ -593,6 +630,9 @@ class GlooCommunicationBackend(CommunicationBackend):
         torch itself keeps the world group alive after destroy_process_group() once torch.optim was imported."""
         for child in list(self._children):
             child.shutdown()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._sender is not None:
             self._sender.shutdown(wait=False, cancel_futures=True)
         if self.group == "world" and dist.is_initialized():
