@@ -49,6 +49,7 @@ from .strategies import (
     ZeRO3Model,
     ZeRO3Optimizer,
 )
+from .topology import NodeLayout, Topology, detect_layout
 
 try:
     __version__ = version("gpudist")
@@ -75,6 +76,7 @@ __all__ = [
     "InMemoryCommunicationBackend",
     "MPICommunicationBackend",
     "NCCLCommunicationBackend",
+    "NodeLayout",
     "OptimizationResult",
     "PipelineParallelModel",
     "ReductionOperation",
@@ -82,6 +84,7 @@ __all__ = [
     "ShardedOptimizer",
     "ShardingConfiguration",
     "TensorParallelModel",
+    "Topology",
     "ZeRO1Model",
     "ZeRO1Optimizer",
     "ZeRO2Model",
@@ -90,6 +93,7 @@ __all__ = [
     "ZeRO3Optimizer",
     "__version__",
     "compression",
+    "detect_layout",
     "init",
     "latest_checkpoint",
     "load_checkpoint",

@@ -432,6 +432,11 @@ class CommunicationBackend(ABC):
     #: than a layout checked at wrap time (tensor-parallel activations) are checked only where this is False.
     check_syncs_host: bool = False
 
+    #: Where the ranks sit (a ``gpudist.Topology``: node layout, intra- and inter-node groups). ``gpudist.init()``
+    #: sets it on the world group's backend; None on backends built otherwise (build one with
+    #: ``gpudist.Topology(comm, ranks_per_node=...)``).
+    topology = None
+
     def __init__(self, rank: int, world_size: int, group: str, timeout: float):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -6,8 +6,12 @@ rank's backend."""
 from __future__ import annotations
 
 import atexit
+import fcntl
 import importlib.util
+import ipaddress
 import os
+import socket
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +23,9 @@ from ..comm import (
     GlooCommunicationBackend,
     InMemoryCommunicationBackend,
 )
+from ..topology import Topology, detect_layout
 
-__all__ = ["BACKENDS", "LaunchEnvironment", "available_backends", "detect_environment", "init"]
+__all__ = ["BACKENDS", "LaunchEnvironment", "available_backends", "detect_environment", "init", "interface_for"]
 
 BACKENDS = ("inmemory", "gloo", "nccl", "mpi")
 
@@ -117,28 +122,98 @@ def available_backends() -> dict[str, str]:
     return out
 
 
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_for(address: str) -> str | None:
+    """The name of this host's network interface that traffic to ``address`` leaves from (Linux, IPv4).
+
+    Asks the kernel's routing table which local address reaches ``address`` (a UDP socket's ``connect`` sends
+    nothing), then which interface holds that address.
+
+    Args:
+        address: A host name or IPv4 address (e.g. ``MASTER_ADDR``).
+
+    Returns:
+        The interface name (``"eth0"``, ``"lo"``, ...), or None when it cannot be told (no route, IPv6, not
+        Linux).
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            local = probe.getsockname()[0]
+        if ipaddress.ip_address(local).is_loopback:
+            return "lo"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def _choose_interface(env: LaunchEnvironment, interface: str | None) -> None:
+    """Point Gloo's sockets at ``interface`` (or ``GPUDIST_SOCKET_IFNAME``, or the interface that reaches
+    ``MASTER_ADDR`` unless ``GLOO_SOCKET_IFNAME`` is set); NCCL's (``NCCL_SOCKET_IFNAME``) only at a named one.
+
+    Without it Gloo binds the address the host name resolves to, which on a multi-homed host (or in a network
+    namespace) may be an interface the other hosts cannot reach."""
+    chosen = interface or os.environ.get("GPUDIST_SOCKET_IFNAME") or None
+    if chosen is None and env.world_size > 1:
+        chosen = interface_for(env.master_addr)
+    if chosen is None:
+        return
+    if interface is not None and chosen not in {name for _, name in socket.if_nameindex()}:
+        raise ValueError(
+            f"interface={interface!r} is not a network interface of this host "
+            f"({', '.join(sorted(n for _, n in socket.if_nameindex()))})"
+        )
+    explicit = interface is not None or "GPUDIST_SOCKET_IFNAME" in os.environ
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = chosen
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", chosen)
+    if explicit:  # NCCL picks its network (InfiniBand, sockets) well by itself; only a named interface overrides it
+        os.environ["NCCL_SOCKET_IFNAME"] = chosen
+
+
 def init(
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     *,
     validate: bool = True,
     connect_timeout: float | None = None,
+    interface: str | None = None,
+    ranks_per_node: int | None = None,
 ) -> CommunicationBackend:
     """This process's backend for the job its launcher started (torchrun, mpirun, srun, or a plain ``python``).
 
     ``backend="auto"`` picks NCCL when CUDA is available and CuPy's NCCL is installed, else Gloo (under mpirun
     too: the rank and size come from Open MPI's or MPICH's variables). ``backend="mpi"`` uses MPI itself
     (``mpirun`` must have started the processes; no rendezvous port). The rendezvous
-    store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set).
-    ``timeout`` bounds every op in seconds; ``connect_timeout`` bounds the join, how long the first rank waits for
-    the last to start (default: the longer of ``timeout`` and 300 s); ``validate`` turns on the cross-rank
-    consistency check.
+    store listens on ``MASTER_ADDR`` (127.0.0.1 unless set) port ``MASTER_PORT`` (29500 unless set), bound to that
+    address only (under torchrun the agent's store is used). ``timeout`` bounds every op in seconds;
+    ``connect_timeout`` bounds the join, how long the first rank waits for the last to start (default: the longer
+    of ``timeout`` and 300 s); ``validate`` turns on the cross-rank consistency check.
+
+    Across hosts, the ranks' own connections (Gloo's, NCCL's bootstrap) go over ``interface``; by default the one
+    that reaches ``MASTER_ADDR`` (loopback on one host), unless ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` or
+    ``GPUDIST_SOCKET_IFNAME`` say otherwise. The returned backend's ``topology`` (:class:`gpudist.Topology`) holds
+    the node layout the launcher described (``ranks_per_node`` overrides it) and, on first use, the intra-node and
+    inter-node groups (see docs/multihost.md).
 
     Args:
         backend: ``"auto"``, ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"inmemory"`` (a single process only).
         timeout: Seconds every op may take.
         validate: Check every collective's call signature across ranks.
         connect_timeout: Seconds to wait for every rank to join; None: the default above.
+        interface: The network interface (``"eth0"``) the ranks connect to each other over; None: as above.
+        ranks_per_node: Ranks on every node, overriding the launcher's variables; None: detect them.
 
     Returns:
         This rank's backend of the world group (Gloo: a wrapper of ``torch.distributed``'s default group when one
@@ -146,7 +221,8 @@ def init(
 
     Raises:
         ValueError: When ``backend`` is unknown, the launcher's variables are not integers or give a rank outside
-            the world, or ``"inmemory"`` is asked for in a job of several processes.
+            the world or an uneven node layout (:func:`gpudist.topology.detect_layout`), ``"inmemory"`` is asked
+            for in a job of several processes, or ``interface`` is not an interface of this host.
         CommunicationError: When the chosen backend is unavailable here (no CUDA device, CuPy or mpi4py missing,
             ...), or joining the group failed (e.g. the rendezvous port is taken).
         CommunicationTimeoutError: When the other ranks did not join within ``connect_timeout``.
@@ -154,6 +230,20 @@ def init(
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(BACKENDS)}")
     env = detect_environment()
+    layout = detect_layout(env.rank, env.world_size, ranks_per_node=ranks_per_node)
+    comm = _init_backend(backend, timeout, validate, connect_timeout, env, interface)
+    comm.topology = Topology(comm, layout)
+    return comm
+
+
+def _init_backend(
+    backend: str,
+    timeout: float,
+    validate: bool,
+    connect_timeout: float | None,
+    env: LaunchEnvironment,
+    interface: str | None,
+) -> CommunicationBackend:
     available = available_backends()
     if backend == "auto":
         backend = "nccl" if available["nccl"] == "available" else "gloo"
@@ -172,6 +262,7 @@ def init(
         from ..comm.mpi import MPICommunicationBackend
 
         return MPICommunicationBackend(timeout=timeout, validate=validate)
+    _choose_interface(env, interface)
     if backend == "nccl":
         from ..comm.nccl import NCCLCommunicationBackend
 

@@ -320,7 +320,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         if isinstance(compressor, PowerSGDCompressor):
             warmup_steps = max(warmup_steps, compressor.start_iter)
         self.hook = CompressionHook(
-            self.comm,
+            getattr(self._communicator, "hook_group", self.comm),  # a hierarchical DDPModel: the inter-node group
             compressor,
             self._communicator.gradient_buffers(),
             warmup_steps=warmup_steps,
@@ -472,6 +472,11 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`; the description
             carries the compression settings and step count under ``"compression"``.
         """
+        if self.hook.comm is not self.comm:
+            raise NotImplementedError(
+                "GradientCompressionOptimizer over a hierarchical DDPModel (compression of the inter-node step): "
+                "checkpoints of its error-feedback residuals are not supported yet"
+            )
         pieces, scalars, desc = optimizer_pieces(self._target(), segmap, share, rank, world)
         for channel, spans in self._residual_spans(segmap):
             worker, server = channel.worker_residual(), channel.server_residual()

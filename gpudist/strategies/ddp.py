@@ -8,12 +8,15 @@ wrapped (one all-reduce per bucket after backward).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
 from .. import kernels
-from ..comm import ReductionOperation, Work
+from ..comm import CommunicationBackend, ReductionOperation, Work, shard_range
+from ..compression import PowerSGDCompressor
 from ..flat import (
     BufferSpec,
     FlatBuffer,
@@ -23,6 +26,7 @@ from ..flat import (
     broadcast_tensors,
     flatten_parameters,
 )
+from ..topology import Topology
 from .model import ShardedModel
 from .optimizer import ShardedOptimizer
 
@@ -38,19 +42,36 @@ class DDPModel(ShardedModel):
     backward. ``param.grad`` are views into the flat buckets (no copy); ``no_sync()`` accumulates locally.
     Use it when the model, its gradients and its optimizer state fit on one device.
 
+    Hierarchical all-reduce (``hierarchical``): each bucket is reduce-scattered inside the node, its 1/L piece
+    all-reduced across the M nodes, and the result all-gathered inside the node again (``L`` ranks per node). Per
+    node, ``2 (M-1)/M x P`` bytes cross the network (spread over the L ranks' connections) instead of the flat
+    ring's ``2 (N-1)/N x P`` through one link, and the slow link sees ``2 (M-1)`` steps instead of ``2 (N-1)``:
+    it pays where the inter-node link is much slower than the intra-node one (see docs/multihost.md). The
+    reduce-scatters and the cross-node all-reduces start during backward, in bucket order; the all-gathers at its
+    end. A :class:`~gpudist.GradientCompressionOptimizer` then compresses the cross-node step alone.
+
     Args:
         module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters and buffers
             take rank 0's values.
         config: The settings shared with the paired optimizer (bucket sizes, ``communication_dtype``, overlap,
             ...); ``config.backend`` is the data-parallel group.
+        hierarchical: False: one all-reduce per bucket over ``config.backend``. True: hierarchical, with
+            ``config.backend.topology`` (``gpudist.init()`` sets it). A :class:`~gpudist.Topology` of
+            ``config.backend``: hierarchical with that layout (e.g. a simulated one on one host).
 
     Raises:
-        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
-            :class:`~gpudist.ShardingConfiguration`.
-        ValueError: When ranks wrap modules whose parameter names, shapes or dtypes differ.
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`, or ``hierarchical`` is neither a bool nor a Topology.
+        ValueError: When ranks wrap modules whose parameter names, shapes or dtypes differ, or ``hierarchical``
+            asks for a topology ``config.backend`` does not have (or one of another group), or is set on a
+            strategy other than DDP.
     """
 
     strategy = "ddp"
+
+    def __init__(self, module: nn.Module, config, *, hierarchical: bool | Topology = False):
+        self._topology = _hierarchy(config, hierarchical, self.strategy)
+        super().__init__(module, config)
 
     def initialize_sharding(self) -> None:
         module, comm, config = self.module, self.comm, self.config
@@ -94,6 +115,9 @@ class DDPModel(ShardedModel):
         self._pending: list[tuple[GradientBucket, object]] = []
         self._callback_queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._pieces: dict[int, torch.Tensor] = {}
+        if self._topology is not None:
+            self._topology.groups()  # collective: the node groups are built now, on every rank at once
 
     _flat_parameters = False
     """Whether the trainable parameters move into one flat buffer at wrap time (ZeRO-1/2: their optimizer adopts it
@@ -123,6 +147,27 @@ class DDPModel(ShardedModel):
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
 
+    def clone(self) -> DDPModel:
+        """A new wrapper of the same strategy (hierarchical too) around a deep copy of the module (collective).
+
+        Returns:
+            The new wrapper, built with the same ``config``.
+        """
+        if self._topology is None:
+            return super().clone()
+        return type(self)(copy.deepcopy(self.module), self.config, hierarchical=self._topology)
+
+    def traffic_settings(self) -> dict:
+        """The base settings, plus the node layout of a hierarchical all-reduce (None: flat)."""
+        layout = None if self._topology is None else self._topology.layout.describe()
+        return {**super().traffic_settings(), "hierarchical": layout}
+
+    def _bytes_total(self) -> int:
+        if self._topology is None:
+            return super()._bytes_total()
+        intra, inter = self._topology.intra, self._topology.inter
+        return super()._bytes_total() + sum(g.stats.total_bytes for g in {intra, inter} if g is not self.comm)
+
     # -- communication hook ---------------------------------------------------------------------------------------
 
     _hook_op = "all_reduce"
@@ -132,24 +177,55 @@ class DDPModel(ShardedModel):
         """What each bucket communicates, by bucket index (for a communication hook and its checkpoints).
 
         Returns:
-            Bucket index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans).
+            Bucket index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans); with a
+            hierarchical all-reduce, this rank's piece of each bucket, which a hook all-reduces across nodes.
         """
-        return {b.index: BufferSpec.of(b.params, self._hook_op) for b in self._buckets}
+        if self._topology is None:
+            return {b.index: BufferSpec.of(b.params, self._hook_op) for b in self._buckets}
+        intra = self._topology.intra
+        return {
+            b.index: BufferSpec.of(
+                b.params, self._hook_op, *shard_range(b.grads.data.numel(), intra.world_size, intra.rank)
+            )
+            for b in self._buckets
+        }
+
+    @property
+    def hook_group(self):
+        """The group a communication hook's collectives run on: ``config.backend``, or, with a hierarchical
+        all-reduce, the inter-node group (the hook then replaces only the cross-node step: compression of the slow
+        hop alone)."""
+        return self.comm if self._topology is None else self._topology.inter
 
     def register_comm_hook(self, hook) -> None:
         """Route every bucket through the hook instead of the plain collective: ``hook.all_reduce(bucket_index,
         flat_grads)`` must average the bucket over ranks in place (ZeRO-2: ``hook.reduce_scatter(bucket_index,
         flat_grads, out)`` puts this rank's piece of the average, per :func:`gpudist.comm.split_sizes`, in ``out``).
         :class:`gpudist.GradientCompressionOptimizer` installs one. The hook runs when the bucket is ready, in bucket
-        order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels.
+        order on every rank, and replaces the ``communication_dtype`` cast too: the hook decides what travels. With a
+        hierarchical all-reduce the hook replaces the cross-node step only: it averages this rank's piece of each
+        bucket (:meth:`gradient_buffers`) over :attr:`hook_group`, after a dense average inside the node and before
+        the all-gather inside it (compression of the slow hop alone).
 
         Args:
             hook: An object with the ``all_reduce`` (ZeRO-2: ``reduce_scatter``) method described above.
 
         Raises:
             TypeError: When ``hook`` lacks that method.
-            ValueError: When another hook is already registered.
+            ValueError: When another hook is already registered, or a hierarchical model gets a PowerSGD or
+                momentum-compressing hook.
         """
+        if self._topology is not None and isinstance(getattr(hook, "compressor", None), PowerSGDCompressor):
+            raise ValueError(
+                f"{type(self).__name__}(hierarchical=...): PowerSGD compresses whole matrices, but the cross-node "
+                "step carries pieces of buckets; use an elementwise compressor (top-k, int8, 1-bit) or a flat "
+                "DDPModel"
+            )
+        if self._topology is not None and getattr(hook, "local_gradients", False):
+            raise ValueError(
+                f"{type(self).__name__}(hierarchical=...): compress='momentum' communicates at the step, over one "
+                "group; compress the gradients, or use a flat DDPModel"
+            )
         if not callable(getattr(hook, self._hook_op, None)):
             raise TypeError(
                 f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
@@ -252,6 +328,9 @@ class DDPModel(ShardedModel):
         # hook averages by itself.
         if not self._views:
             kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
+        if hooked and self._topology is not None:
+            self._pending.append((bucket, self._hooked_hierarchical_all_reduce(bucket)))
+            return
         if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
             self._comm_hook.all_reduce(bucket.index, bucket.grads.data)
             self._pending.append((bucket, Work()))
@@ -260,9 +339,62 @@ class DDPModel(ShardedModel):
             kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
         scaled_on_arrival = not self._views or lowp or self._ready_scale(bucket) is not None or n == 1
         op = ReductionOperation.SUM if scaled_on_arrival else ReductionOperation.AVERAGE
-        with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-            work = self.comm.all_reduce(bucket.wire, op, async_op=True)
+        # Hierarchical: start the cross-node all-reduce of each earlier bucket whose reduce-scatter finished, in bucket
+        # order (a group's collectives must be issued in the same order on every rank, whatever finishes first); the
+        # all-gathers inside the node wait for the end of backward, after every bucket's reduce-scatter was issued.
+        for _, earlier in self._pending:
+            if isinstance(earlier, _Chain) and not earlier.advance(through=1):
+                break
+        if self._topology is not None:
+            work = self._hierarchical_all_reduce(bucket, op)
+        else:
+            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
+                work = self.comm.all_reduce(bucket.wire, op, async_op=True)
         self._pending.append((bucket, work))
+
+    def _hooked_hierarchical_all_reduce(self, bucket: GradientBucket) -> Work:
+        """Average inside the node (a reduce-scatter, dense), let the hook average this rank's piece across nodes
+        (compressed), and start the all-gather inside the node. Issued in bucket order, each group's collectives in
+        the same order on every rank; the hook returns with the piece reduced."""
+        intra, data = self._topology.intra, bucket.grads.data
+        piece = self._piece(bucket, data)
+        with intra.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
+            intra.reduce_scatter(data, piece, ReductionOperation.AVERAGE)
+        self._comm_hook.all_reduce(bucket.index, piece)
+        with intra.unchecked():
+            return intra.all_gather(piece, data, async_op=True)
+
+    def _piece(self, bucket: GradientBucket, like: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``bucket`` (:func:`~gpudist.comm.shard_range` over the node's ranks), a buffer kept
+        from step to step."""
+        intra = self._topology.intra
+        start, end = shard_range(like.numel(), intra.world_size, intra.rank)
+        piece = self._pieces.get(bucket.index)
+        if piece is None or piece.dtype != like.dtype:
+            piece = self._pieces[bucket.index] = torch.empty(end - start, dtype=like.dtype, device=like.device)
+        return piece
+
+    def _hierarchical_all_reduce(self, bucket: GradientBucket, op: ReductionOperation) -> _Chain:
+        """Reduce-scatter the bucket inside the node, all-reduce this rank's piece across nodes, all-gather inside
+        the node. A SUM of pre-scaled gradients stays a SUM; an AVERAGE is an average at both levels."""
+        intra, inter = self._topology.intra, self._topology.inter
+        wire = bucket.wire
+        piece = self._piece(bucket, wire)
+
+        def unchecked(comm: CommunicationBackend, run: Callable[[], Work]) -> Callable[[], Work]:
+            def start_stage() -> Work:
+                with comm.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
+                    return run()
+
+            return start_stage
+
+        return _Chain(
+            [
+                unchecked(intra, lambda: intra.reduce_scatter(wire, piece, op, async_op=True)),
+                unchecked(inter, lambda: inter.all_reduce(piece, op, async_op=True)),
+                unchecked(intra, lambda: intra.all_gather(piece, wire, async_op=True)),
+            ]
+        )
 
     def _after_reduce(self, bucket: GradientBucket) -> None:
         """Runs once the bucket's collective completed: put the result where the gradients live."""
@@ -372,6 +504,66 @@ class DDPModel(ShardedModel):
 
     def extra_repr(self) -> str:
         return f"world_size={self.world_size}, buckets={len(self._buckets)}"
+
+
+def _hierarchy(config, hierarchical: bool | Topology, strategy: str) -> Topology | None:
+    """The topology a ``hierarchical`` argument asks for (None: flat), checked against ``config.backend``."""
+    if hierarchical is False:
+        return None
+    if hierarchical is True:
+        topology = getattr(config, "backend", None) and config.backend.topology
+        if topology is None:
+            raise ValueError(
+                "hierarchical=True needs config.backend.topology, which gpudist.init() sets; for a backend built "
+                "otherwise pass hierarchical=gpudist.Topology(backend, ranks_per_node=...)"
+            )
+    elif isinstance(hierarchical, Topology):
+        topology = hierarchical
+    else:
+        raise TypeError(f"hierarchical must be a bool or a gpudist.Topology, got {type(hierarchical).__name__}")
+    if topology.world is not config.backend:
+        raise ValueError(
+            f"hierarchical: the topology is of group {topology.world.group!r}, but config.backend is "
+            f"{config.backend.group!r}; build the Topology from config.backend"
+        )
+    if strategy != "ddp":
+        raise ValueError(
+            f"hierarchical all-reduce is DDP's ({strategy} communicates with reduce-scatter and all-gather over "
+            "config.backend); use DDPModel, or FSDPModel(..., replicate_group=topology.inter) for HSDP"
+        )
+    return topology
+
+
+class _Chain:
+    """Async collectives run one after another, each started once the one before completed: ``advance(through)``
+    starts stages up to index ``through`` that are ready, without blocking; ``wait()`` runs the rest. Quacks like a
+    :class:`~gpudist.comm.Work`."""
+
+    def __init__(self, stages: list[Callable[[], Work]]):
+        self._stages = list(stages)
+        self._started = 0
+        self._work: Work | None = None
+        self._next()
+
+    def _next(self) -> None:
+        self._work = self._stages[self._started]() if self._started < len(self._stages) else None
+        self._started += self._work is not None
+
+    def advance(self, through: int) -> bool:
+        """Start the next stages while the running one has completed, up to stage ``through``; return whether
+        stage ``through`` has started."""
+        while self._work is not None and self._started <= through and self._work.is_completed():
+            self._work.wait()
+            self._next()
+        return self._started > through
+
+    def wait(self) -> None:
+        while self._work is not None:
+            self._work.wait()
+            self._next()
+
+    def is_completed(self) -> bool:
+        return self._work is None
 
 
 class DDPOptimizer(ShardedOptimizer):

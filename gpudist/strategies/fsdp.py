@@ -18,6 +18,11 @@ being gathered.
 Per step and rank: two all-gathers and one reduce-scatter of P (``3 (N-1)/N x P`` on a ring); memory P/N for
 parameters, gradients and optimizer state, plus the largest unit or two in flight.
 
+HSDP (``replicate_group``): the same inside a shard group of N ranks (one node), and each reduce-scattered
+gradient shard all-reduced over the R replicas of that shard (one rank per node): per step and rank ``3 (N-1)/N x
+P`` on the fast links and ``2 (R-1)/R x P/N`` on the slow one, for memory P/N (FSDP2's ``fully_shard`` on a 2D
+``(replicate, shard)`` DeviceMesh).
+
 :class:`ZeRO3Optimizer` steps the shards in place (the model already reduce-scattered their gradients).
 """
 
@@ -33,9 +38,9 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..comm import ReductionOperation
+from ..comm import CommunicationBackend, ReductionOperation
 from ..flat import broadcast_tensors, padded_range, padded_shard
-from .model import ShardedModel
+from .model import ShardedModel, model_fingerprint, same_on_every_rank
 from .zero import ZeRO2Optimizer
 
 __all__ = ["FSDPModel", "ZeRO3Model", "ZeRO3Optimizer"]
@@ -153,6 +158,13 @@ class ZeRO3Model(ShardedModel):
     class has them (Hugging Face models), answer from the shards, so the module's class becomes a subclass of the
     same name, as FSDP2 does. :meth:`full_parameters` gathers everything for a ``with`` block instead.
 
+    Hybrid sharding (HSDP): with ``replicate_group``, ``config.backend`` is the shard group (a node's ranks,
+    ``topology.intra``) and ``replicate_group`` the ranks holding the same shard on the other nodes
+    (``topology.inter``). Each unit's gradient is reduce-scattered in the shard group, then its shard all-reduced
+    over the replicas; every rank starts from the values of rank 0 of both groups. Only the small all-reduce of
+    P/N crosses the slow link, instead of all of FSDP's ``3 (N-1)/N x P`` over the whole world. Checkpoints of an
+    HSDP model are not supported yet (use :meth:`full_state_dict`).
+
     Args:
         module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters take rank
             0's values and are replaced by this rank's shards.
@@ -161,19 +173,43 @@ class ZeRO3Model(ShardedModel):
         units: The gathering units, as described above: module names or objects, module classes (a class or a
             tuple of them), or a predicate ``(name, module) -> bool``; None: every submodule that holds
             parameters itself.
+        replicate_group: HSDP's replica group (this rank's peers holding the same shard), as described above;
+            None: plain ZeRO-3 over ``config.backend``.
 
     Raises:
-        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
-            :class:`~gpudist.ShardingConfiguration`.
-        ValueError: When a unit named in ``units`` is not a submodule of ``module``, or ranks wrap modules whose
-            parameter names, shapes or dtypes differ.
+        TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, ``config`` is not a
+            :class:`~gpudist.ShardingConfiguration`, or ``replicate_group`` is not a gpudist backend.
+        ValueError: When a unit named in ``units`` is not a submodule of ``module``, ranks wrap modules whose
+            parameter names, shapes or dtypes differ (in either group), or ``replicate_group`` works on another
+            device type than ``config.backend``.
     """
 
     strategy = "zero3"
 
-    def __init__(self, module: nn.Module, config, units: UnitSpec = None):
+    def __init__(
+        self, module: nn.Module, config, units: UnitSpec = None, *, replicate_group: CommunicationBackend | None = None
+    ):
         self._unit_spec = units
+        if replicate_group is not None:
+            if not isinstance(replicate_group, CommunicationBackend):
+                raise TypeError(
+                    f"replicate_group must be a gpudist CommunicationBackend (e.g. topology.inter), got "
+                    f"{type(replicate_group).__name__}"
+                )
+            backend = getattr(config, "backend", None)
+            if backend is not None and replicate_group.device.type != backend.device.type:
+                raise ValueError(
+                    f"replicate_group works on {replicate_group.device.type} tensors but config.backend on "
+                    f"{backend.device.type}; build both groups from one world backend"
+                )
+        self.replicate_group = replicate_group
+        """HSDP's replica group, or None (plain ZeRO-3/FSDP)."""
         super().__init__(module, config)
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of each shard there are: ``replicate_group``'s size (1 without one)."""
+        return 1 if self.replicate_group is None else self.replicate_group.world_size
 
     # -- construction ---------------------------------------------------------------------------------------------
 
@@ -199,12 +235,20 @@ class ZeRO3Model(ShardedModel):
 
     def traffic_settings(self) -> dict[str, Any]:
         """The base settings, plus the units (each is gathered and reduce-scattered as one collective)."""
-        return {**super().traffic_settings(), "units": list(dict.fromkeys(self._unit_names()))}
+        units = list(dict.fromkeys(self._unit_names()))
+        return {**super().traffic_settings(), "units": units, "replicas": self.replicas}
 
     def initialize_sharding(self) -> None:
         module, comm = self.module, self.comm
         self._keys = list(module.state_dict().keys())
         self._check_same_model()
+        if self.replicate_group is not None:  # every replica starts from rank 0's values, like every shard
+            if not same_on_every_rank(self.replicate_group, model_fingerprint(module)):
+                raise ValueError(
+                    f"{type(self).__name__}: the replicas in replicate_group wrap modules whose parameter names, "
+                    "shapes or dtypes differ; every rank must build the same model before wrapping it"
+                )
+            broadcast_tensors(self.replicate_group, [*module.parameters(), *module.buffers()])
         broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
         units = [""] + [n for n in dict.fromkeys(self._unit_names()) if n]  # the root first, then pre-order
         modules = dict(module.named_modules())
@@ -286,6 +330,7 @@ class ZeRO3Model(ShardedModel):
         self._order: list[_Group] = []  # groups in the order the last forward gathered them
         self._seen: list[_Group] = []
         self._pending: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
+        self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._callback_queued = False
         self._hooks = [
             module.register_forward_pre_hook(lambda m, a: self._before_root()),
@@ -485,7 +530,8 @@ class ZeRO3Model(ShardedModel):
     def _reduce(self, group: _Group, grad_full: torch.Tensor) -> None:
         wire_dtype = self.config.communication_dtype or group.dtype
         sent = torch.empty(group.gathered, dtype=wire_dtype, device=group.device)
-        kernels.pack([grad_full], sent, scale=1.0 / self.world_size)  # the padding's gradient is zero
+        # The padding's gradient is zero. HSDP: 1/(N R), the replicas' all-reduce then SUMs the averaged shards.
+        kernels.pack([grad_full], sent, scale=1.0 / (self.world_size * self.replicas))
         slot = self._grad_slot(group)
         if slot is not None and wire_dtype == group.dtype:
             received = slot  # straight into the shard's gradient
@@ -502,10 +548,25 @@ class ZeRO3Model(ShardedModel):
 
     _IN_FLIGHT = 2
 
-    @staticmethod
-    def _complete(group: _Group, received: torch.Tensor, slot: torch.Tensor | None, work) -> None:
-        """Wait for ``group``'s reduce-scatter and put the result in its shard's gradient."""
+    def _complete(self, group: _Group, received: torch.Tensor, slot: torch.Tensor | None, work) -> None:
+        """Wait for ``group``'s reduce-scatter; HSDP: start its shard's all-reduce over the replicas (at most
+        ``_IN_FLIGHT`` of them in flight, as the reduce-scatters), else put the result in the shard's gradient."""
         work.wait()
+        if self.replicate_group is None:
+            self._store_gradient(group, received, slot)
+            return
+        with self.replicate_group.unchecked():  # the same unit's shard on every replica, by construction
+            work = self.replicate_group.all_reduce(received, ReductionOperation.SUM, async_op=True)
+        self._replicating.append((group, received, slot, work))
+        while len(self._replicating) > self._IN_FLIGHT:
+            self._replica_reduced(*self._replicating.pop(0))
+
+    def _replica_reduced(self, group: _Group, received: torch.Tensor, slot: torch.Tensor | None, work) -> None:
+        work.wait()
+        self._store_gradient(group, received, slot)
+
+    @staticmethod
+    def _store_gradient(group: _Group, received: torch.Tensor, slot: torch.Tensor | None) -> None:
         shard = group.shard
         if slot is not None:
             if received is not slot:
@@ -553,15 +614,22 @@ class ZeRO3Model(ShardedModel):
                     )
             for pending in self._pending:
                 self._complete(*pending)
+            for replicating in self._replicating:
+                self._replica_reduced(*replicating)
         finally:
             self._reset()
         self._mark_step_bytes()
+
+    def _bytes_total(self) -> int:
+        extra = 0 if self.replicate_group is None else self.replicate_group.stats.total_bytes
+        return super()._bytes_total() + extra
 
     def _reset(self) -> None:
         for group in self._groups:
             self._release(group)
             group.grad_full, group.used, group.reduced = None, False, False
         self._pending = []
+        self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._flat_grads = None  # the shards' .grad hold it from here on
         self._callback_queued = self._in_backward = False
 
@@ -691,7 +759,7 @@ class ZeRO3Model(ShardedModel):
                     sub = twin.get_submodule(owner)
                     sub.__dict__.pop(attr, None)
                     sub.register_parameter(attr, param)
-        return type(self)(twin, self.config, self._units[1:])
+        return type(self)(twin, self.config, self._units[1:], replicate_group=self.replicate_group)
 
     shards_parameters = True
 
@@ -707,6 +775,11 @@ class ZeRO3Model(ShardedModel):
         ]
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
+        if self.replicate_group is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} with a replicate_group (HSDP): checkpoints are not supported yet (each "
+                "replica group would write the whole model); save full_state_dict() from one replica instead"
+            )
         out = []
         for group in self._groups:
             segments = []
@@ -759,7 +832,8 @@ class ZeRO3Model(ShardedModel):
         return list(self._units)
 
     def extra_repr(self) -> str:
-        return f"world_size={self.world_size}, units={len(self._units)}, groups={len(self._groups)}"
+        replicas = f", replicas={self.replicas}" if self.replicate_group is not None else ""
+        return f"world_size={self.world_size}{replicas}, units={len(self._units)}, groups={len(self._groups)}"
 
 
 class FSDPModel(ZeRO3Model):
@@ -775,6 +849,9 @@ class FSDPModel(ZeRO3Model):
             are sharded over.
         auto_wrap_policy: The units, as described above (a set or list of module classes, a predicate, or None);
             anything else :class:`ZeRO3Model`'s ``units`` takes is accepted too.
+        replicate_group: HSDP: the replica group, with ``config.backend`` the shard group (see
+            :class:`ZeRO3Model`), e.g. ``FSDPModel(net, ShardingConfiguration(topo.intra), replicate_group=
+            topo.inter)``; None: plain FSDP.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
@@ -785,7 +862,14 @@ class FSDPModel(ZeRO3Model):
 
     strategy = "fsdp"
 
-    def __init__(self, module: nn.Module, config, auto_wrap_policy: UnitSpec = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        auto_wrap_policy: UnitSpec = None,
+        *,
+        replicate_group: CommunicationBackend | None = None,
+    ):
         if auto_wrap_policy is None:
             lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
             members = {id(child) for lst in lists for child in lst}
@@ -793,7 +877,7 @@ class FSDPModel(ZeRO3Model):
         elif isinstance(auto_wrap_policy, (set, frozenset, list)):
             classes = [c for c in auto_wrap_policy if isinstance(c, type)]
             auto_wrap_policy = tuple(classes) if len(classes) == len(auto_wrap_policy) else list(auto_wrap_policy)
-        super().__init__(module, config, units=auto_wrap_policy)
+        super().__init__(module, config, units=auto_wrap_policy, replicate_group=replicate_group)
 
 
 class ZeRO3Optimizer(ZeRO2Optimizer):
