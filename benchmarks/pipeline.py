@@ -62,7 +62,7 @@ from gpudist.bench import environment, interleaved_times
 from gpudist.fileio import atomic_write_json
 from gpudist.launch import spawn
 from gpudist.strategies.pipeline import schedule_bubble, stage_schedule
-from gpudist.strategies.pipeline.schedule import placement
+from gpudist.strategies.pipeline.schedule import activations_alive, placement
 from gpudist.testing import run_ranks
 
 from . import workloads
@@ -344,20 +344,6 @@ def bubble_rank(comm, schedule: str, micro_batches: int, t_forward: float, steps
     return {"wall_s": walls, "busy_s": busy, "step_s": spans, "max_in_flight": model.last_schedule["max_in_flight"]}
 
 
-def alive_bound(orders: list[list[tuple]]) -> list[int]:
-    """Per stage, the most (chunk) activations its order keeps alive at once: from a forward to its backward, or
-    to its W when the backward is split."""
-    peaks = []
-    for order in orders:
-        split = {op[1:] for op in order if op[0] == "W"}
-        alive = peak = 0
-        for op in order:
-            alive += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
-
-
 def bubble(args) -> dict:
     t_f = args.t_forward_ms / 1e3
     rows = []
@@ -392,7 +378,7 @@ def bubble(args) -> dict:
                 # the replay with F = B = W (forward t_f, backward 2 t_f): (p - 1) / (v m + p - 1) for the 1F1B
                 # family, (p - 1) / (3 m + p - 1) for ZB-H1 (m >= p), (p - 1) / (6 m + p - 1) for the V (m >= 2p - 1)
                 theory = schedule_bubble(orders, 1.0, 2.0, 1.0, where=placement(schedule))
-                bound = alive_bound(orders)
+                bound = [activations_alive(order)[0] for order in orders]
                 rows.append(
                     {
                         "stages": p,

@@ -41,6 +41,7 @@ from .flat import assign_buckets, padded_shard
 from .strategies.layout import ParallelLayout
 from .strategies.pipeline.schedule import (
     ALL_SCHEDULES,
+    activations_alive,
     check_schedule,
     holder,
     partition_blocks,
@@ -974,20 +975,6 @@ def _orders(schedule: str, pp: int, micro: int) -> tuple[list[list[tuple]], floa
     return orders, schedule_bubble(orders, 1.0, 2.0, 1.0, placement(schedule))
 
 
-def _alive(order: list[tuple], weights: list[int]) -> tuple[int, list[int]]:
-    """The most ``sum(weights[c] x micro-batches alive on chunk c)`` along ``order`` (alive from F to W, or to a
-    whole B), and how many were alive on each chunk at that peak."""
-    split = {op[1:] for op in order if op[0] == "W"}
-    alive, peak, at_peak = [0] * len(weights), 0, [0] * len(weights)
-    for op in order:
-        c = op[2] if len(op) == 3 else 0
-        alive[c] += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
-        load = sum(a * w for a, w in zip(alive, weights, strict=True))
-        if load > peak:
-            peak, at_peak = load, list(alive)
-    return peak, at_peak
-
-
 def _tp_numel(params: list[ParamSpec], tp: int) -> list[int]:
     return [p.numel // tp if p.split else p.numel for p in params]
 
@@ -1069,7 +1056,7 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
         if pp == 1:
             mem["activations"] = _activation_bytes(w, cfg, mb, m.layers, True)
         else:
-            peak, alive = _alive(orders[s], layers)
+            peak, alive = activations_alive(orders[s], layers)
             head = alive[holder(where, pp, pp * v - 1)[1]] if s == last_rank else 0
             if cfg.schedule in ("1f1b", "gpipe"):  # one chunk: the same as below, the checkpointed block per in flight
                 mem["activations"] = _activation_bytes(w, cfg, mb * alive[0], layers[0], s == last_rank)

@@ -26,7 +26,7 @@ from gpudist.checkpoint import read_manifest
 from gpudist.strategies.pipeline import ALL_SCHEDULES, schedule_bubble, stage_schedule
 from gpudist.strategies.pipeline.backward import SplitBackward
 from gpudist.strategies.pipeline.executor import exchange_plan, peer_streams
-from gpudist.strategies.pipeline.schedule import holder, placement, virtual_stage
+from gpudist.strategies.pipeline.schedule import activations_alive, holder, placement, virtual_stage
 from gpudist.testing import run_ranks
 
 from .fakenccl import AsyncRuntime, FakeNccl, count_host_syncs, run_nccl
@@ -43,17 +43,8 @@ def orders_of(schedule: str, p: int, m: int) -> list[list[tuple]]:
 
 
 def alive_peaks(orders: list[list[tuple]]) -> list[int]:
-    """Per rank, the most micro-batch activations (of a chunk) alive at once: from the forward to the W of a split
-    backward, or to a whole backward."""
-    peaks = []
-    for order in orders:
-        split = {op[1:] for op in order if op[0] == "W"}
-        alive = peak = 0
-        for op in order:
-            alive += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
+    """Per rank, the most micro-batch activations (of a chunk) alive at once (``activations_alive``)."""
+    return [activations_alive(order)[0] for order in orders]
 
 
 def memory_bound(schedule: str, p: int, m: int) -> int:

@@ -12,6 +12,7 @@ __all__ = [
     "SCHEDULES",
     "ZBV",
     "ZERO_BUBBLE",
+    "activations_alive",
     "check_interleaved",
     "check_schedule",
     "interleaved_warmup",
@@ -312,6 +313,23 @@ def _dualpipev(p: int, s: int, m: int) -> list[tuple[str, int, int]]:
     for _ in range(s + 1):
         o.weight()
     return o.order
+
+
+def activations_alive(order: Sequence[tuple], weights: Sequence[float] | None = None) -> tuple[float, list[int]]:
+    """The most activations ``order`` keeps alive at once, and how many micro-batches each chunk had alive at that
+    peak: a micro-batch's activations on chunk ``c`` count ``weights[c]`` (default 1 each) from its forward to its
+    ``W`` when its backward is split, or to its whole backward."""
+    chunks = 1 + max((op[2] for op in order if len(op) == 3), default=0)
+    weights = [1] * chunks if weights is None else list(weights)
+    split = {op[1:] for op in order if op[0] == "W"}
+    alive, peak, at_peak = [0] * len(weights), 0, [0] * len(weights)
+    for op in order:
+        c = op[2] if len(op) == 3 else 0
+        alive[c] += 1 if op[0] == "F" else -1 if op[0] == "W" or op[1:] not in split else 0
+        load = sum(a * w for a, w in zip(alive, weights, strict=True))
+        if load > peak:
+            peak, at_peak = load, list(alive)
+    return peak, at_peak
 
 
 def replay(
