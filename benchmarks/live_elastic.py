@@ -7,12 +7,20 @@ joins the running job, healing from a peer. Reports per kill: the seconds from t
 survivor completes in the next generation, the steps redone (an applied step undone) and how the state healed;
 then the final model of every finisher against single-process training on the same global batches.
 
+With ``--zero-stage 2 --redundancy buddy`` the state is ZeRO-2-sharded and every shard mirrored on the next rank:
+a dead member's shard is rebuilt from its buddy's mirror. That run first measures the buddy's cost without kills:
+the same job with and without mirrors, one after the other (median seconds per step, and the bytes each rank holds
+for the mirrors against its ZeRO state bytes).
+
     python -m benchmarks.live_elastic            # writes benchmarks/results/live_elastic.json
+    python -m benchmarks.live_elastic --zero-stage 2 --redundancy buddy \\
+        --out benchmarks/results/live_elastic_zero2_buddy.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -61,6 +69,7 @@ def run(args) -> dict:
     cmd = [sys.executable, "-m", "gpudist.testing.live_job", "--dir", str(root), "--steps", str(args.steps)]
     cmd += ["--min-size", str(args.world), "--sleep", str(args.sleep), "--every", str(args.every)]
     cmd += ["--timeout", str(args.timeout), "--failure-timeout", str(args.failure_timeout)]
+    cmd += ["--zero-stage", str(args.zero_stage)] + (["--redundancy", args.redundancy] if args.redundancy else [])
     logs = [open(root / f"proc-{i}.log", "w") for i in range(args.world + args.kills)]  # noqa: SIM115
     procs = [
         subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logs[i], stderr=subprocess.STDOUT) for i in range(args.world)
@@ -106,7 +115,7 @@ def run(args) -> dict:
         first = min(after, key=lambda r: r["time"]) if after else None
         healed = [g for g in gens if g["reason"].startswith("failure") and g["detected"] > kill["time"]]
         healed = [g for g in healed if g["generation"] == min(h["generation"] for h in healed)] if healed else []
-        redone = max((g["step_before"] - g["step"] for g in healed if g["step_before"] is not None), default=None)
+        redone = max((g["completed_before"] - g["step"] for g in healed), default=None)
         report.append(
             {
                 "kill": k,
@@ -135,8 +144,11 @@ def run(args) -> dict:
             "heartbeat_interval_s": 0.1,
             "checkpoint_every": args.every,
             "global_batch": elastic_job.GLOBAL_BATCH,
-            "state": "DDP (replicated), AdamW",
+            "state": "DDP (replicated), AdamW"
+            if not args.zero_stage
+            else f"ZeRO-{args.zero_stage}, AdamW, redundancy={args.redundancy}",
         },
+        "overhead": _overhead(args) if args.redundancy else None,
         "kills": report,
         "to_next_step_s_median": times[len(times) // 2] if times else None,
         "to_next_step_s_max": times[-1] if times else None,
@@ -150,6 +162,43 @@ def run(args) -> dict:
             "recovery_s_median": restart.get("recovery_s_median"),
             "steps_redone": [k["steps_redone"] for k in restart.get("kills", [])],
         },
+    }
+
+
+def _job(args, redundancy: str | None, steps: int) -> tuple[float, list[dict]]:
+    """Run the job without kills; return the median seconds per step (every worker's step records after the first
+    10 steps) and the workers' final records."""
+    root = Path(tempfile.mkdtemp(prefix="gpudist-live-cost-"))
+    service = MembershipService()
+    env = {**os.environ, STORE_ENV: service.address, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "gpudist.testing.live_job", "--dir", str(root), "--steps", str(steps)]
+    cmd += ["--min-size", str(args.world), "--zero-stage", str(args.zero_stage), "--timeout", str(args.timeout)]
+    cmd += ["--redundancy", redundancy] if redundancy else []
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT) for _ in range(args.world)]
+    for p in procs:
+        p.wait(args.limit)
+    per_step = []
+    for pid in {r["pid"] for r in _records(root) if r["event"] == "step"}:
+        times = [r["time"] for r in _records(root) if r["event"] == "step" and r["pid"] == pid][10:]
+        per_step += [b - a for a, b in itertools.pairwise(times)]
+    per_step.sort()
+    return per_step[len(per_step) // 2], [torch.load(f) for f in sorted(root.glob("final-*.pt"))]
+
+
+def _overhead(args) -> dict:
+    """The buddy's cost without kills: the same job with and without mirrors, one after the other."""
+    steps = args.overhead_steps
+    plain, _ = _job(args, None, steps)
+    buddy, finals = _job(args, args.redundancy, steps)
+    return {
+        "steps": steps,
+        "step_s_median_without": plain,
+        "step_s_median_with": buddy,
+        "step_time_ratio": buddy / plain,
+        "buddy_bytes_per_rank": [f["buddy_bytes"] for f in finals],
+        "zero_state_bytes_per_rank": [f["state_bytes"] for f in finals],
+        "buddy_to_state_ratio_max": max(f["buddy_bytes"] / f["state_bytes"] for f in finals),
+        "note": "no simulated compute (step_sleep 0), tiny MLP: the per-step snapshot cost is not hidden by any work",
     }
 
 
@@ -176,6 +225,9 @@ def main() -> None:
     parser.add_argument("--failure-timeout", type=float, default=1.0, help="heartbeat silence that means dead")
     parser.add_argument("--limit", type=float, default=400.0, help="seconds before giving up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zero-stage", type=int, default=0, help="0 (DDP), 1 or 2")
+    parser.add_argument("--redundancy", default=None, choices=["buddy"], help="buddy mirrors (ZeRO only)")
+    parser.add_argument("--overhead-steps", type=int, default=300, help="steps of each no-kill cost run")
     parser.add_argument("--out", default=str(RESULTS / "live_elastic.json"))
     args = parser.parse_args()
     result = run(args)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -70,6 +71,8 @@ from .strategies.ddp import DDPModel
 from .strategies.zero import ZeRO2Model
 
 __all__ = ["STORE_ENV", "Generation", "LiveElasticTrainer", "Membership", "MembershipError", "MembershipService"]
+
+_log = logging.getLogger("gpudist.live")
 
 STORE_ENV = "GPUDIST_LIVE_STORE"
 """The environment variable the launcher sets to the membership service's ``host:port``."""
@@ -330,6 +333,179 @@ class Membership:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Buddy redundancy (ZeRO-1/2): every rank's shard mirrored on the next rank
+
+_FRAME_SLACK = 4096
+"""Bytes a mirror frame holds beyond the snapshot it was sized for: room for the numbers in the snapshot's metadata
+(step, samples seen) to grow without a larger message."""
+
+
+def _frame_capacity(length: int) -> int:
+    """Bytes of a frame for a snapshot of ``length`` bytes: an int64 length, the snapshot, the slack."""
+    return 8 + length + _FRAME_SLACK
+
+
+def newest_covered(reports: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """The newest ``(step, layout)`` at which every member of generation ``layout`` has its shard somewhere: on
+    itself (a survivor's own copy or live state) or on its buddy (the next member in rank order, which mirrors it).
+
+    Args:
+        reports: One per rank of the new group (what :meth:`_BuddyMirror.report` returns): ``layout`` (the
+            generation its copies are in; None: it holds none), ``members`` (that generation's member ids in rank
+            order), ``id``, ``own`` (steps of its own shard it can provide), ``mirror`` (steps of its predecessor's
+            shard it holds).
+
+    Returns:
+        The step and layout generation, or None when no step is covered (a buddy pair lost both members, or nobody
+        holds any state).
+    """
+    have: set[tuple[int, int, int]] = set()  # (layout, member, step)
+    members: dict[int, list[int]] = {}
+    for r in reports:
+        if r["layout"] is None:
+            continue
+        layout, ring = r["layout"], r["members"]
+        members[layout] = ring
+        predecessor = ring[(ring.index(r["id"]) - 1) % len(ring)]
+        have.update((layout, r["id"], t) for t in r["own"])
+        have.update((layout, predecessor, t) for t in r["mirror"])
+    covered = [(t, layout) for layout, _, t in have if all((layout, m, t) in have for m in members[layout])]
+    return max(covered, default=None)
+
+
+def _uncovered(reports: list[dict[str, Any]]) -> str:
+    """Why :func:`newest_covered` found nothing, in words: the members whose shard is nowhere at the newest step."""
+    held = [r for r in reports if r["layout"] is not None and r["own"]]
+    if not held:
+        return "no member holds any state"
+    newest = max(held, key=lambda r: (r["layout"], max(r["own"])))
+    layout, ring, step = newest["layout"], newest["members"], max(newest["own"])
+    present = {r["id"] for r in reports if r["layout"] == layout}
+    missing = [m for m in ring if m not in present and ring[(ring.index(m) + 1) % len(ring)] not in present]
+    if not missing:
+        return f"the buddy mirrors of generation {layout} do not agree on a step (newest own: {step})"
+    pairs = ", ".join(f"member {m} and its buddy {ring[(ring.index(m) + 1) % len(ring)]}" for m in missing)
+    return f"both members of a buddy pair were lost ({pairs} of generation {layout}): their shard is nowhere"
+
+
+class _BuddyMirror:
+    """One rank's part of buddy redundancy: snapshots of its own shard (:func:`~gpudist.checkpoint.snapshot_state`
+    of the ZeRO model and optimizer: its share of the parameters and its optimizer shard) at the two newest steps,
+    and the mirrors of its predecessor's (rank - 1's), all in the coordinates of generation ``layout``.
+
+    After each step the new snapshot goes to the buddy (rank + 1) as an async send of a fixed-size frame (sized at
+    the generation's first, synchronous exchange); the receive of the predecessor's is posted a step ahead, so its
+    data moves as soon as the predecessor sends it. The trainer waits for both before the next step's optimizer
+    update: once any rank completes a collective of step ``s + 1`` after that wait, every mirror of step ``s`` has
+    arrived. A member killed between finishing a step and its frame arriving takes that step's shard with it: the
+    survivors then rebuild the step before (one step redone).
+    """
+
+    def __init__(self, layout: Generation | None = None, member: int | None = None):
+        self.layout = layout
+        self.member = member
+        self.own: dict[int, bytes] = {}
+        self.mirror: dict[int, bytes] = {}
+        self._send_cap = 0
+        self._recv_cap = 0
+        self._recv: tuple[CommunicationBackend, int, Any, torch.Tensor] | None = None  # comm, step, work, frame
+        self._sends: list | None = None  # the last post's sends, until settled
+
+    @classmethod
+    def begin(cls, comm: CommunicationBackend, g: Generation, member: int, step: int, blob: bytes) -> _BuddyMirror:
+        """Generation ``g``'s first exchange (collective, synchronous): the frame sizes, then the snapshots."""
+        mirror = cls(g, member)
+        mirror.own[step] = blob
+        if comm.world_size > 1:
+            lengths = torch.zeros(comm.world_size, dtype=torch.int64)
+            comm.all_gather(torch.tensor([len(blob)], dtype=torch.int64), lengths)
+            mirror._send_cap = _frame_capacity(int(lengths[comm.rank]))
+            mirror._recv_cap = _frame_capacity(int(lengths[(comm.rank - 1) % comm.world_size]))
+            mirror._post_recv(comm, step)
+            mirror.post(comm, step, blob)
+            mirror.settle(strict=True)
+        return mirror
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for redundancy: own snapshots, mirrors and the frames in flight."""
+        held = sum(map(len, self.own.values())) + sum(map(len, self.mirror.values()))
+        return held + (self._recv_cap if self._recv is not None else 0) + (self._send_cap if self._sends else 0)
+
+    def predecessor(self) -> int:
+        ring = self.layout.members
+        return ring[(ring.index(self.member) - 1) % len(ring)]
+
+    def _post_recv(self, comm: CommunicationBackend, step: int) -> None:
+        frame = torch.empty(self._recv_cap, dtype=torch.uint8)
+        self._recv = (comm, step, comm.recv(frame, (comm.rank - 1) % comm.world_size, async_op=True), frame)
+
+    def post(self, comm: CommunicationBackend, step: int, blob: bytes) -> None:
+        """Keep ``blob`` (this rank's snapshot at ``step``) and start sending it to the buddy; drop what is older
+        than ``step - 1``."""
+        self.own = {s: b for s, b in self.own.items() if s >= step - 1}
+        self.own[step] = blob
+        self.mirror = {s: b for s, b in self.mirror.items() if s >= step - 1}
+        if comm.world_size == 1:
+            return
+        frame = torch.zeros(self._send_cap, dtype=torch.uint8)
+        frame[:8] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
+        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        sends = [frame]
+        if 8 + len(blob) <= frame.numel():
+            frame[8 : 8 + len(blob)] = payload
+        else:  # grew past the frame (an optimizer that creates state lazily): the length, then a message of its own
+            sends.append(payload)
+            self._send_cap = _frame_capacity(len(blob))
+        self._sends = [comm.send(t, (comm.rank + 1) % comm.world_size, async_op=True) for t in sends]
+
+    def settle(self, *, strict: bool) -> None:
+        """Complete the exchange of the last post and post the next step's receive. ``strict``: wait, and raise a
+        CommunicationError (training: a failure like any other). Otherwise (healing after a failure, the old group
+        about to be dropped) wait for the predecessor's frame only when this rank sent that step too (a dead
+        predecessor's connection errors at once; a live one sent it), and for nothing else."""
+        if self._recv is None or (strict and self._sends is None):
+            return
+        comm, step, recv, frame = self._recv
+        sent, self._recv, self._sends = self._sends, None, None
+        if not strict and sent is None and not recv.is_completed():
+            return  # this rank did not send that step: its predecessor may never have (Gloo reports a recv
+            # complete only once waited for, so on Gloo such a mirror is given up)
+        try:
+            recv.wait()
+            length = int(frame[:8].view(torch.int64))
+            if 8 + length <= frame.numel():
+                self.mirror[step] = frame[8 : 8 + length].numpy().tobytes()
+            else:
+                whole = torch.empty(length, dtype=torch.uint8)
+                comm.recv(whole, (comm.rank - 1) % comm.world_size)
+                self._recv_cap = _frame_capacity(length)
+                self.mirror[step] = whole.numpy().tobytes()
+        except CommunicationError:
+            if strict:
+                raise
+            return
+        if strict:
+            for work in sent:
+                work.wait()
+            self._post_recv(comm, step + 1)
+
+    def report(self, live_step: int | None) -> dict[str, Any]:
+        """What this rank can provide (see :func:`newest_covered`); ``live_step``: the step of its live state, if
+        whole."""
+        if self.layout is None:
+            return {"layout": None, "members": [], "id": self.member, "own": [], "mirror": []}
+        own = set(self.own) | ({live_step} if live_step is not None else set())
+        return {
+            "layout": self.layout.number,
+            "members": list(self.layout.members),
+            "id": self.member,
+            "own": sorted(own),
+            "mirror": sorted(self.mirror),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -361,6 +537,11 @@ class LiveElasticTrainer:
         timeout: Seconds every collective may take (bounds the detection of a hung peer).
         connect_timeout: Seconds a new generation's group may take to connect.
         config_options: Passed to :class:`~gpudist.ShardingConfiguration` (e.g. ``bucket_cap_mb``).
+        redundancy: None, or ``"buddy"`` (ZeRO-1/2 only): after each step every rank's shard snapshot is mirrored to
+            the next rank (async, waited for before the next step's optimizer update), so when members die the
+            survivors rebuild the state from those mirrors, live, instead of reloading the checkpoint, as long as no
+            member died together with its buddy. Costs host memory of about four shard snapshots per rank (two own,
+            two mirrored; :attr:`buddy_bytes`) and a snapshot plus a send/recv per step.
     """
 
     def __init__(
@@ -376,11 +557,19 @@ class LiveElasticTrainer:
         timeout: float = 10.0,
         connect_timeout: float = 60.0,
         config_options: dict[str, Any] | None = None,
+        redundancy: str | None = None,
     ):
         if backend not in ("gloo", "inmemory"):
             raise ValueError(f"backend={backend!r}; use 'gloo' or 'inmemory'")
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={zero_stage!r}; live mode supports 0 (DDP), 1 and 2")
+        if redundancy not in (None, "buddy"):
+            raise ValueError(f"redundancy={redundancy!r}; use None or 'buddy'")
+        if redundancy == "buddy" and zero_stage == 0:
+            raise ValueError(
+                "redundancy='buddy' mirrors sharded state; with zero_stage=0 every rank holds the whole state already "
+                "(use zero_stage=1 or 2, or leave redundancy=None)"
+            )
         self.build_module = build_module
         self.build_optimizer = build_optimizer
         self.membership = membership
@@ -402,6 +591,9 @@ class LiveElasticTrainer:
         self.optimizer: ElasticOptimizer | None = None
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._state_ok = False  # whether self.model/self.optimizer hold a whole state at self.step_count
+        self.redundancy = redundancy
+        self._buddy = _BuddyMirror(None, membership.id) if redundancy == "buddy" else None
+        self._heal_detail: str | None = None
         self._enter(self.membership.join(), "join", time.time())
 
     @property
@@ -411,6 +603,12 @@ class LiveElasticTrainer:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def buddy_bytes(self) -> int:
+        """Host bytes this rank holds for buddy redundancy (0 without): its own shard snapshots, its predecessor's
+        mirrored ones and the frames in flight."""
+        return 0 if self._buddy is None else self._buddy.nbytes
 
     # -- generations -------------------------------------------------------------------------------------------------
 
@@ -429,9 +627,13 @@ class LiveElasticTrainer:
         while True:
             if self.membership.id not in g.members:
                 self._state_ok = False  # counted dead: whatever this worker holds is stale
+                if self._buddy is not None:
+                    self._buddy = _BuddyMirror(None, self.membership.id)
                 g = self.membership.join()
                 continue
             before = self.step_count if self._state_ok else None
+            completed = self.step_count  # steps applied before the failure, also when the last was cut off
+            self._heal_detail = None
             try:
                 heal = self._form(g)
             except CommunicationError:
@@ -445,7 +647,9 @@ class LiveElasticTrainer:
                     "heal": heal,
                     "lost": list(g.lost),
                     "step_before": before,
+                    "completed_before": completed,
                     "step": self.step_count,
+                    "detail": self._heal_detail,
                     "detected": detected,
                     "formed": time.time(),
                 }
@@ -466,7 +670,15 @@ class LiveElasticTrainer:
             zero_stage=self.zero_stage,
             resume=False,
         )
+        held = self.step_count, self.samples_seen  # what the old model and optimizer are at
         heal = self._heal(g, comm, model, opt)
+        if self._buddy is not None:  # mirror the state just healed at once: a death in the next step is covered too
+            try:
+                blob = snapshot_state(model, opt, step=self.step_count, extra=self._extra())
+                self._buddy = _BuddyMirror.begin(comm, g, self.membership.id, self.step_count, blob)
+            except CommunicationError:
+                self.step_count, self.samples_seen = held  # the healed state was never switched to
+                raise
         old = self.comm
         self.generation, self.comm, self.model, self.optimizer, self._torch_optimizer = g, comm, model, opt, torch_opt
         self._state_ok = True
@@ -476,14 +688,18 @@ class LiveElasticTrainer:
             old.shutdown()
         return heal
 
+    def _extra(self) -> dict[str, Any]:
+        return {"live": {"samples_seen": self.samples_seen}}
+
     def _snapshot(self, whole: bool) -> bytes:
         """This worker's state: a whole copy (replicated state) or its shard in the old group's coordinates."""
-        extra = {"live": {"samples_seen": self.samples_seen}}
         if whole:
-            return snapshot_state(self.model.module, self._torch_optimizer, step=self.step_count, extra=extra)
-        return snapshot_state(self.model, self.optimizer, step=self.step_count, extra=extra)
+            return snapshot_state(self.model.module, self._torch_optimizer, step=self.step_count, extra=self._extra())
+        return snapshot_state(self.model, self.optimizer, step=self.step_count, extra=self._extra())
 
     def _heal(self, g: Generation, comm: CommunicationBackend, model: nn.Module, opt: ElasticOptimizer) -> str:
+        if self._buddy is not None:
+            return self._heal_from_buddies(comm, model, opt)
         mine = self.step_count if self._state_ok else -1
         steps = torch.zeros(comm.world_size, dtype=torch.int64)
         comm.all_gather(torch.tensor([mine], dtype=torch.int64), steps)
@@ -505,6 +721,40 @@ class LiveElasticTrainer:
         self.step_count = info.step
         self.samples_seen = int(info.extra.get("live", {}).get("samples_seen", 0))
         return how
+
+    def _heal_from_buddies(self, comm: CommunicationBackend, model: nn.Module, opt: ElasticOptimizer) -> str:
+        """Sharded state with buddy mirrors: every rank says which steps of its own shard and of its predecessor's it
+        holds; all load the newest step at which every old member's shard is held by someone (the survivors' own,
+        the dead members' from their buddies), resharded over the new group. When a buddy pair lost both members,
+        the newest checkpoint instead."""
+        buddy = self._buddy
+        buddy.settle(strict=False)  # the last mirror, if it arrived before the failure
+        report = buddy.report(self.step_count if self._state_ok else None)
+        reports = [json.loads(b) for b in exchange_bytes(comm, json.dumps(report).encode())]
+        found = newest_covered(reports)
+        if found is None:
+            if any(r["own"] for r in reports):
+                self._heal_detail = f"buddy redundancy cannot rebuild the state: {_uncovered(reports)}"
+                if comm.rank == 0:
+                    _log.warning("gpudist.live: %s; loading the newest checkpoint", self._heal_detail)
+            opt.restore()
+            self.step_count, self.samples_seen = opt.step_count, opt.samples_seen
+            return "disk" if opt.restored is not None else "initial"
+        step, layout = found
+        held = report["layout"] == layout
+        own = b""
+        if held and step in report["own"]:
+            own = buddy.own.get(step) or self._snapshot(False)  # not copied yet: the live state is at that step
+        owners = {r["id"] for r in reports if r["layout"] == layout and step in r["own"]}
+        mirrored = b""
+        if held and step in report["mirror"] and buddy.predecessor() not in owners:
+            mirrored = buddy.mirror[step]
+        rebuilt = [b for b in exchange_bytes(comm, mirrored) if b]
+        blobs = [b for b in exchange_bytes(comm, own) if b] + rebuilt
+        info = load_snapshots(blobs, model, opt)
+        self.step_count = info.step
+        self.samples_seen = int(info.extra.get("live", {}).get("samples_seen", 0))
+        return "buddy" if rebuilt else "peers"
 
     def close(self) -> None:
         """Commit the pending checkpoint if the group is healthy, stop heartbeating and release the group."""
@@ -555,6 +805,8 @@ class LiveElasticTrainer:
         x, y = torch.tensor_split(inputs, world)[rank], torch.tensor_split(targets, world)[rank]
         loss = loss_fn(self.model(x), y)
         (loss * (world / total)).backward()
+        if self._buddy is not None:  # the previous step's mirrors, before this step changes any shard
+            self._buddy.settle(strict=True)
         opt, before = self.optimizer, self.optimizer.step_count
         try:
             opt.step()
@@ -567,6 +819,8 @@ class LiveElasticTrainer:
         self.samples_seen += total
         opt.samples_seen = self.samples_seen
         opt.zero_grad()
+        if self._buddy is not None:
+            self._buddy.post(self.comm, self.step_count, self._snapshot(False))
         return float(loss.detach())
 
     def finish(self) -> None:

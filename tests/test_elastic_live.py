@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudist.live import STORE_ENV, LiveElasticTrainer, Membership, MembershipService
+from gpudist.live import STORE_ENV, LiveElasticTrainer, Membership, MembershipService, newest_covered
 from gpudist.testing import elastic_job
 from gpudist.testing.live_job import TINY_BUCKETS, Faults
 
@@ -55,15 +55,19 @@ def _run(
     every=100,
     newcomer_after=None,
     hold=None,
+    redundancy=None,
+    together=False,
 ):
     """Run ``len(plans)`` workers (threads; ``plans[i] = (step, where)`` to die there, or None) and, once generation
     ``newcomer_after`` is decided, one newcomer; the first members wait at step ``hold`` until it has asked to join
-    (so it joins a running job however fast the steps are). Return {worker: (final parameters, events)} for those
-    that finished."""
+    (so it joins a running job however fast the steps are). ``together``: the members that die wait for each
+    other at their fault point first (so all die in one generation). Return {worker: (final parameters, events)}
+    for those that finished."""
     service = MembershipService()
     first = len(plans)
     results: dict[str, object] = {}
     errors: dict[str, str] = {}
+    doomed = threading.Barrier(sum(p is not None for p in plans), timeout=LIMIT) if together else None
 
     def worker(name: str, plan, after: int | None = None) -> None:
         step, where = plan or (None, None)
@@ -75,6 +79,8 @@ def _run(
                 return groups[-1]
 
         def kill():
+            if doomed is not None:
+                doomed.wait()
             raise Death
 
         faults = Faults(step, where, kill)
@@ -93,6 +99,7 @@ def _run(
                 backend="inmemory",
                 timeout=LIMIT,
                 config_options=TINY_BUCKETS,
+                redundancy=redundancy,
             )
             faults.trainer, faults.forming = trainer, True
             while trainer.step_count < steps:
@@ -228,3 +235,61 @@ def test_gloo_processes_survive_a_sigkill_and_a_replacement_heals_over_gloo(tmp_
     # The replacement may be admitted by the same generation that drops the victim, or by the next one.
     assert any(e["reason"].startswith("failure") and e["lost"] for _, ev in results.values() for e in ev)
     assert any(e["heal"] == "peer" for _, ev in results.values() for e in ev)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_buddy_mirrors_rebuild_a_dead_members_zero_shard_without_redoing_a_step(tmp_path, zero_stage):
+    """Catches a buddy mirror that is missing, stale or loaded into the wrong ranges: two members die one after the
+    other (backward of step 3, while ZeRO-2's reduce-scatters are in flight; forward of step 6), each time the
+    survivors must rebuild the dead member's optimizer shard from its buddy's mirror (heal "buddy", no checkpoint
+    exists) at the step they had reached (0 steps redone) and end where single-process training ends."""
+    results = _run(
+        tmp_path,
+        f"buddy{zero_stage}",
+        [None, (3, "backward"), (6, "forward")],
+        steps=9,
+        zero_stage=zero_stage,
+        redundancy="buddy",
+    )
+    _check(results, 9, {"w0"})
+    events = results["w0"][1]
+    assert [(e["world"], e["heal"]) for e in events] == [(3, "initial"), (2, "buddy"), (1, "buddy")], events
+    assert [e["step"] - e["completed_before"] for e in events[1:]] == [0, 0], events  # nothing redone
+    assert [e["step"] for e in events[1:]] == [3, 6]
+
+
+def test_buddy_falls_back_to_the_checkpoint_when_a_member_dies_with_its_buddy(tmp_path):
+    """Catches a heal that trusts mirrors which do not cover the state: in a ring of three every two members are
+    buddies, so when two die at once one shard (its only mirror was on the other dead member) is nowhere; the
+    survivor must say so and load the newest checkpoint (steps since it redone), not train on a partial state."""
+    results = _run(
+        tmp_path,
+        "buddy-pair",
+        [None, (5, "forward"), (5, "forward")],
+        steps=8,
+        zero_stage=2,
+        every=2,
+        redundancy="buddy",
+        together=True,
+    )
+    _check(results, 8, {"w0"})
+    fallback = results["w0"][1][1]
+    assert fallback["heal"] == "disk" and fallback["world"] == 1, fallback
+    assert "both members of a buddy pair were lost" in fallback["detail"], fallback
+    assert fallback["step"] < fallback["completed_before"] == 5, fallback
+
+
+def test_newest_covered_picks_the_newest_step_every_shard_is_held_at():
+    """Catches a rebuild at a step some shard is missing at: generation 4 had members 7, 8, 9 (buddy of 7 is 8, of 8
+    is 9, of 9 is 7). Member 8 died after finishing step 12 but before its mirror of step 12 reached 9: the
+    survivors hold their own shards at 11 and 12 and 9 holds 8's at 11 only, so 11 is the newest whole step (and
+    newcomers, holding nothing, change nothing). With 8 and 9 both gone, 9's shard is nowhere: None."""
+
+    def report(member, own, mirror, layout=4):
+        return {"layout": layout, "members": [7, 8, 9], "id": member, "own": own, "mirror": mirror}
+
+    newcomer = {"layout": None, "members": [], "id": 10, "own": [], "mirror": []}
+    assert newest_covered([report(7, [11, 12], [11, 12]), report(9, [11, 12], [11]), newcomer]) == (11, 4)
+    assert newest_covered([report(7, [11, 12], [11, 12]), report(9, [11, 12], [11, 12])]) == (12, 4)
+    assert newest_covered([report(7, [11, 12], [11, 12])]) is None
+    assert newest_covered([newcomer]) is None

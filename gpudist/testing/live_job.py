@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--min-size", type=int, default=2, help="workers the first generation waits for")
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--redundancy", default=None, choices=["buddy"], help="buddy mirrors of ZeRO shards")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of simulated work per step")
     parser.add_argument("--timeout", type=float, default=10.0, help="collective timeout in seconds")
@@ -107,6 +108,7 @@ def main() -> None:
         zero_stage=args.zero_stage,
         timeout=args.timeout,
         config_options=TINY_BUCKETS,
+        redundancy=args.redundancy,
     )
     faults.trainer, faults.forming = trainer, True
     written = 0
@@ -135,7 +137,9 @@ def main() -> None:
         )
     trainer.finish()
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
-    torch.save({"params": flat, "events": trainer.events, "id": membership.id}, root / f"final-{membership.id}.pt")
+    state = sum(trainer.model.memory_per_rank().values())
+    final = {"params": flat, "events": trainer.events, "id": membership.id, "state_bytes": state}
+    torch.save({**final, "buddy_bytes": trainer.buddy_bytes}, root / f"final-{membership.id}.pt")
     trainer.close()
 
 
