@@ -39,6 +39,20 @@ def unavailable() -> str | None:
     return None
 
 
+_HOST_LOCAL = (
+    "GLOO_SOCKET_IFNAME",
+    "GPUDIST_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+"""Variables of the launching process that must not reach a namespaced host (see :meth:`Hosts.command`)."""
+
+
 class Hosts:
     """``count`` hosts as network namespaces; each host's egress capped at ``rate`` (``tc tbf``; None: uncapped).
 
@@ -84,9 +98,13 @@ class Hosts:
         self.close()
 
     def command(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
-        """``argv`` run inside host ``i`` (with ``env`` set there)."""
+        """``argv`` run inside host ``i`` (with ``env`` set there), without the launching process's rendezvous and
+        interface variables: a host is another machine, and a ``GLOO_SOCKET_IFNAME=lo`` that an earlier in-process
+        job of the same pytest run set (``GlooCommunicationBackend.create`` does for a loopback rendezvous) would make
+        its ranks announce 127.0.0.1 to the other host."""
         pairs = [f"{k}={v}" for k, v in (env or {}).items()]
-        return ["ip", "netns", "exec", self.names[i], "env", *pairs, *argv]
+        unset = [arg for name in _HOST_LOCAL if name not in (env or {}) for arg in ("-u", name)]
+        return ["ip", "netns", "exec", self.names[i], "env", *unset, *pairs, *argv]
 
     def popen(self, i: int, argv: Sequence[str], log: Path, env: dict[str, str] | None = None, **kw):
         """Start ``argv`` on host ``i``, output to ``log``."""
