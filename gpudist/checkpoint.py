@@ -232,7 +232,11 @@ def scalar_of(value) -> float | int | None:
 
 @runtime_checkable
 class CheckpointableModel(Protocol):
-    """What a model tells a checkpoint (:class:`gpudist.ShardedModel` implements it for every strategy)."""
+    """What a model tells a checkpoint (:class:`gpudist.ShardedModel` implements it for every strategy).
+
+    The checkpoint is written over ``comm`` (one file per rank, rank 0 commits), or over the model's optional
+    ``checkpoint_group`` when its state spans more ranks than ``comm`` (HSDP: the shard group x the replica group;
+    it needs only ``rank``, ``world_size``, ``device``, ``all_reduce`` and ``all_gather``)."""
 
     strategy: str
     comm: CommunicationBackend
@@ -444,7 +448,7 @@ def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, Segments]]:
 
 def _comm_of(model, optimizer) -> CommunicationBackend | None:
     if isinstance(model, CheckpointableModel):
-        return model.comm
+        return getattr(model, "checkpoint_group", model.comm)
     if isinstance(optimizer, CheckpointableOptimizer):
         return optimizer.comm
     return None

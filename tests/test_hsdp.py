@@ -13,7 +13,7 @@ from gpudist.comm import split_sizes
 from gpudist.flat import padded_shard
 from gpudist.testing import run_ranks
 
-from .helpers import STEPS, batch, fresh_net, initial_state, single_process
+from .helpers import STEPS, batch, flat, fresh_net, initial_state, single_process, train_steps
 from .tolerances import assert_matches_reference, reference_pair
 
 NODES, PER_NODE = 2, 2
@@ -31,11 +31,14 @@ def _wrapped(comm, state, kind: str):
             for p in net.parameters():
                 p.add_(0.1 * comm.rank)
     topo = Topology(comm, ranks_per_node=PER_NODE)
-    if kind in ("hsdp", "hsdp-zero3", "zero3"):
-        config = ShardingConfiguration(topo.intra if kind != "zero3" else comm)
-        replicate = topo.inter if kind != "zero3" else None
+    if kind in ("hsdp", "hsdp-zero3", "zero3", "zero3-hpz"):
+        hsdp = kind.startswith("hsdp")
+        config = ShardingConfiguration(topo.intra if hsdp else comm)
+        groups = {"replicate_group": topo.inter} if hsdp else {}
+        if kind == "zero3-hpz":
+            groups = {"secondary_group": topo.intra}  # sharded over the world, backward gathers inside the node
         cls = FSDPModel if kind == "hsdp" else ZeRO3Model  # FSDP: one unit here (no ModuleList); ZeRO-3: per layer
-        model = cls(net, config, replicate_group=replicate)
+        model = cls(net, config, **groups)
         opt = ZeRO3Optimizer(torch.optim.SGD(model.parameters(), **SGD), config)
     else:
         config = ShardingConfiguration(comm, bucket_cap_mb=0.0003, first_bucket_mb=0.0002)  # several buckets
@@ -60,12 +63,13 @@ def _train(comm, state, kind: str, steps: int = STEPS):
     return model.gather_full_parameters(), per_step, shards, buckets, model.last_step_bytes
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "hsdp-zero3", "hierarchical"])
+@pytest.mark.parametrize("kind", ["hsdp", "hsdp-zero3", "hierarchical", "zero3-hpz"])
 def test_topology_aware_strategies_match_single_process(kind):
     """Catches HSDP gradients not all-reduced across replicas (each node drifts on its half of the batch), averaged
     twice or summed (a wrong 1/(N R) scale), replicas starting from their own initial values (no broadcast over the
-    replica group), and a hierarchical all-reduce that skips or misorders a stage: every rank must end where
-    single-process training on the global batch ends."""
+    replica group), a hierarchical all-reduce that skips or misorders a stage, and hpZ's backward gathering the
+    wrong part of the secondary copy (chunks in the wrong order, another node's, or last step's values): every rank
+    must end where single-process training on the global batch ends."""
     state = initial_state()
     expected = reference_pair(single_process, state, torch.optim.SGD, **SGD)
     for params, *_ in run_ranks(_train, WORLD, state=state, kind=kind):
@@ -98,6 +102,34 @@ def test_hsdp_bytes_and_shards_follow_the_formulas():
         assert per_step[-1] == {"intra": 0, "inter": 0, "world": 3 * WORLD * sum(world_shard) * 4 + 8}
 
 
+def _hpz_memory(comm, state):
+    """hpZ's secondary partitions after forward (all units kept) and after backward (all dropped)."""
+    _, model, _ = _wrapped(comm, state, "zero3-hpz")
+    x, y = batch(0, comm.rank, comm.world_size)
+    loss = F.mse_loss(model(x), y)
+    after_forward = model.memory_per_rank()["secondary_parameters"]
+    loss.backward()
+    return after_forward, model.memory_per_rank()["secondary_parameters"]
+
+
+def test_hpz_bytes_and_memory_follow_the_formulas():
+    """Catches hpZ's backward still gathering over the world (world bytes stay at 3 collectives of P), gathering
+    inside the node but from full copies (intra bytes of L x P instead of one gathered P), a secondary copy bigger
+    or smaller than P/L per rank, and one kept after backward: per step the world group carries the forward
+    all-gather and the reduce-scatter of the world-padded units, the node's group backward's all-gather of them,
+    nothing else crosses; the secondary partitions hold (N/L) world-padded shards per unit from forward until the
+    unit's gradient is reduced."""
+    state = initial_state()
+    world_shard = [padded_shard(n, WORLD) for n in _unit_sizes(state)]
+    gathered = WORLD * sum(world_shard) * 4
+    for _, per_step, shards, _, step_bytes in run_ranks(_train, WORLD, state=state, kind="zero3-hpz", steps=2):
+        assert shards == world_shard  # sharded over the world: P/N per rank, as plain ZeRO-3
+        assert per_step[-1] == {"intra": gathered, "inter": 0, "world": 2 * gathered + 8}
+        assert step_bytes == 3 * gathered + 8
+    for after_forward, after_backward in run_ranks(_hpz_memory, WORLD, state=state):
+        assert after_forward == gathered // PER_NODE and after_backward == 0
+
+
 def test_hierarchical_ddp_bytes_follow_the_formulas():
     """Catches a hierarchical all-reduce that still sends whole buckets across nodes (inter-node bytes must be the
     1/L pieces: per bucket of n elements this local rank's split_sizes(n, L) share) or repeats a stage; flat DDP
@@ -121,9 +153,11 @@ def _misuse(comm):
 
     errors = []
     config = ShardingConfiguration(comm)
+    topo = Topology(comm, ranks_per_node=2)
     for build in (
         lambda: DDPModel(fresh_net(initial_state()), config, hierarchical=True),
-        lambda: ZeRO2Model(fresh_net(initial_state()), config, hierarchical=Topology(comm, ranks_per_node=2)),
+        lambda: ZeRO2Model(fresh_net(initial_state()), config, hierarchical=topo),
+        lambda: ZeRO3Model(fresh_net(initial_state()), config, replicate_group=topo.inter, secondary_group=topo.intra),
     ):
         try:
             build()
@@ -133,11 +167,12 @@ def _misuse(comm):
 
 
 def test_hierarchical_misuse_is_refused():
-    """Catches hierarchical=True silently running flat without a topology, and ZeRO-2 accepting a hierarchy its
-    reduce-scatter ignores."""
+    """Catches hierarchical=True silently running flat without a topology, ZeRO-2 accepting a hierarchy its
+    reduce-scatter ignores, and hpZ accepted on top of HSDP (which already gathers inside the node)."""
     errors = run_ranks(_misuse, 2)[0]
     assert "needs config.backend.topology" in errors[0]
     assert "hierarchical all-reduce is DDP's" in errors[1]
+    assert "secondary_group (hpZ) and replicate_group (HSDP) together" in errors[2]
 
 
 def _clone_settings(comm):
@@ -199,3 +234,142 @@ def test_inter_node_only_compression():
         # Dense: the piece's 4 bytes per element. int8's two phases (reduce-scatter, all-gather) each send a byte
         # per element and a block scale: at least half of that, and less than all of it.
         assert dense["inter"] / 2 <= compressed["inter"] < dense["inter"] and compressed["world"] == 0
+
+
+# ------------------------------------------------------------------------------------------------- HSDP checkpoints
+
+ADAM = {"lr": 1e-2}
+"""Adam for checkpoints: per-element state (exp_avg, exp_avg_sq) and a step count to carry across the save."""
+
+
+def _hsdp(comm, state, per_node: int, shift: float = 0.0, fsdp: bool = False):
+    """HSDP on ``world / per_node`` nodes of ``per_node`` ranks (``fsdp``: plain FSDP over the world), with Adam;
+    ``shift`` moves the starting values, which loading must overwrite everywhere."""
+    net = fresh_net(state)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(shift)
+    net.register_buffer("counts", torch.arange(3.0) + shift)  # a buffer: written by one rank of all replicas
+    if fsdp:
+        config, replicate = ShardingConfiguration(comm), None
+    else:
+        topo = Topology(comm, ranks_per_node=per_node)
+        config, replicate = ShardingConfiguration(topo.intra), topo.inter
+    model = ZeRO3Model(net, config, replicate_group=replicate)  # a unit per layer: pieces in several groups
+    return model, ZeRO3Optimizer(torch.optim.Adam(model.parameters(), **ADAM), config)
+
+
+def _save_hsdp(comm, state, path, steps: int):
+    from gpudist import save_checkpoint
+
+    model, opt = _hsdp(comm, state, PER_NODE)
+    train_steps(model, opt, steps, comm.rank, comm.world_size)
+    save_checkpoint(path, model, opt, step=steps)
+    at_save = model.gather_full_parameters()
+    train_steps(model, opt, STEPS, comm.rank, comm.world_size, start=steps)
+    return at_save, model.gather_full_parameters()
+
+
+def _load_hsdp(comm, state, path, per_node: int, fsdp: bool = False):
+    from gpudist import load_checkpoint
+
+    model, opt = _hsdp(comm, state, per_node, shift=0.5, fsdp=fsdp)
+    info = load_checkpoint(path, model, opt)
+    loaded = model.gather_full_parameters()
+    train_steps(model, opt, STEPS, comm.rank, comm.world_size, start=info.step)
+    return loaded, model.gather_full_parameters()
+
+
+def test_hsdp_checkpoint_reshards_and_resumes(tmp_path):
+    """Catches HSDP checkpoints that write a shard once per replica (the reader then counts its elements twice and
+    refuses), that only replica 0's shard group writes while another replica's files collide with it (ranks named
+    by their shard rank: 2 files, not 4), that drop the Adam state or step of one replica's part, write a buffer
+    once per replica, or cannot be read at another layout: saved at 2 nodes x 2 after 5 steps, loaded at 2 x 2
+    (then 5 more steps must be bit for bit the uninterrupted run), 1 x 2, 4 x 1, plain FSDP over 3 ranks, and a
+    plain module with torch's Adam (those must end where single-process training ends)."""
+    from gpudist import load_checkpoint, read_manifest
+
+    state = initial_state()
+    path = tmp_path / "hsdp"
+    saved = run_ranks(_save_hsdp, WORLD, state=state, path=path, steps=5)
+    manifest = read_manifest(path)
+    total = sum(t.numel() for t in state.values())
+    written = [sum(p[3] for p in f["pieces"] if p[0] == "param") for f in manifest["files"]]
+    assert manifest["world_size"] == WORLD and len(written) == WORLD
+    assert sum(written) == total and all(written), f"each element once, every replica writing a part: {written}"
+    for loaded, final in run_ranks(_load_hsdp, WORLD, state=state, path=path, per_node=PER_NODE):
+        assert torch.equal(loaded, saved[0][0]) and torch.equal(final, saved[0][1])
+    expected = reference_pair(single_process, state, torch.optim.Adam, **ADAM)
+    for world, per_node, fsdp in ((2, 2, False), (4, 1, False), (3, 3, True)):
+        for loaded, final in run_ranks(_load_hsdp, world, state=state, path=path, per_node=per_node, fsdp=fsdp):
+            assert torch.equal(loaded, saved[0][0])
+            assert_matches_reference(final, *expected, what=f"HSDP checkpoint loaded at {world // per_node}x{per_node}")
+    net = fresh_net(state)
+    opt = torch.optim.Adam(net.parameters(), **ADAM)
+    load_checkpoint(path, net, opt)
+    assert torch.equal(flat(net), saved[0][0])
+    train_steps(net, opt, STEPS, start=5)
+    assert_matches_reference(flat(net), *expected, what="HSDP checkpoint loaded into one process")
+
+
+def _compressed(comm, state, per_node: int | None, shift: float = 0.0):
+    """DDP with int8 compression after one dense step: across nodes only (``per_node``: hierarchical on nodes of
+    that many ranks), or over every rank (None)."""
+    from gpudist import GradientCompressionOptimizer
+
+    net = fresh_net(state)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(shift)
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.0003, first_bucket_mb=0.0002)
+    hierarchy = Topology(comm, ranks_per_node=per_node) if per_node else False
+    model = DDPModel(net, config, hierarchical=hierarchy)
+    opt = GradientCompressionOptimizer(torch.optim.SGD(model.parameters(), **SGD), config, "int8", warmup_steps=1)
+    return model, opt
+
+
+def _residual_energy(opt) -> float:
+    return opt.communication_report()["residual_norm"] ** 2
+
+
+def _save_compressed(comm, state, path, steps: int):
+    from gpudist import save_checkpoint
+
+    model, opt = _compressed(comm, state, PER_NODE)
+    train_steps(model, opt, steps, comm.rank, comm.world_size)
+    save_checkpoint(path, model, opt, step=steps)
+    energy = _residual_energy(opt)
+    train_steps(model, opt, STEPS, comm.rank, comm.world_size, start=steps)
+    return energy, model.gather_full_parameters()
+
+
+def _load_compressed(comm, state, path, per_node: int | None):
+    from gpudist import load_checkpoint
+
+    model, opt = _compressed(comm, state, per_node, shift=0.5)
+    info = load_checkpoint(path, model, opt)
+    energy = _residual_energy(opt)
+    train_steps(model, opt, STEPS, comm.rank, comm.world_size, start=info.step)
+    return energy, opt.communication_report()["steps"], model.gather_full_parameters()
+
+
+def test_inter_node_compression_checkpoint(tmp_path):
+    """Catches checkpoints of inter-node-only compression that drop the error-feedback residuals, key a node's
+    worker residual by the world rank (then a reload at another ranks-per-node finds none, or two ranks' pieces
+    collide), or lose the warm-up count: saved at 2 nodes x 2 after 4 steps (3 compressed), reloaded at 2 x 2 the
+    continued run must be bit for bit the uninterrupted one; reloaded at 2 nodes x 1 (the same two worker
+    residuals per element, now each whole on one rank) the residuals' total energy is the saved one; flat
+    compressed DDP over 3 ranks (the mean of the nodes' residuals) loads too."""
+    state = initial_state()
+    path = tmp_path / "hier-int8"
+    saved = run_ranks(_save_compressed, WORLD, state=state, path=path, steps=4)
+    saved_energy = sum(energy for energy, _ in saved)
+    assert saved_energy > 0
+    for (energy, steps, final), (saved_rank_energy, _) in zip(
+        run_ranks(_load_compressed, WORLD, state=state, path=path, per_node=PER_NODE), saved, strict=True
+    ):
+        assert torch.equal(final, saved[0][1]) and steps == STEPS and energy == saved_rank_energy
+    moved = run_ranks(_load_compressed, NODES, state=state, path=path, per_node=1)
+    assert sum(energy for energy, _, _ in moved) == pytest.approx(saved_energy, rel=1e-6)
+    flat_runs = run_ranks(_load_compressed, 3, state=state, path=path, per_node=None)
+    assert all(energy > 0 and steps == STEPS for energy, steps, _ in flat_runs)

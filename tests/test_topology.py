@@ -106,3 +106,41 @@ def test_init_refuses_an_interface_this_host_lacks(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match=r"interface='gd-no-such0' is not a network interface of this host \(.*lo"):
         gpudist.init("gloo", interface="gd-no-such0")
+
+
+def test_tensor_groups_must_lie_inside_a_node():
+    """Catches a check that tests only the first tensor group or only group sizes (tp=2 on nodes of 3 ranks: group
+    [2, 3] straddles nodes 0 and 1 although 2 <= 3), and one that refuses layouts that fit (tp dividing the ranks
+    per node, whatever pp and dp are)."""
+    from gpudist.strategies.layout import ParallelLayout
+
+    for world, pp, tp, per in ((8, 2, 2, 4), (8, 1, 4, 4), (12, 3, 1, 1), (12, 1, 2, 2)):
+        ParallelLayout.resolve(world, pp, tp).check_tensor_groups_within_nodes(NodeLayout(0, world, per))
+    for world, tp, per, group in ((12, 2, 3, "[2, 3]"), (8, 4, 2, "[0, 1, 2, 3]")):
+        with pytest.raises(ValueError, match="divides the") as err:
+            ParallelLayout.resolve(world, 1, tp).check_tensor_groups_within_nodes(NodeLayout(0, world, per))
+        assert f"tp={tp}" in str(err.value) and f"tensor-parallel group {group} spans nodes [0, 1]" in str(err.value)
+
+
+def _hybrid_on_nodes(comm, tp: int):
+    from examples.lm import as_sequential, tinylm_plan
+    from gpudist import HybridShardedModel, ShardingConfiguration
+
+    from .helpers import hybrid_lm
+
+    comm.topology = Topology(comm, ranks_per_node=2)  # as gpudist.init() sets it: 2 nodes x 2
+    try:
+        model = HybridShardedModel(
+            hybrid_lm(), ShardingConfiguration(comm), 1, tp, plan=tinylm_plan, blocks=as_sequential
+        )
+    except ValueError as e:
+        return str(e)
+    return model.tensor_group.world_size
+
+
+def test_hybrid_model_refuses_tensor_groups_across_nodes():
+    """Catches HybridShardedModel ignoring the backend's node layout: tp=4 over 2 nodes x 2 must raise on every rank
+    (before any group is built, so no rank hangs), tp=2 inside each node must build."""
+    for message in run_ranks(_hybrid_on_nodes, 4, tp=4):
+        assert "pp=1 x dp=1 x tp=4 = 4 ranks on 2 node(s) x 2 rank(s)" in message and "([1, 2])" in message
+    assert run_ranks(_hybrid_on_nodes, 4, tp=2) == [2] * 4

@@ -460,7 +460,10 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         """The wrapped optimizer's pieces, then the error-feedback residuals. A worker residual is per rank
         (``residual.worker.<rank>``, the whole buffer); server residuals are one canonical tensor split over the ranks
         (``residual.server``), and so is PowerSGD's warm-start ``Q`` of each compressed parameter (``powersgd.q``,
-        ``cols x r`` elements, the same on every rank).
+        ``cols x r`` elements, the same on every rank). Over a hierarchical ``DDPModel`` (compression across nodes
+        only) the hook's group is the inter-node one: each rank's buffer is its piece of every bucket, so
+        ``residual.worker.<node>`` of an element is written by the rank of that node whose piece holds it, and
+        every element has one worker residual per node, as it has one per rank in the flat case.
 
         Args:
             segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
@@ -472,17 +475,13 @@ class GradientCompressionOptimizer(ShardedOptimizer):
             ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`; the description
             carries the compression settings and step count under ``"compression"``.
         """
-        if self.hook.comm is not self.comm:
-            raise NotImplementedError(
-                "GradientCompressionOptimizer over a hierarchical DDPModel (compression of the inter-node step): "
-                "checkpoints of its error-feedback residuals are not supported yet"
-            )
         pieces, scalars, desc = optimizer_pieces(self._target(), segmap, share, rank, world)
+        peer = self.hook.comm.rank  # over a hierarchical DDPModel: this rank's node (it serves its piece's elements)
         for channel, spans in self._residual_spans(segmap):
             worker, server = channel.worker_residual(), channel.server_residual()
             for pos, n, name, c in spans:
                 if worker is not None:
-                    pieces[f"residual.worker.{rank}|{name}|{c}"] = worker[pos : pos + n].detach().cpu().clone()
+                    pieces[f"residual.worker.{peer}|{name}|{c}"] = worker[pos : pos + n].detach().cpu().clone()
                 if server is not None:
                     start, values = server
                     a, b = max(pos, start), min(pos + n, start + values.numel())
@@ -498,7 +497,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         meta = {
             "compressor": repr(self.compressor),
             "steps": self.hook.steps,
-            "world_size": world,
+            "world_size": self.hook.comm.world_size,  # how many worker residuals each element has
             "error_feedback": self.hook.error_feedback,
             "compress": self.compress,
         }
@@ -529,7 +528,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         if meta is not None:
             check_compress_mode(self, meta)
         finish_inner = stage_optimizer(self._target(), body, reader, segmap, apply)
-        rank, world = self.comm.rank, self.comm.world_size
+        rank, world = self.hook.comm.rank, self.hook.comm.world_size
         staged = []
         for channel, spans in self._residual_spans(segmap):
             worker = server = None

@@ -80,6 +80,8 @@ class _Group:
     ready: bool = False
     """Installed in backward, for a recomputation (activation checkpointing); cleared when released."""
     offsets: list[int] = field(default_factory=list)
+    secondary: torch.Tensor | None = None
+    """hpZ: this rank's 1/L of the vector gathered in forward, kept for backward's gather inside the node."""
 
     @property
     def total(self) -> int:
@@ -162,8 +164,17 @@ class ZeRO3Model(ShardedModel):
     ``topology.intra``) and ``replicate_group`` the ranks holding the same shard on the other nodes
     (``topology.inter``). Each unit's gradient is reduce-scattered in the shard group, then its shard all-reduced
     over the replicas; every rank starts from the values of rank 0 of both groups. Only the small all-reduce of
-    P/N crosses the slow link, instead of all of FSDP's ``3 (N-1)/N x P`` over the whole world. Checkpoints of an
-    HSDP model are not supported yet (use :meth:`full_state_dict`).
+    P/N crosses the slow link, instead of all of FSDP's ``3 (N-1)/N x P`` over the whole world. Checkpoints are
+    written by every rank of every replica (the replicas of a shard each write a part of it, so every element once)
+    and load into any strategy and layout, as every checkpoint does.
+
+    hpZ (ZeRO++'s hierarchical partitioning, ``secondary_group``): parameters sharded over the whole world as in
+    plain ZeRO-3, but when forward gathers a unit (over the world) each rank keeps its ``1/L`` of the gathered vector
+    (``secondary_group`` = the ``L`` ranks of its node, ``topology.intra``), and backward re-gathers the unit from
+    those inside the node. One of the three world collectives of P per step moves onto the node's links; memory
+    grows by the secondary partitions, ``P/L`` per rank between forward and the unit's gradient (all units kept
+    after forward, each dropped once its gradient is reduced). The gradient reduce-scatter still runs over the
+    world (ZeRO++'s qgZ, quantized gradients, is not implemented).
 
     Args:
         module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters take rank
@@ -175,35 +186,63 @@ class ZeRO3Model(ShardedModel):
             parameters itself.
         replicate_group: HSDP's replica group (this rank's peers holding the same shard), as described above;
             None: plain ZeRO-3 over ``config.backend``.
+        secondary_group: ZeRO++'s hpZ, as described above: the node's ranks (``topology.intra``), whose number
+            divides ``config.backend``'s; exclusive with ``replicate_group``. None: backward gathers over
+            ``config.backend`` as forward does.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, ``config`` is not a
-            :class:`~gpudist.ShardingConfiguration`, or ``replicate_group`` is not a gpudist backend.
+            :class:`~gpudist.ShardingConfiguration`, or ``replicate_group`` or ``secondary_group`` is not a gpudist
+            backend.
         ValueError: When a unit named in ``units`` is not a submodule of ``module``, ranks wrap modules whose
-            parameter names, shapes or dtypes differ (in either group), or ``replicate_group`` works on another
-            device type than ``config.backend``.
+            parameter names, shapes or dtypes differ (in either group), ``replicate_group`` or ``secondary_group``
+            works on another device type than ``config.backend``, both are given, or ``secondary_group``'s size
+            does not divide ``config.backend``'s.
     """
 
     strategy = "zero3"
 
     def __init__(
-        self, module: nn.Module, config, units: UnitSpec = None, *, replicate_group: CommunicationBackend | None = None
+        self,
+        module: nn.Module,
+        config,
+        units: UnitSpec = None,
+        *,
+        replicate_group: CommunicationBackend | None = None,
+        secondary_group: CommunicationBackend | None = None,
     ):
         self._unit_spec = units
-        if replicate_group is not None:
-            if not isinstance(replicate_group, CommunicationBackend):
+        backend = getattr(config, "backend", None)
+        for name, group, example in (
+            ("replicate_group", replicate_group, "topology.inter"),
+            ("secondary_group", secondary_group, "topology.intra"),
+        ):
+            if group is None:
+                continue
+            if not isinstance(group, CommunicationBackend):
                 raise TypeError(
-                    f"replicate_group must be a gpudist CommunicationBackend (e.g. topology.inter), got "
-                    f"{type(replicate_group).__name__}"
+                    f"{name} must be a gpudist CommunicationBackend (e.g. {example}), got {type(group).__name__}"
                 )
-            backend = getattr(config, "backend", None)
-            if backend is not None and replicate_group.device.type != backend.device.type:
+            if backend is not None and group.device.type != backend.device.type:
                 raise ValueError(
-                    f"replicate_group works on {replicate_group.device.type} tensors but config.backend on "
+                    f"{name} works on {group.device.type} tensors but config.backend on "
                     f"{backend.device.type}; build both groups from one world backend"
+                )
+        if secondary_group is not None:
+            if replicate_group is not None:
+                raise ValueError(
+                    "secondary_group (hpZ) and replicate_group (HSDP) together: HSDP already gathers inside the node; "
+                    "pass one of them (hpZ: shard over the world, config.backend = the world group)"
+                )
+            if backend is not None and backend.world_size % secondary_group.world_size:
+                raise ValueError(
+                    f"secondary_group has {secondary_group.world_size} ranks, which does not divide config.backend's "
+                    f"{backend.world_size}; pass the node's group (topology.intra)"
                 )
         self.replicate_group = replicate_group
         """HSDP's replica group, or None (plain ZeRO-3/FSDP)."""
+        self.secondary_group = secondary_group
+        """hpZ's group (the node's ranks) that backward gathers over from the secondary partitions, or None."""
         super().__init__(module, config)
 
     @property
@@ -236,7 +275,8 @@ class ZeRO3Model(ShardedModel):
     def traffic_settings(self) -> dict[str, Any]:
         """The base settings, plus the units (each is gathered and reduce-scattered as one collective)."""
         units = list(dict.fromkeys(self._unit_names()))
-        return {**super().traffic_settings(), "units": units, "replicas": self.replicas}
+        secondary = None if self.secondary_group is None else self.secondary_group.world_size
+        return {**super().traffic_settings(), "units": units, "replicas": self.replicas, "secondary": secondary}
 
     def initialize_sharding(self) -> None:
         module, comm = self.module, self.comm
@@ -352,11 +392,17 @@ class ZeRO3Model(ShardedModel):
     # -- gathering ------------------------------------------------------------------------------------------------
 
     def _start_gather(self, group: _Group) -> None:
+        """Start gathering ``group``: from every rank's shard over ``comm``, or with hpZ, once this step's forward
+        kept the secondary partitions, from those over ``secondary_group`` (the same values: they are dropped when
+        the next forward starts and when the unit's gradient is reduced, before any shard can change)."""
         if group.full is not None or group.gathering is not None:
             return
         full = torch.empty(group.gathered, dtype=group.dtype, device=group.device)
-        with self.comm.unchecked():  # units laid out from the same model on every rank (fingerprint checked at wrap)
-            group.gathering = self.comm.all_gather(group.shard.detach(), full, async_op=True)
+        comm, source = self.comm, group.shard.detach()
+        if group.secondary is not None:
+            comm, source = self.secondary_group, group.secondary
+        with comm.unchecked():  # units laid out from the same model on every rank (fingerprint checked at wrap)
+            group.gathering = comm.all_gather(source, full, async_op=True)
         group.full = full
 
     def _gathered(self, group: _Group) -> torch.Tensor:
@@ -365,6 +411,11 @@ class ZeRO3Model(ShardedModel):
             work, group.gathering = group.gathering, None
             work.wait()
             self._live[group.full.untyped_storage().data_ptr()] = group
+            hpz = self.secondary_group is not None and group.secondary is None
+            if hpz and group.requires_grad and torch.is_grad_enabled():  # a forward whose backward will gather
+                size = group.gathered // self.secondary_group.world_size  # N/L padded shards: L divides N
+                at = self.secondary_group.rank * size
+                group.secondary = group.full[at : at + size].clone()
         return group.full
 
     def _prefetch_after(self, group: _Group | None, backward: bool) -> None:
@@ -403,6 +454,8 @@ class ZeRO3Model(ShardedModel):
         """The wrapped module's forward starts (from :meth:`forward`, or called directly, e.g. by ``generate()``)."""
         if not self._summoned and not self._in_backward:
             self._seen = []
+            for group in self._groups:  # a forward that had no backward leaves them: its values may be stale
+                group.secondary = None
             self._before_unit("")
 
     def _after_root(self) -> None:
@@ -540,6 +593,7 @@ class ZeRO3Model(ShardedModel):
         with self.comm.unchecked():  # the unit's layout agrees on every rank by construction
             work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
         group.reduced = True
+        group.secondary = None  # backward is done with this unit
         self._pending.append((group, received, slot, work))
         # At most _IN_FLIGHT reduce-scatters at a time (FSDP2 keeps one): each holds its unit's full-size send
         # buffer, so waiting for all of them at the end of backward held a full copy of the gradients at the peak.
@@ -621,13 +675,13 @@ class ZeRO3Model(ShardedModel):
         self._mark_step_bytes()
 
     def _bytes_total(self) -> int:
-        extra = 0 if self.replicate_group is None else self.replicate_group.stats.total_bytes
+        extra = sum(g.stats.total_bytes for g in (self.replicate_group, self.secondary_group) if g is not None)
         return super()._bytes_total() + extra
 
     def _reset(self) -> None:
         for group in self._groups:
             self._release(group)
-            group.grad_full, group.used, group.reduced = None, False, False
+            group.grad_full, group.used, group.reduced, group.secondary = None, False, False, None
         self._pending = []
         self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._flat_grads = None  # the shards' .grad hold it from here on
@@ -759,7 +813,13 @@ class ZeRO3Model(ShardedModel):
                     sub = twin.get_submodule(owner)
                     sub.__dict__.pop(attr, None)
                     sub.register_parameter(attr, param)
-        return type(self)(twin, self.config, self._units[1:], replicate_group=self.replicate_group)
+        return type(self)(
+            twin,
+            self.config,
+            self._units[1:],
+            replicate_group=self.replicate_group,
+            secondary_group=self.secondary_group,
+        )
 
     shards_parameters = True
 
@@ -775,11 +835,6 @@ class ZeRO3Model(ShardedModel):
         ]
 
     def checkpoint_segments(self) -> list[tuple[torch.Tensor, list[tuple[int, int, str, int]]]]:
-        if self.replicate_group is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} with a replicate_group (HSDP): checkpoints are not supported yet (each "
-                "replica group would write the whole model); save full_state_dict() from one replica instead"
-            )
         out = []
         for group in self._groups:
             segments = []
@@ -790,6 +845,31 @@ class ZeRO3Model(ShardedModel):
                     segments.append((a - group.start, b - a, names.split(",")[0], a - lo))
             out.append((group.shard, segments))
         return out
+
+    def checkpoint_share(self, name: str, across_replicas: bool = True) -> tuple[int, int]:
+        """HSDP: the ``replicas`` ranks holding this rank's shard (and, stepping the same gradients, the same
+        optimizer state) split the writing of it, each the ``replicate_group.rank``-th part; plain ZeRO-3: this rank
+        alone holds its shard."""
+        if self.replicate_group is None:
+            return 1, 0
+        return self.replicate_group.world_size, self.replicate_group.rank
+
+    def checkpoint_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
+        first = self.replicate_group is None or self.replicate_group.rank == 0
+        return [(n, b, first and self.rank == 0) for n, b in self.module.named_buffers()]
+
+    @property
+    def checkpoint_group(self):
+        """The ranks a checkpoint is written over: ``comm``; HSDP: every rank of every replica (shard rank ``s`` of
+        replica ``r`` as rank ``r x shards + s``), so each writes its own file and rank 0 of replica 0 the
+        manifest."""
+        if self.replicate_group is None:
+            return self.comm
+        if self._mesh is None:
+            self._mesh = _ShardReplicaGroup(self.comm, self.replicate_group)
+        return self._mesh
+
+    _mesh: _ShardReplicaGroup | None = None
 
     # -- gradients and reports ------------------------------------------------------------------------------------
 
@@ -821,6 +901,10 @@ class ZeRO3Model(ShardedModel):
         mem = super().memory_per_rank()
         gathered = sum(g.full.numel() * g.full.element_size() for g in self._groups if g.full is not None)
         mem["gathered_parameters"] = gathered
+        if self.secondary_group is not None:
+            mem["secondary_parameters"] = sum(
+                g.secondary.numel() * g.secondary.element_size() for g in self._groups if g.secondary is not None
+            )
         return mem
 
     def units(self) -> list[str]:
@@ -833,7 +917,33 @@ class ZeRO3Model(ShardedModel):
 
     def extra_repr(self) -> str:
         replicas = f", replicas={self.replicas}" if self.replicate_group is not None else ""
+        if self.secondary_group is not None:
+            replicas += f", secondary={self.secondary_group.world_size}"
         return f"world_size={self.world_size}{replicas}, units={len(self._units)}, groups={len(self._groups)}"
+
+
+class _ShardReplicaGroup:
+    """HSDP's shard group x replica group as one group of ``shards x replicas`` ranks, for the few small collectives
+    a checkpoint makes (``exchange_bytes``' all-gathers, the load verdict's all-reduce): each runs in the shard
+    group, then in the replica group. Rank ``r x shards + s`` is shard rank ``s`` of replica ``r`` (a
+    :class:`~gpudist.Topology`'s world rank, ``node x ranks_per_node + local_rank``)."""
+
+    def __init__(self, shard: CommunicationBackend, replica: CommunicationBackend):
+        self.shard, self.replica = shard, replica
+        self.rank = replica.rank * shard.world_size + shard.rank
+        self.world_size = replica.world_size * shard.world_size
+        self.device = shard.device
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReductionOperation = ReductionOperation.SUM) -> None:
+        """Forward: the reduction over every rank (shard group, then replica group), in place."""
+        self.shard.all_reduce(tensor, op)
+        self.replica.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor, output: torch.Tensor) -> None:
+        """Forward: ``output`` holds every rank's ``tensor`` in this group's rank order."""
+        node = torch.empty(tensor.numel() * self.shard.world_size, dtype=tensor.dtype, device=tensor.device)
+        self.shard.all_gather(tensor, node)
+        self.replica.all_gather(node, output)
 
 
 class FSDPModel(ZeRO3Model):
@@ -852,6 +962,8 @@ class FSDPModel(ZeRO3Model):
         replicate_group: HSDP: the replica group, with ``config.backend`` the shard group (see
             :class:`ZeRO3Model`), e.g. ``FSDPModel(net, ShardingConfiguration(topo.intra), replicate_group=
             topo.inter)``; None: plain FSDP.
+        secondary_group: hpZ (see :class:`ZeRO3Model`), e.g. ``FSDPModel(net, ShardingConfiguration(comm),
+            secondary_group=topo.intra)``; None: backward gathers over ``config.backend``.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
@@ -869,6 +981,7 @@ class FSDPModel(ZeRO3Model):
         auto_wrap_policy: UnitSpec = None,
         *,
         replicate_group: CommunicationBackend | None = None,
+        secondary_group: CommunicationBackend | None = None,
     ):
         if auto_wrap_policy is None:
             lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
@@ -877,7 +990,9 @@ class FSDPModel(ZeRO3Model):
         elif isinstance(auto_wrap_policy, (set, frozenset, list)):
             classes = [c for c in auto_wrap_policy if isinstance(c, type)]
             auto_wrap_policy = tuple(classes) if len(classes) == len(auto_wrap_policy) else list(auto_wrap_policy)
-        super().__init__(module, config, units=auto_wrap_policy, replicate_group=replicate_group)
+        super().__init__(
+            module, config, units=auto_wrap_policy, replicate_group=replicate_group, secondary_group=secondary_group
+        )
 
 
 class ZeRO3Optimizer(ZeRO2Optimizer):

@@ -81,8 +81,10 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
             the world size, ``tensor_parallel_size > 1`` without a plan, ``schedule`` or ``micro_batches`` is
             invalid, ``balance`` does not fit the blocks (or there are more stages than blocks), a plan entry is
             invalid (unknown style, no such submodule, a size ``tensor_parallel_size`` does not divide, a tied
-            parameter split two ways), the blocks hold parameters the module does not name, or ranks wrap
-            modules whose parameter names, shapes or dtypes differ.
+            parameter split two ways), the blocks hold parameters the module does not name, ranks wrap
+            modules whose parameter names, shapes or dtypes differ, or (when ``config.backend.topology`` gives
+            the node layout, as after ``gpudist.init()``) a tensor-parallel group spans nodes
+            (:meth:`~.layout.ParallelLayout.check_tensor_groups_within_nodes`).
     """
 
     strategy = "hybrid"
@@ -107,6 +109,9 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         layout = ParallelLayout.resolve(
             config.backend.world_size, pipeline_parallel_size, tensor_parallel_size, data_parallel_size
         )
+        topology = config.backend.topology  # gpudist.init() sets it: then the node layout is known
+        if topology is not None:
+            layout.check_tensor_groups_within_nodes(topology.layout)
         if tensor_parallel_size > 1 and plan is None:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} needs a plan naming the layers to split, "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..topology import NodeLayout
+
 __all__ = ["ParallelLayout", "make_groups"]
 
 DIMENSIONS = ("pipeline", "data", "tensor")
@@ -86,6 +88,31 @@ class ParallelLayout:
             f"pp={self.pipeline_parallel_size} x dp={self.data_parallel_size} x tp={self.tensor_parallel_size} "
             f"= {self.world_size} ranks"
         )
+
+    def check_tensor_groups_within_nodes(self, nodes: NodeLayout) -> None:
+        """Refuse a layout whose tensor-parallel groups span nodes: tensor parallelism all-reduces activations in
+        every layer, forward and backward, so a group across the network runs at the network's speed (Megatron-LM
+        and torchtitan keep ``tp`` inside a node for this reason). Tensor groups are consecutive ranks and nodes
+        consecutive blocks of ``ranks_per_node``, so every group is inside a node exactly when ``tp`` divides
+        ``ranks_per_node``.
+
+        Args:
+            nodes: Where the ranks sit (:class:`gpudist.topology.NodeLayout`, e.g. ``comm.topology.layout``).
+
+        Raises:
+            ValueError: When a tensor group spans nodes, naming the layout, the group and the sizes that fit.
+        """
+        per = nodes.ranks_per_node
+        for group in self.groups("tensor"):
+            on = sorted({nodes.node_of(r) for r in group})
+            if len(on) > 1:
+                fits = [d for d in range(1, per + 1) if per % d == 0]
+                raise ValueError(
+                    f"{self.describe()} on {nodes.describe()}: tensor-parallel group {group} spans nodes {on}, so "
+                    "its per-layer activation all-reduces would cross the network; use a tensor_parallel_size that "
+                    f"divides the {per} rank(s) per node ({fits}) and put the other factors into "
+                    "data_parallel_size or pipeline_parallel_size"
+                )
 
 
 def make_groups(comm, groups: list[list[int]], required: bool = True):
