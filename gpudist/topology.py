@@ -16,15 +16,16 @@ DeviceMesh): shard or reduce-scatter inside the node, replicate or all-reduce ac
 
 Link classes and their bytes: every collective a strategy runs on ``intra`` stays inside a node, every one on
 ``inter`` crosses the network, and one on the world group does both. :meth:`Topology.link_bytes` reads the three
-groups' counters (payload bytes as :class:`~gpudist.comm.CommStats` counts them), and :func:`ring_inter_node_bytes`
-gives the network share of a flat ring all-reduce for comparison.
+groups' counters (payload bytes as :class:`~gpudist.comm.CommStats` counts them), and any other groups' (a hybrid
+model's), each classed by its ranks (:meth:`NodeLayout.link_class`); :func:`ring_inter_node_bytes` gives the network
+share of a flat ring all-reduce, over the world or one group, for comparison.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,21 @@ class NodeLayout:
 
     def describe(self) -> str:
         return f"{self.nodes} node(s) x {self.ranks_per_node} rank(s) = {self.world_size} ({self.source})"
+
+    def link_class(self, ranks: Sequence[int]) -> str:
+        """Which links a group of ``ranks`` (world ranks) uses: ``"intra"`` when all of them share a node, ``"inter"``
+        when each is on a node of its own (every byte crosses the network), else ``"world"`` (several nodes, several
+        ranks on one of them, as the world group: its bytes split between the links, see
+        :func:`ring_inter_node_bytes`).
+
+        Raises:
+            ValueError: When ``ranks`` is empty or holds a rank outside ``0..world_size-1``.
+        """
+        if not ranks or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"ranks {list(ranks)} must be a non-empty list of ranks in 0..{self.world_size - 1}")
+        nodes = [self.node_of(r) for r in ranks]
+        spanned = len(set(nodes))
+        return "intra" if spanned == 1 else "inter" if spanned == len(nodes) else "world"
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -180,7 +196,7 @@ def detect_layout(
     return NodeLayout(rank, world_size, world_size, "single")
 
 
-def ring_inter_node_bytes(payload: int, layout: NodeLayout) -> float:
+def ring_inter_node_bytes(payload: int, layout: NodeLayout, ranks: Sequence[int] | None = None) -> float:
     """Bytes one node sends to the next over the network in a flat ring all-reduce of ``payload`` bytes.
 
     A ring in rank order crosses between nodes once per node, and every ring link carries ``2 (N-1)/N x payload``;
@@ -190,12 +206,19 @@ def ring_inter_node_bytes(payload: int, layout: NodeLayout) -> float:
     Args:
         payload: Bytes of the all-reduced buffer.
         layout: The node layout.
+        ranks: The group's world ranks in its ring order (a data-parallel group of a hybrid layout, say); None: the
+            world. A group of ``n`` ranks whose ring enters and leaves nodes ``c`` times in all, over the ``m``
+            nodes it spans, sends ``c / m x 2 (n-1)/n x payload`` per node (``c = m`` for a group in rank order).
 
     Returns:
-        Bytes per node onto the network (0 on one node).
+        Bytes per node onto the network (0 when the group is on one node).
     """
-    n = layout.world_size
-    return 0.0 if layout.nodes == 1 else 2 * (n - 1) / n * payload
+    ranks = range(layout.world_size) if ranks is None else ranks
+    layout.link_class(ranks)  # validates the ranks
+    nodes = [layout.node_of(r) for r in ranks]
+    n, spanned = len(nodes), len(set(nodes))
+    crossings = sum(a != b for a, b in zip(nodes, nodes[1:] + nodes[:1], strict=True))
+    return 0.0 if spanned == 1 else crossings / spanned * 2 * (n - 1) / n * payload
 
 
 class Topology:
@@ -283,13 +306,22 @@ class Topology:
                 f"{described}; every node must run {per} ranks numbered node by node"
             )
 
-    def link_bytes(self) -> dict[str, int]:
+    def link_bytes(self, groups: Iterable[tuple[CommunicationBackend, Sequence[int]]] = ()) -> dict[str, int]:
         """Payload bytes counted so far per link class (see :class:`~gpudist.comm.CommStats` for what counts).
+
+        Args:
+            groups: More groups to count, each a backend with its world ranks (a hybrid model's tensor, data and
+                pipeline groups: ``HybridShardedModel.link_groups()``), each under its
+                :meth:`NodeLayout.link_class`. A backend that is one of the three groups below, or given twice,
+                counts once.
 
         Returns:
             ``{"intra": ..., "inter": ..., "world": ...}``: the intra-node group's, the inter-node group's and the
             world group's counters (a group that is the world group itself, ``intra`` on one node or ``inter``
-            at one rank per node, counts under ``world`` only).
+            at one rank per node, counts under ``world`` only), plus each of ``groups``.
+
+        Raises:
+            ValueError: When a group's ranks are not valid world ranks, or not as many as the group has.
         """
         intra, inter = self.groups()
         out = {"intra": 0, "inter": 0, "world": self.world.stats.total_bytes}
@@ -297,6 +329,17 @@ class Topology:
             out["intra"] = intra.stats.total_bytes
         if inter is not self.world:
             out["inter"] = inter.stats.total_bytes
+        seen = {id(intra), id(inter), id(self.world)}
+        for group, ranks in groups:
+            link = self.layout.link_class(ranks)
+            if len(ranks) != group.world_size:
+                raise ValueError(
+                    f"link_bytes: ranks {list(ranks)} name {len(ranks)} rank(s) for a group of {group.world_size}; "
+                    "pass each group with its own world ranks"
+                )
+            if id(group) not in seen:
+                seen.add(id(group))
+                out[link] += group.stats.total_bytes
         return out
 
     def __repr__(self) -> str:

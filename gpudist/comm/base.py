@@ -833,9 +833,16 @@ class CommunicationBackend(ABC):
         sig = Signature("new_group", extra=stable_hash(ranks))
         self._raise_if_broken("new_group")
         with self._failures("new_group"):
-            return self._new_group(sig, ranks)
+            group = self._new_group(sig, ranks)
+        if group is not None:
+            group.parent_ranks = tuple(ranks)
+        return group
 
     # -- state -------------------------------------------------------------------------------------------------------
+
+    #: This group's ranks in the group :meth:`new_group` made it from (rank i of this group is entry i); None for a
+    #: group made otherwise (a world group).
+    parent_ranks: tuple[int, ...] | None = None
 
     #: Whether collectives first check across ranks that all called the same op with the same shape/dtype/root.
     #: Backends where the check costs a round trip (Gloo) honour it; the in-memory backend checks for free always.

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..comm import ReductionOperation
+from ..comm import CommunicationBackend, ReductionOperation
 from ..config import ShardingConfiguration
+from ..topology import Topology
 from .layout import ParallelLayout, make_groups
 from .model import ShardedModel, module_table
 from .optimizer import DataParallelWrapper
@@ -51,7 +52,8 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
     the average over replicas. Memory per rank: the stage's parameters split by the tensor group (optimizer state
     further split over replicas with ZeRO), plus the 1F1B activations in flight. Communication: activation
     all-reduces in the tensor group per layer, activations and their gradients between stages per micro-batch, one
-    gradient all-reduce (or ZeRO reduce-scatter + all-gather) per step in the data group.
+    gradient all-reduce (or ZeRO reduce-scatter + all-gather) per step in the data group; :meth:`link_bytes` counts
+    them per link class (intra-node, inter-node) by where each group's ranks sit.
 
     Args:
         module: The full model (every rank builds the same one): an ``nn.Sequential`` (or list of blocks) to
@@ -143,6 +145,33 @@ class HybridShardedModel(VocabParallelOutput, PipelineParallelModel):
         self._splits, output = apply_plan(module, entries, self.tensor_group) if entries else ({}, None)
         self.vocab_start = None if output is None else module.get_submodule(output).output_start
         return pipeline_parts(module, self._setup["blocks"], self._adapter), table
+
+    def link_groups(self) -> list[tuple[CommunicationBackend, tuple[int, ...]]]:
+        """This rank's groups (pipeline, data, tensor, and one per set of stages sharing tied parameters), each with
+        its ranks in ``config.backend``: what :meth:`~gpudist.Topology.link_bytes` classes by node."""
+        return [(group, group.parent_ranks) for group in {id(g): g for g in self._groups}.values()]
+
+    def link_bytes(self, topology: Topology | None = None) -> dict[str, int]:
+        """Payload bytes counted so far per link class, this model's groups included: ``topology.link_bytes(
+        self.link_groups())``. Each group counts under ``"intra"`` when its ranks share a node, ``"inter"`` when
+        each is on another node, ``"world"`` otherwise (as the world group, which carries the optimizer's clipping
+        norm). Take differences between two calls for a step's bytes. Collective the first time (it builds the
+        topology's groups, :meth:`~gpudist.Topology.groups`).
+
+        Args:
+            topology: The node layout of ``config.backend``; None: ``config.backend.topology`` (``gpudist.init()``
+                sets it).
+
+        Raises:
+            ValueError: When no topology is given and the backend has none.
+        """
+        topology = self.comm.topology if topology is None else topology
+        if topology is None:
+            raise ValueError(
+                "HybridShardedModel.link_bytes: config.backend has no topology (gpudist.init() sets one); pass "
+                "topology=gpudist.Topology(comm, ranks_per_node=...)"
+            )
+        return topology.link_bytes(self.link_groups())
 
     def train_step(
         self,
