@@ -878,12 +878,7 @@ class CommunicationBackend(ABC):
     # -- helpers shared by all backends ------------------------------------------------------------------------------
 
     def _error(self, detail: str, op: str, cls: type[CommunicationError] = CommunicationError) -> CommunicationError:
-        return cls(
-            f"{op} on group '{self.group}' failed on rank {self.rank}: {detail}",
-            op=op,
-            group=self.group,
-            rank=self.rank,
-        )
+        return op_error(detail, op, self.group, self.rank, cls)
 
     def _mark_broken(self, error: CommunicationError) -> CommunicationError:
         if self._broken is None and not isinstance(error, CollectiveMismatchError):
@@ -969,6 +964,13 @@ class CommunicationBackend(ABC):
             )
         if peer == self.rank and not allow_self:
             raise ValueError(f"{op}: {what}={peer} is this rank itself; a rank cannot {op} to/from itself")
+
+
+def op_error(
+    detail: str, op: str, group: str, rank: int, cls: type[CommunicationError] = CommunicationError
+) -> CommunicationError:
+    """The error of ``op`` failing on ``rank`` of ``group``: its message names all three, then ``detail``."""
+    return cls(f"{op} on group '{group}' failed on rank {rank}: {detail}", op=op, group=group, rank=rank)
 
 
 def first_line(error: BaseException) -> str:

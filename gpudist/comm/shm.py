@@ -40,7 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .base import CommunicationError, CommunicationTimeoutError, ReductionOperation, Work, shard_range
+from .base import (
+    CommunicationError,
+    CommunicationTimeoutError,
+    ReductionOperation,
+    Work,
+    op_error,
+    shard_range,
+)
 
 __all__ = ["CHUNK_BYTES", "ENV", "SharedMemoryChannel", "host_identity", "shm_requested"]
 
@@ -236,12 +243,7 @@ class SharedMemoryChannel:
         return Work(future.result, future.done)
 
     def _error(self, detail: str, op: str, cls: type[CommunicationError] = CommunicationError) -> CommunicationError:
-        return cls(
-            f"{op} on group '{self.group}' failed on rank {self.rank}: {detail}",
-            op=op,
-            group=self.group,
-            rank=self.rank,
-        )
+        return op_error(detail, op, self.group, self.rank, cls)
 
     def _mark_failed(self) -> None:
         if self._counters is not None and self._counters[self._abort_index] == 0:
