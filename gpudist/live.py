@@ -20,7 +20,9 @@ worker is restarted and reloads the last checkpoint. Live mode keeps the process
   before rank 0 wrote it), so all leave ``g`` at the same step boundary and form ``g + 1`` with the newcomer.
 * **New groups.** Each generation gets a new Gloo group on a fresh namespace of the store
   (:meth:`GlooCommunicationBackend.join_group`), and a new model wrapper and optimizer built on it from the user's
-  ``build_module`` / ``build_optimizer`` (the old ones are kept until the state has moved, then dropped).
+  ``build_module`` / ``build_optimizer`` (the old ones are kept until the state has moved, then dropped). The group
+  connects in a thread while the members' heartbeats are watched (:meth:`Membership.while_alive`): a member that
+  died after the generation was decided is given up on after ``failure_timeout``, not the connect timeout.
 * **Healing** (the state, moved over the new group, never through a file). Every member says which step its state
   is at (-1: none, a newcomer or a member whose step was cut off half-applied). Replicated state (DDP, zero_stage=0):
   the lowest rank at the highest step sends a whole copy (:func:`~gpudist.checkpoint.snapshot_state`) by broadcast,
@@ -139,7 +141,8 @@ class Membership:
     """One worker's view of the job's membership: its id, its heartbeat, and the generations it agrees on.
 
     Args:
-        connect: Opens a client of the membership store (called twice: one client for the heartbeat thread).
+        connect: Opens a client of the membership store (called twice: one client for the heartbeat thread; then
+            once per Gloo group connect, see :meth:`while_alive`).
         job: Namespace of this job's keys in the store.
         min_size: Workers the first generation waits for.
         heartbeat_interval: Seconds between heartbeats.
@@ -170,6 +173,7 @@ class Membership:
         if min_size < 1:
             raise ValueError(f"min_size={min_size} must be >= 1")
         prefix = f"gpudist-live/{job}/"
+        self._prefix, self._connect = prefix, connect
         self.job = job
         self.store = dist.PrefixStore(prefix, connect())
         self.min_size = min_size
@@ -180,6 +184,7 @@ class Membership:
         self.id = self.store.add("next_id", 1)
         self._seen = 0  # newest generation read
         self._admit_written: int | None = None
+        self._beats = _Heartbeats(self.store, failure_timeout)  # kept across waits: a silence counts from its start
         self._stop = threading.Event()
         beat_store = dist.PrefixStore(prefix, connect())
         beat_store.add(f"hb/{self.id}", 1)
@@ -272,7 +277,7 @@ class Membership:
         old = previous.members if previous is not None else ()
         admitted = previous.admitted if previous is not None else 0
         start = time.monotonic()
-        beats: dict[int, tuple[int, float, bool]] = {}  # id -> (last count, when it last moved, moved since start)
+        beats = self._beats
         joiners: list[int] = []
         while True:
             if (g := self._read(number)) is not None:
@@ -285,15 +290,8 @@ class Membership:
             while admitted + len(joiners) < total:
                 joiners.append(int(self.store.get(f"join/{admitted + len(joiners) + 1}")))
             reported = [m for m in old if self.store.check([f"report/{number}/{m}"])]
-            for m in [*old, *joiners]:
-                count = self.store.add(f"hb/{m}", 0)
-                last = beats.get(m)
-                if last is None:
-                    beats[m] = (count, now, False)
-                elif count != last[0]:
-                    beats[m] = (count, now, True)
-            dead = {m for m, (_, moved, _) in beats.items() if now - moved > self.failure_timeout}
-            fresh = [j for j in joiners if beats[j][2] and j not in old]
+            dead = beats.dead([*old, *joiners], now)
+            fresh = [j for j in joiners if beats.moved(j) and j not in dead and j not in old]
             waiting = [m for m in old if m not in reported and m not in dead]
             waiting += [j for j in joiners if j not in fresh and j not in dead and j not in old]
             reported = [m for m in reported if m not in dead]  # reported, then died: it would never connect
@@ -311,6 +309,45 @@ class Membership:
                 self.store.compare_set(key, "", proposal.encode())
                 continue
             time.sleep(self._POLL)
+
+    def while_alive(self, g: Generation, connect: Callable[[dist.Store], Any], release: Callable[[Any], None]) -> Any:
+        """Run ``connect(store)`` (a blocking group rendezvous, given a store client of its own) in a thread, and
+        give up on it as soon as a member of ``g`` stops heartbeating: a rendezvous waits for a dead member's
+        address (or retries its closed port) for its whole timeout, which no heartbeat would shorten. A connect
+        given up on runs on in its thread until its own timeout; ``release`` closes what it returns if it does.
+
+        Raises:
+            MembershipError: When a member of ``g`` died before the connect completed.
+        """
+        done, outcome, lock = threading.Event(), {}, threading.Lock()
+
+        def run() -> None:
+            try:
+                value = connect(dist.PrefixStore(self._prefix, self._connect()))
+            except BaseException as e:  # re-raised below, unless given up on
+                value, outcome["error"] = None, e
+            with lock:
+                outcome.setdefault("value", value)
+                abandoned = outcome.get("abandoned", False)
+            done.set()
+            if abandoned and value is not None:
+                release(value)
+
+        threading.Thread(target=run, daemon=True, name=f"gpudist-live-connect-{g.number}").start()
+        beats = self._beats
+        others = [m for m in g.members if m != self.id]
+        while not done.wait(self._POLL):
+            if dead := beats.dead(others, time.monotonic()):
+                with lock:
+                    outcome["abandoned"] = "value" not in outcome
+                if outcome["abandoned"]:
+                    raise MembershipError(
+                        f"member(s) {sorted(dead)} died while generation {g.number}'s group connected"
+                    )
+                break
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def admission_due(self, current: Generation, step: int, rank: int) -> bool:
         """The per-step check (one store round trip; two on rank 0): whether ``current`` ends before ``step`` to
@@ -330,6 +367,31 @@ class Membership:
             self.store.compare_set(key, "", str(step + 1))
             self._admit_written = current.number
         return self.store.check([key]) and step >= int(self.store.get(key))
+
+
+class _Heartbeats:
+    """Which members' heartbeat counters stopped moving for ``failure_timeout`` seconds. One per worker, kept across
+    its waits (the decision, the barrier, the connect): a member found silent in one wait is not given a fresh
+    ``failure_timeout`` in the next, so a death during a group's connect costs one detection, not two."""
+
+    def __init__(self, store: dist.Store, failure_timeout: float):
+        self.store, self.failure_timeout = store, failure_timeout
+        self._seen: dict[int, tuple[int, float, bool]] = {}  # id -> (last count, when it last moved, moved at all)
+
+    def dead(self, members: list[int], now: float) -> set[int]:
+        """Read the counters of ``members`` (one store round trip each); return those silent for too long."""
+        for m in members:
+            count = self.store.add(f"hb/{m}", 0)
+            last = self._seen.get(m)
+            if last is None:
+                self._seen[m] = (count, now, False)
+            elif count != last[0]:
+                self._seen[m] = (count, now, True)
+        return {m for m in members if now - self._seen[m][1] > self.failure_timeout}
+
+    def moved(self, member: int) -> bool:
+        """Whether ``member``'s counter was ever seen moving (a live process, not a stale join request)."""
+        return self._seen[member][2]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -535,7 +597,9 @@ class LiveElasticTrainer:
         zero_stage: 0 (replicated state), 1 or 2.
         backend: ``"gloo"`` (processes) or ``"inmemory"`` (threads of one process: tests).
         timeout: Seconds every collective may take (bounds the detection of a hung peer).
-        connect_timeout: Seconds a new generation's group may take to connect.
+        connect_timeout: Seconds a new generation's group may take to connect while all its members heartbeat (one
+            that stops is detected after ``failure_timeout`` instead: :meth:`Membership.while_alive`). None:
+            ``timeout``.
         config_options: Passed to :class:`~gpudist.ShardingConfiguration` (e.g. ``bucket_cap_mb``).
         redundancy: None, or ``"buddy"`` (ZeRO-1/2 only): after each step every rank's shard snapshot is mirrored to
             the next rank (async, waited for before the next step's optimizer update), so when members die the
@@ -555,7 +619,7 @@ class LiveElasticTrainer:
         zero_stage: int = 0,
         backend: str = "gloo",
         timeout: float = 10.0,
-        connect_timeout: float = 60.0,
+        connect_timeout: float | None = None,
         config_options: dict[str, Any] | None = None,
         redundancy: str | None = None,
     ):
@@ -578,7 +642,7 @@ class LiveElasticTrainer:
         self.zero_stage = zero_stage
         self.backend = backend
         self.timeout = timeout
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.config_options = dict(config_options or {})
         self.step_count = 0
         self.samples_seen = 0
@@ -613,14 +677,27 @@ class LiveElasticTrainer:
     # -- generations -------------------------------------------------------------------------------------------------
 
     def _group(self, g: Generation) -> CommunicationBackend:
+        """Generation ``g``'s group, connected only once every member is in it (watched by heartbeat)."""
         rank, world = g.rank_of(self.membership.id), len(g.members)
         name = f"live-gen-{g.number}"
-        if self.backend == "inmemory":
-            return InMemoryCommunicationBackend(rank, world, f"{self.membership.job}/{name}", self.timeout)
-        store = dist.PrefixStore(f"{name}/", self.membership.store)
-        return GlooCommunicationBackend.join_group(
-            store, rank, world, name=name, timeout=self.timeout, connect_timeout=self.connect_timeout
-        )
+
+        def connect(store: dist.Store) -> CommunicationBackend:
+            if self.backend == "gloo":  # the constructor connects the full mesh: every member is in it
+                return GlooCommunicationBackend.join_group(
+                    dist.PrefixStore(f"{name}/", store),
+                    rank,
+                    world,
+                    name=name,
+                    timeout=self.timeout,
+                    connect_timeout=self.connect_timeout,
+                )
+            comm = InMemoryCommunicationBackend(rank, world, f"{self.membership.job}/{name}", self.timeout)
+            # Wait until every member holds this group: an in-memory group a member aborted (died) before another
+            # joined it would be formed afresh by the latecomer, which would then wait for the dead one in every op.
+            comm.barrier()
+            return comm
+
+        return self.membership.while_alive(g, connect, _release)
 
     def _enter(self, g: Generation, reason: str, detected: float) -> None:
         """Form generation ``g`` (and the next ones while forming fails) and heal the state into it."""
@@ -636,7 +713,8 @@ class LiveElasticTrainer:
             self._heal_detail = None
             try:
                 heal = self._form(g)
-            except CommunicationError:
+            except (CommunicationError, MembershipError) as e:  # a member died (or hung) while the group formed
+                reason, detected = f"failure while forming generation {g.number}: {e}", time.time()
                 g = self.membership.next_generation(g)
                 continue
             self.events.append(
@@ -684,8 +762,8 @@ class LiveElasticTrainer:
         self._state_ok = True
         opt.step_count, opt.samples_seen = self.step_count, self.samples_seen
         opt.history.append([self.step_count, comm.world_size])
-        if old is not None and hasattr(old, "shutdown"):
-            old.shutdown()
+        if old is not None:
+            _release(old)
         return heal
 
     def _extra(self) -> dict[str, Any]:
@@ -826,6 +904,12 @@ class LiveElasticTrainer:
     def finish(self) -> None:
         """Commit the pending checkpoint (collective). Call after the last step."""
         self.optimizer.finish()
+
+
+def _release(comm: CommunicationBackend) -> None:
+    """Close a group this worker no longer uses (Gloo: its connections; in-memory groups hold nothing)."""
+    if hasattr(comm, "shutdown"):
+        comm.shutdown()
 
 
 def _broadcast_bytes(comm: CommunicationBackend, payload: bytes, src: int) -> bytes:

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudist.live import STORE_ENV, LiveElasticTrainer, Membership, MembershipService, newest_covered
+from gpudist.live import STORE_ENV, Membership, MembershipService, newest_covered
 from gpudist.testing import elastic_job
-from gpudist.testing.live_job import TINY_BUCKETS, Faults
+from gpudist.testing.live_job import TINY_BUCKETS, Faults, FaultyTrainer
 
 from .test_elastic import reference
 from .tolerances import assert_matches_reference
@@ -59,10 +59,10 @@ def _run(
     together=False,
 ):
     """Run ``len(plans)`` workers (threads; ``plans[i] = (step, where)`` to die there, or None) and, once generation
-    ``newcomer_after`` is decided, one newcomer; the first members wait at step ``hold`` until it has asked to join
-    (so it joins a running job however fast the steps are). ``together``: the members that die wait for each
-    other at their fault point first (so all die in one generation). Return {worker: (final parameters, events)}
-    for those that finished."""
+    ``newcomer_after`` is decided and a member has reached step ``hold``, one newcomer; the first members wait at
+    step ``hold`` until it has asked to join (so it is admitted at step ``hold + 1`` however fast the steps are).
+    ``together``: the members that die wait for each other at their fault point first (so all die in one
+    generation). Return {worker: (final parameters, events)} for those that finished."""
     service = MembershipService()
     first = len(plans)
     results: dict[str, object] = {}
@@ -73,7 +73,7 @@ def _run(
         step, where = plan or (None, None)
         groups = []  # every group this worker formed: a "killed" thread aborts them all, as a killed process would
 
-        class Recording(LiveElasticTrainer):
+        class Recording(FaultyTrainer):
             def _group(self, g):
                 groups.append(super()._group(g))
                 return groups[-1]
@@ -88,7 +88,7 @@ def _run(
             service.address, job=job, min_size=first, failure_timeout=1.0, join_timeout=LIMIT
         )
         try:
-            _wait(lambda: after is None or membership.store.check([f"gen/{after}"]))
+            _wait(lambda: after is None or membership.store.check([f"gen/{after}", f"held/{hold}"]))
             trainer = Recording(
                 faults.build_module,
                 faults.build_optimizer,
@@ -100,10 +100,12 @@ def _run(
                 timeout=LIMIT,
                 config_options=TINY_BUCKETS,
                 redundancy=redundancy,
+                faults=faults,
             )
             faults.trainer, faults.forming = trainer, True
             while trainer.step_count < steps:
                 if trainer.step_count == hold:
+                    membership.store.set(f"held/{hold}", "1")
                     _wait(lambda: membership.store.add("joins", 0) > first)
                 trainer.train_step(elastic_job.batch, faults.loss)
             trainer.finish()
@@ -180,6 +182,20 @@ def test_two_deaths_in_a_row_one_during_the_heal_then_a_newcomer_heals_from_the_
     survivor, newcomer = results["w0"][1], results["newcomer"][1]
     assert [(e["generation"], e["world"]) for e in survivor[:2]] == [(1, 3), (3, 1)]  # generation 2 never formed
     assert newcomer[0]["heal"] == "peer" and newcomer[0]["world"] == 2
+
+
+def test_a_death_while_a_newcomer_is_admitted_is_detected_by_heartbeat(tmp_path):
+    """Catches a group connect that waits for a dead member: w2 dies after the generation admitting a newcomer was
+    decided, before it joins that generation's group. The others must give up on the connect once its heartbeat
+    stops (one ``failure_timeout``), not wait out the connect or op timeout (here LIMIT: "a worker hung"), and form
+    the next generation, where the newcomer heals from a survivor; the failure is recorded as one."""
+    results = _run(tmp_path, "admit", [None, None, (4, "admission")], steps=6, newcomer_after=1, hold=3)
+    _check(results, 6, {"w0", "w1", "newcomer"})
+    failed = results["w0"][1][1]
+    assert failed["reason"].startswith("failure while forming generation 2"), failed
+    assert "died while generation 2's group connected" in failed["reason"], failed  # the heartbeat, not a timeout
+    assert failed["world"] == 3 and failed["lost"] and failed["step"] == failed["completed_before"] == 4, failed
+    assert results["newcomer"][1][0]["heal"] == "peer"
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])

@@ -4,8 +4,9 @@ trained by :class:`~gpudist.live.LiveElasticTrainer` over Gloo.
 Every worker appends JSON lines to ``DIR/worker-ID.jsonl`` (``step``: a step done, with the world size, generation
 and time; ``generation``: one entry of ``trainer.events``) and writes its final parameters to ``DIR/final-ID.pt``.
 ``--die STEP:WHERE`` makes the worker SIGKILL itself at step STEP in ``forward``, ``backward`` (while the later
-layers' gradient buckets are being all-reduced), ``optimizer`` (inside the torch optimizer's step) or ``heal`` (while
-forming the next generation after a failure).
+layers' gradient buckets are being all-reduced), ``optimizer`` (inside the torch optimizer's step), ``heal`` (while
+forming the next generation after a failure, once its group has connected) or ``admission`` (in a generation that
+admits a newcomer, after it was decided, before its group connects).
 
     python -m gpudist.live --nproc 3 -- python -m gpudist.testing.live_job --dir /tmp/run --steps 40
 """
@@ -22,9 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..live import Generation, LiveElasticTrainer
 from . import elastic_job
 
-POINTS = ("forward", "backward", "optimizer", "heal")
+POINTS = ("forward", "backward", "optimizer", "heal", "admission")
 TINY_BUCKETS = {"bucket_cap_mb": 0.0005, "first_bucket_mb": 0.0005}
 """Buckets of ~130 fp32 elements: the MLP's gradients go out in several all-reduces during backward."""
 
@@ -49,6 +51,12 @@ class Faults:
         if where == self.where and t is not None and t.step_count == self.step:
             self.kill()
 
+    def connecting(self, g) -> None:
+        """Called by :class:`FaultyTrainer` before it connects generation ``g``'s group: kills at ``admission`` when
+        ``g`` admits a newcomer (it has survivors and someone new)."""
+        if g.survivors and len(g.members) > len(g.survivors):
+            self.at("admission")
+
     def build_module(self) -> nn.Module:
         module = elastic_job.build_model()
         if self.where == "backward":  # the first layer's gradient is the last computed: the others are in flight
@@ -67,8 +75,20 @@ class Faults:
         return nn.functional.mse_loss(outputs, targets, reduction="sum")
 
 
+class FaultyTrainer(LiveElasticTrainer):
+    """A trainer that tells its :class:`Faults` (``faults=``) when it is about to connect a generation's group."""
+
+    def __init__(self, *args, faults: Faults, **kwargs):
+        self.faults = faults
+        super().__init__(*args, **kwargs)
+
+    def _group(self, g: Generation):
+        self.faults.connecting(g)
+        return super()._group(g)
+
+
 def main() -> None:
-    from ..live import LiveElasticTrainer, Membership
+    from ..live import Membership
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
@@ -99,7 +119,7 @@ def main() -> None:
         log.write(json.dumps(record) + "\n")
         log.flush()
 
-    trainer = LiveElasticTrainer(
+    trainer = FaultyTrainer(
         faults.build_module,
         faults.build_optimizer,
         membership,
@@ -109,6 +129,7 @@ def main() -> None:
         timeout=args.timeout,
         config_options=TINY_BUCKETS,
         redundancy=args.redundancy,
+        faults=faults,
     )
     faults.trainer, faults.forming = trainer, True
     written = 0
