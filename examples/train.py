@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import signal
 import struct
 import sys
 import time
@@ -96,6 +97,16 @@ class TrainConfig:
     """Versions a gradient may lag behind (--strategy async; 0 is synchronous SGD)."""
     checkpoint_every: int = 50
     """Steps between checkpoints (--strategy elastic; they go to OUT/checkpoints)."""
+    live: bool = False
+    """--strategy elastic without restarts: gpudist.live workers that survive a member's death in-process."""
+    zero_stage: int = 0
+    """Live mode: 0 (replicated state, DDP), 1 or 2 (sharded optimizer state)."""
+    redundancy: str | None = None
+    """Live mode with zero_stage 1 or 2: "buddy" mirrors each rank's shard on the next rank (no disk on a death)."""
+    kill_at: int | None = None
+    """Live mode, a demo of a failure: the last of the first workers SIGKILLs itself in step kill_at's forward."""
+    replacements: int = 1
+    """Live mode: workers the launcher starts in place of ones that die."""
     compress_momentum: bool = False
     """Communicate the momentum instead of the gradient (momentum SGD, ddp; what 1-bit needs to converge)."""
     out: str = "runs/ddp-w2"
@@ -230,42 +241,81 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     comm.all_reduce(losses, "average")  # equal local batches: the mean of rank means is the global batch's mean
     losses = losses.cpu()
     flat, identical, max_diff = replicas_identical(comm, model)
-    tail = max(1, cfg.steps // 10)
-    initial, final = float(losses[start]), float(losses[-tail:].mean())
-    verdict = {"rank": rank, "replicas_identical": identical, "loss_decreased": final < initial}
-    verdict["ok"] = identical and verdict["loss_decreased"]
+    verdict, outcome = judge(rank, losses, identical, max_diff, cfg.steps)
     if rank != 0:
         return verdict
 
-    # Rank 0 evaluates a local copy built from the gathered parameters: no collectives (a sharded strategy's
-    # gather is one, and the other ranks have returned), so this works whatever the strategy.
-    trained = make_model(cfg)
-    torch.nn.utils.vector_to_parameters(flat.cpu(), trained.parameters())
-    val_loss = evaluate(trained, corpus)
-    measured = step_times[1:] or step_times  # step 0 pays for one-time setup (allocations, first bucket build)
-    metrics = {
-        "config": dataclasses.asdict(cfg) | {"world_size": world},
-        "parameter_count": sum(p.numel() for p in trained.parameters()),
-        "tokens_per_step": tokens_per_step,
+    write_outputs(
+        cfg,
+        world,
+        flat,
+        corpus,
+        {
+            **outcome,
+            **throughput(tokens_per_step, step_times, comm_bytes, train_seconds),
+            "metadata": model.get_model_metadata()
+            if isinstance(model, gpudist.ShardedModel)
+            else {"strategy": cfg.strategy, "max_staleness": cfg.max_staleness, "async": opt.stats},
+            "compression": opt.communication_report() if cfg.compression is not None else None,
+            "comm_stats": comm.stats.as_dict(),
+        },
+    )
+    return verdict
+
+
+def judge(
+    rank: int, losses: torch.Tensor, identical: bool, max_diff: float, steps: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's verdict on the run (replicas identical and the loss fell), and the metrics that say so: the loss
+    of every step (NaN: a previous run did it), the first trained step's and the mean of the last tenth's."""
+    trained = (~losses.isnan()).nonzero()
+    start = int(trained[0]) if len(trained) else 0
+    tail = max(1, steps // 10)
+    initial, final = float(losses[start]), float(losses[-tail:].nanmean())
+    verdict = {"rank": rank, "replicas_identical": identical, "loss_decreased": final < initial}
+    verdict["ok"] = identical and verdict["loss_decreased"]
+    outcome = {
         "loss": [round(v, 6) for v in losses.tolist()],
-        "step_time_s": [round(t, 6) for t in step_times],
-        "comm_bytes": comm_bytes,
         "initial_loss": initial,
         "final_loss": final,
-        "val_loss": val_loss,
-        "log_vocab": math.log(corpus.vocab_size),
-        "entropy_floor": corpus.entropy_floor(VAL_SEQUENCES, split="val"),
-        "tokens_per_s": tokens_per_step * len(measured) / sum(measured),
-        "comm_bytes_per_step": sorted(comm_bytes)[len(comm_bytes) // 2],
-        "train_seconds": train_seconds,
         "loss_decreased": verdict["loss_decreased"],
         "replicas_identical": identical,
         "replica_max_abs_diff": max_diff,
-        "metadata": model.get_model_metadata()
-        if isinstance(model, gpudist.ShardedModel)
-        else {"strategy": cfg.strategy, "max_staleness": cfg.max_staleness, "async": opt.stats},
-        "compression": opt.communication_report() if cfg.compression is not None else None,
-        "comm_stats": comm.stats.as_dict(),
+    }
+    return verdict, outcome
+
+
+def throughput(
+    tokens_per_step: int, step_times: list[float], comm_bytes: list[int], train_seconds: float
+) -> dict[str, Any]:
+    """Step times, tokens/s and communication per step, for metrics.json."""
+    measured = step_times[1:] or step_times  # step 0 pays for one-time setup (allocations, first bucket build)
+    return {
+        "tokens_per_step": tokens_per_step,
+        "step_time_s": [round(t, 6) for t in step_times],
+        "comm_bytes": comm_bytes,
+        "tokens_per_s": tokens_per_step * len(measured) / sum(measured),
+        "comm_bytes_per_step": sorted(comm_bytes)[len(comm_bytes) // 2],
+        "train_seconds": train_seconds,
+    }
+
+
+def write_outputs(
+    cfg: TrainConfig, world: int, flat: torch.Tensor, corpus: SyntheticCorpus, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """Rank 0's outputs: evaluates a local copy built from the gathered parameters ``flat``, writes OUT/metrics.json
+    (``fields`` plus the evaluation), loss.png and model.safetensors, prints the summary, and returns the metrics."""
+    # No collectives (a sharded strategy's gather is one, and the other ranks have returned), so this works
+    # whatever the strategy.
+    trained = make_model(cfg)
+    torch.nn.utils.vector_to_parameters(flat.cpu(), trained.parameters())
+    metrics = {
+        "config": dataclasses.asdict(cfg) | {"world_size": world},
+        "parameter_count": sum(p.numel() for p in trained.parameters()),
+        **fields,
+        "val_loss": evaluate(trained, corpus),
+        "log_vocab": math.log(corpus.vocab_size),
+        "entropy_floor": corpus.entropy_floor(VAL_SEQUENCES, split="val"),
         "sample": SyntheticCorpus.decode(generate(trained, [VOCAB.index("the")], 40, cfg.seed)),
         "environment": environment(),
     }
@@ -277,7 +327,173 @@ def train(comm: gpudist.CommunicationBackend, cfg: TrainConfig) -> dict[str, Any
     state = {name: p.detach().contiguous() for name, p in trained.named_parameters()}
     atomic_write_bytes(out / "model.safetensors", st_save(state, metadata={"format": "gpudist-example-tinylm"}))
     report(metrics, out)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Live mode (--strategy elastic --live): one gpudist.live worker per process, no restarts
+
+
+def train_live(cfg: TrainConfig, world: int) -> dict[str, Any]:
+    """One worker of a live elastic job (started by :func:`launch_live` through ``python -m gpudist.live``).
+
+    The members train each step's whole global batch split over however many of them there are (a dead member's
+    share goes to the survivors; a replacement takes one back), so the steps are the same at any world size. At
+    the end they check that their replicas are identical and rank 0 writes the outputs, with the live events.
+    Returns this worker's verdict (None: the job finished before this worker, a late replacement, was admitted).
+    """
+    from gpudist.flat import exchange_bytes
+    from gpudist.live import JobFinished, LiveElasticTrainer, Membership
+
+    started = time.time()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the workers share the machine's cores
+    corpus = SyntheticCorpus(cfg.seed, cfg.seq_len)
+    live_dir = Path(cfg.out) / "live"
+    live_dir.mkdir(parents=True, exist_ok=True)
+    membership = Membership.connect(min_size=world)
+    global_losses: dict[int, float] = {}  # step -> the global batch's loss (every member of the step knows it)
+
+    def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Called inside every attempt of a step (a retry after a failure too), once that attempt's generation's
+        model and optimizer are in place: sets the step's learning rate, all-reduces the global batch's loss for
+        the log, and returns this share's loss summed over its sequences (what the trainer scales by N / G)."""
+        step = trainer.step_count
+        if step == cfg.kill_at and membership.id == world:  # the demo failure: the last initial worker dies
+            (live_dir / f"kill-{membership.id}.json").write_text(
+                json.dumps({"member": membership.id, "step": step, "time": time.time()})
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        for group in trainer.optimizer.param_groups:  # each generation builds a fresh optimizer: set it every attempt
+            group["lr"] = cfg.lr * lr_factor(step, steps=cfg.steps)
+        loss = lm_loss(logits, targets) * logits.shape[0]
+        total = loss.detach().reshape(1).clone()
+        trainer.comm.all_reduce(total, "sum")
+        global_losses[step] = float(total) / cfg.global_batch
+        return loss
+
+    try:
+        trainer = LiveElasticTrainer(
+            lambda: make_model(cfg),
+            lambda params: make_optimizer(params, cfg.lr, cfg.optimizer),
+            membership,
+            Path(cfg.out) / "checkpoints",
+            cfg.checkpoint_every,
+            zero_stage=cfg.zero_stage,
+            redundancy=cfg.redundancy,
+        )
+    except JobFinished:
+        print(f"worker {membership.id}: the job finished before it was admitted; nothing to do", flush=True)
+        membership.close()
+        return None
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    progress = Progress(cfg.steps, tokens_per_step)
+    finished_at: dict[int, float] = {}  # steps completed -> when (time.time())
+    step_times, comm_bytes = [], []
+    shown = window_start = trainer.step_count
+    while trainer.step_count < cfg.steps:
+        if cfg.kill_at is not None and cfg.replacements and trainer.step_count == cfg.steps - 2:
+            wait_for_replacement(membership, world)
+        t0, comm, bytes0 = time.perf_counter(), trainer.comm, trainer.comm.stats.total_bytes
+        trainer.train_step(lambda step: corpus.batches(step, cfg.global_batch), step_loss)
+        finished_at[trainer.step_count] = time.time()
+        step_times.append(time.perf_counter() - t0)
+        comm_bytes.append(trainer.comm.stats.total_bytes - (bytes0 if trainer.comm is comm else 0))
+        for event in trainer.events[shown:]:
+            if trainer.rank == 0:
+                print(describe_generation(event), flush=True)
+        shown = len(trainer.events)
+        step = trainer.step_count
+        if trainer.rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps):
+            window = [global_losses[s] for s in range(window_start, step) if s in global_losses]
+            if window:
+                progress.update(step, sum(window) / len(window), step_times, comm_bytes)
+            window_start = step
+    train_seconds = time.time() - started
+    trainer.finish()  # commits the last checkpoint
+    membership.finish()  # a replacement still waiting to join stops waiting
+    progress.close()
+
+    comm, rank = trainer.comm, trainer.rank
+    steps = {
+        int(k): v
+        for blob in exchange_bytes(comm, json.dumps(global_losses).encode())
+        for k, v in json.loads(blob).items()
+    }
+    losses = torch.tensor([steps.get(s, math.nan) for s in range(cfg.steps)])  # steps no member saw: NaN
+    flat, identical, max_diff = replicas_identical(comm, trainer.model)
+    verdict, outcome = judge(rank, losses, identical, max_diff, cfg.steps)
+    if rank == 0:
+        write_outputs(
+            cfg,
+            world,
+            flat,
+            corpus,
+            {
+                **outcome,
+                **throughput(tokens_per_step, step_times, comm_bytes, train_seconds),
+                "metadata": trainer.model.get_model_metadata(),
+                "live": live_report(trainer, live_dir, started, finished_at),
+            },
+        )
+    trainer.close()
     return verdict
+
+
+def wait_for_replacement(membership: Any, world: int, timeout: float = 60.0) -> None:
+    """With --kill-at: before the second-to-last step, wait (up to ``timeout`` s) until the launcher's replacement
+    has asked to join, so the members admit it at the last step and the final replica check covers the healed
+    newcomer. Every worker (the ``world`` first ones) took one join ticket; the replacement takes the next."""
+    deadline = time.monotonic() + timeout
+    while membership.store.add("joins", 0) <= world and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def describe_generation(event: dict[str, Any]) -> str:
+    """One generation event of the live trainer, in words."""
+    lost = f", lost member(s) {event['lost']}" if event["lost"] else ""
+    reason = event["reason"] if len(event["reason"]) <= 100 else event["reason"][:97] + "..."  # Gloo's are long
+    return (
+        f"generation {event['generation']}: {event['world']} member(s) at step {event['step']} "
+        f"({reason}; state healed: {event['heal']}{lost})"
+    )
+
+
+def live_report(trainer: Any, live_dir: Path, started: float, finished_at: dict[int, float]) -> dict[str, Any]:
+    """The live events for metrics.json: this worker's generations, and per --kill-at kill the time from the kill to
+    this worker's first step completed in the generation formed without the dead member, and the steps redone
+    (applied before the failure and again after it: 0 when the survivors retried only the failed step)."""
+    kills = []
+    for path in sorted(live_dir.glob("kill-*.json")):
+        kill = json.loads(path.read_text())
+        if kill["time"] < started:  # left by an earlier run in this folder
+            continue
+        healed = next((e for e in trainer.events if kill["member"] in e["lost"]), None)
+        after = [t for t in finished_at.values() if healed is not None and t > healed["formed"]]
+        if after:  # a step completed before the new generation formed may be one the killed worker was past
+            kill["kill_to_next_step_s"] = round(min(after) - kill["time"], 3)
+            kill["steps_redone"] = max(0, healed["completed_before"] - healed["step"])
+        kills.append(kill)
+    return {
+        "generations": trainer.events,
+        "heals": [e["heal"] for e in trainer.events],
+        "kills": kills,
+        "members": list(trainer.generation.members),
+        "final_world": trainer.world_size,
+    }
+
+
+def launch_live(cfg: TrainConfig, world: int, argv: list[str]) -> int:
+    """Run this script's ``argv`` as ``world`` live workers: what ``python -m gpudist.live --nproc WORLD
+    --replacements K -- python examples/train.py ARGS`` does (this process hosts the membership service)."""
+    from gpudist.live import launch
+
+    print(
+        f"gpudist {gpudist.__version__}: training TinyLM with elastic --live on {world} worker process(es) for "
+        f"{cfg.steps} steps (python -m gpudist.live --nproc {world} --replacements {cfg.replacements} -- "
+        f"python examples/train.py {' '.join(argv)})",
+        flush=True,
+    )
+    return launch([sys.executable, str(Path(__file__).resolve()), *argv], world, replacements=cfg.replacements)
 
 
 def bytes_moved(comm: gpudist.CommunicationBackend, opt: torch.optim.Optimizer) -> int:
@@ -563,9 +779,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
         help="--strategy elastic: steps between checkpoints (saved under OUT/checkpoints)",
     )
     parser.add_argument(
+        "--live",
+        action="store_true",
+        help="--strategy elastic without restarts: --world-size gpudist.live workers (this process hosts the "
+        "membership service); survivors of a death retry the step in-process, replacements heal from a peer",
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2],
+        default=defaults.zero_stage,
+        help="--live: 0 (DDP), or shard the optimizer state (1) and gradients (2)",
+    )
+    parser.add_argument(
+        "--redundancy",
+        choices=["buddy"],
+        default=None,
+        help="--live with --zero-stage 1|2: mirror each rank's shard on the next rank, so a death heals from memory",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="--live, a demo of a failure: the last worker SIGKILLs itself in step KILL_AT; the job goes on",
+    )
+    parser.add_argument(
+        "--replacements",
+        type=int,
+        default=defaults.replacements,
+        help="--live: workers to start in place of ones that die",
+    )
+    parser.add_argument(
         "--out",
         help="output folder (default: runs/<strategy>-w<world size>; runs/elastic for "
-        "--strategy elastic, which resumes from its checkpoints there)",
+        "--strategy elastic, which resumes from its checkpoints there; runs/elastic-live with --live)",
     )
     parser.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between progress updates")
     args = parser.parse_args(argv)
@@ -598,6 +845,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
             f"--max-staleness must be >= 0 and --checkpoint-every >= 1, got {args.max_staleness} and "
             f"{args.checkpoint_every}"
         )
+    live_options = args.zero_stage or args.redundancy or args.kill_at is not None
+    if (args.live and args.strategy != "elastic") or (live_options and not args.live):
+        parser.error("--live goes with --strategy elastic; --zero-stage, --redundancy and --kill-at with --live")
+    if args.redundancy and not args.zero_stage:
+        parser.error("--redundancy buddy mirrors sharded state: add --zero-stage 1 or 2")
+    if args.kill_at is not None and (world < 2 or not 0 <= args.kill_at <= args.steps - 3):
+        parser.error(
+            f"--kill-at {args.kill_at} needs --world-size >= 2 (got {world}) and a step in 0..{args.steps - 3} "
+            "(--steps - 3: the replacement is admitted before the last step)"
+        )
+    if args.replacements < 0:
+        parser.error(f"--replacements must be >= 0, got {args.replacements}")
     if not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
     if args.compression is not None:
@@ -660,13 +919,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
         micro_batches=args.micro_batches,
         max_staleness=args.max_staleness,
         checkpoint_every=args.checkpoint_every,
+        live=args.live,
+        zero_stage=args.zero_stage,
+        redundancy=args.redundancy,
+        kill_at=args.kill_at,
+        replacements=args.replacements,
         # elastic resumes from its folder's checkpoints, so its folder must not depend on the world size
-        out=args.out
-        or (
-            f"runs/{args.strategy}{suffix}" if args.strategy == "elastic" else f"runs/{args.strategy}{suffix}-w{world}"
-        ),
+        out=args.out or default_out(args.strategy, suffix, world, args.live),
     )
     return cfg, None if launched else world
+
+
+def default_out(strategy: str, suffix: str, world: int, live: bool) -> str:
+    """runs/<strategy>[-<compression>]-w<world>; elastic resumes from its folder's checkpoints, so its folder must
+    not depend on the world size."""
+    if strategy == "elastic":
+        return "runs/elastic-live" if live else f"runs/elastic{suffix}"
+    return f"runs/{strategy}{suffix}-w{world}"
 
 
 def run_job(job, cfg, spawn_world: int | None, what: str) -> int:
@@ -684,17 +953,28 @@ def run_job(job, cfg, spawn_world: int | None, what: str) -> int:
             # A week for the whole run (a long --steps is fine; poll() takes at most ~24 days), while each
             # collective stays bounded by OP_TIMEOUT, so a hung rank still fails fast.
             verdict = min(pool.run(job, cfg, call_timeout=7 * 24 * 3600.0), key=lambda v: v["ok"])
-    if not verdict["ok"]:
-        print(
-            f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
-            f"loss decreased: {verdict['loss_decreased']}",
-            file=sys.stderr,
-        )
-    return 0 if verdict["ok"] else 1
+    return 0 if verdict["ok"] else report_failure(verdict)
+
+
+def report_failure(verdict: dict[str, Any]) -> int:
+    print(
+        f"FAILED on rank {verdict['rank']}: replicas identical: {verdict['replicas_identical']}, "
+        f"loss decreased: {verdict['loss_decreased']}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     cfg, spawn_world = parse_args(argv)
+    if cfg.live:
+        from gpudist.live import STORE_ENV
+
+        if STORE_ENV not in os.environ:  # the user's command: host the membership service, start the workers
+            return launch_live(cfg, spawn_world, argv)
+        verdict = train_live(cfg, spawn_world)  # one worker, started by the launcher
+        return 0 if verdict is None or verdict["ok"] else report_failure(verdict)
     return run_job(train, cfg, spawn_world, "TinyLM")
 
 

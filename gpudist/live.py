@@ -72,7 +72,15 @@ from .flat import exchange_bytes
 from .strategies.ddp import DDPModel
 from .strategies.zero import ZeRO2Model
 
-__all__ = ["STORE_ENV", "Generation", "LiveElasticTrainer", "Membership", "MembershipError", "MembershipService"]
+__all__ = [
+    "STORE_ENV",
+    "Generation",
+    "JobFinished",
+    "LiveElasticTrainer",
+    "Membership",
+    "MembershipError",
+    "MembershipService",
+]
 
 _log = logging.getLogger("gpudist.live")
 
@@ -83,6 +91,11 @@ STORE_ENV = "GPUDIST_LIVE_STORE"
 class MembershipError(RuntimeError):
     """The membership could not be agreed on in time (no quorum, the service is gone, or a join was never
     admitted)."""
+
+
+class JobFinished(MembershipError):
+    """The job finished (:meth:`Membership.finish`) while this worker was still waiting to be admitted: a
+    replacement that came up too late has nothing to join and can exit."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,11 @@ class Membership:
         """Stop heartbeating (the others will count this worker dead after ``failure_timeout``)."""
         self._stop.set()
 
+    def finish(self) -> None:
+        """Mark the job finished (any member, after the last step): a newcomer still waiting in :meth:`join` raises
+        :class:`JobFinished` at once instead of waiting ``join_timeout`` for an admission that will never come."""
+        self.store.set("finished", "1")
+
     # -- generations -------------------------------------------------------------------------------------------------
 
     def _read(self, number: int) -> Generation | None:
@@ -239,6 +257,7 @@ class Membership:
 
         Raises:
             MembershipError: When no generation admitted this worker within ``join_timeout``.
+            JobFinished: When the job finished first (:meth:`finish`).
         """
         ticket = self.store.add("joins", 1)
         self.store.set(f"join/{ticket}", str(self.id))
@@ -249,6 +268,8 @@ class Membership:
                 newest, self._seen = g, g.number
             if newest is not None and self.id in newest.members:
                 return newest
+            if self.store.check(["finished"]):
+                raise JobFinished(f"worker {self.id}: the job finished before it was admitted")
             if newest is not None and newest.admitted >= ticket:  # considered and left out (looked dead): ask again
                 ticket = self.store.add("joins", 1)
                 self.store.set(f"join/{ticket}", str(self.id))

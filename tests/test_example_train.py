@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -324,3 +325,77 @@ def test_async_with_stale_gradients_converges_on_the_example_task(tmp_path):
     assert asynchronous["initial_loss"] - asynchronous["val_loss"] > 0.5
     assert asynchronous["val_loss"] < ddp["val_loss"] * 1.05
     assert asynchronous["replicas_identical"]
+
+
+@pytest.mark.slow  # three worker start-ups and a death to detect: ~25 s alone
+def test_live_elastic_survives_a_sigkill_and_heals_its_replacement(tmp_path):
+    """`--strategy elastic --live --kill-at 2` on 2 workers: the last worker SIGKILLs itself in step 2, the
+    survivor retries that step alone on the whole global batch, the launcher's replacement is admitted and healed
+    from the survivor, and the job ends with identical replicas and DDP's per-step losses (single-process training
+    on the same global batches). Catches the example dropping the dead worker's share of the batch, skipping or
+    redoing steps, a retried step or a new generation's optimizer running without the learning-rate schedule, a
+    global loss computed from the wrong scale (the trainer wants losses summed over sequences), a replacement that
+    is never admitted (or a late one that keeps the job from ending), and a healed newcomer whose parameters
+    differ from the survivor's."""
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train.py"),
+        "--strategy",
+        "elastic",
+        "--live",
+        "--world-size",
+        "2",
+        "--steps",
+        "6",
+        "--global-batch",
+        "4",
+        "--kill-at",
+        "2",
+        "--log-every",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(EXAMPLES.parent)}  # this checkout's gpudist
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        losses32, losses64 = script_losses(steps=6, global_batch=4)  # while the job runs (it mostly waits)
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    assert "exited with -9; starting a replacement" in stderr
+
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    live = metrics["live"]
+    events = live["generations"]
+    assert (events[0]["world"], events[0]["heal"]) == (2, "initial")
+    assert any(e["lost"] == [2] and e["world"] == 1 and e["step"] == 2 for e in events)  # the kill, step 2 retried
+    assert (events[-1]["world"], events[-1]["heal"], live["final_world"]) == (2, "peer", 2)  # the replacement
+    (kill,) = live["kills"]
+    assert (kill["member"], kill["step"], kill["steps_redone"]) == (2, 2, 0) and kill["kill_to_next_step_s"] > 0
+    assert metrics["replicas_identical"] is True and metrics["replica_max_abs_diff"] == 0.0
+    assert metrics["loss_decreased"] is True
+    assert_losses_match(metrics["loss"], losses32, losses64, what="live elastic with a kill")
+
+
+def test_a_replacement_that_comes_up_after_the_job_finished_exits_at_once():
+    """The live example's members call ``Membership.finish()`` after their last step. Catches a late replacement
+    (started for a worker that died near the end) waiting ``join_timeout`` (300 s) to be admitted by a job that is
+    over, which keeps the launcher, and so the user's command, from returning."""
+    from gpudist.live import JobFinished, Membership, MembershipService
+
+    service = MembershipService()
+    member = Membership.connect(service.address, min_size=1)
+    late = Membership.connect(service.address, join_timeout=10.0)
+    try:
+        assert member.join().members == (member.id,)
+        member.finish()
+        started = time.monotonic()
+        with pytest.raises(JobFinished, match="finished before it was admitted"):
+            late.join()
+        assert time.monotonic() - started < 5.0
+    finally:
+        member.close()
+        late.close()
