@@ -190,19 +190,26 @@ def test_hf_llama_interleaved_matches_single_process_and_checkpoints(tmp_path):
     run on every chunk of a rank (the embedding applied twice, the head on rank 1's first chunk), the padding mask
     or rotary inputs lost on the way round the ring, and chunk-prefixed names ("0.layers...") in checkpoints."""
     pytest.importorskip("transformers")
+    results = run_ranks(llama_training, 2, "inmemory", save_to=tmp_path / "pipe")
+    assert [blocks for _, _, blocks in results] == [[(0, 1), (1, 2), (2, 3), (3, 4)]] * 2
+    check_llama_pipeline(results, tmp_path / "pipe")
+
+
+def check_llama_pipeline(results: list[tuple], saved: Path) -> None:
+    """Every rank's ``(full state, losses, ...)`` equals one process's training of :func:`llama4`, and the checkpoint
+    at ``saved`` lists the model's own parameter names and loads into the plain model."""
     from .test_hf_pipeline import flat
 
-    want = reference_pair(llama_reference)
-    (want32, losses32), (want64, losses64) = want
-    for state, losses, blocks in run_ranks(llama_training, 2, "inmemory", save_to=tmp_path / "pipe"):
-        assert blocks == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    (want32, losses32), (want64, losses64) = reference_pair(llama_reference)
+    for state, losses, *_ in results:
         assert sorted(state) == sorted(llama4().state_dict())
         assert_matches_reference(flat(state), want32, want64, what="parameters")
         assert_matches_reference(losses, losses32, losses64, what="losses")
-    names = sorted(row["name"] for row in read_manifest(tmp_path / "pipe")["parameters"])
+    names = sorted(row["name"] for row in read_manifest(saved)["parameters"])
     assert names == sorted(n for n, _ in llama4().named_parameters())
     fresh = llama4()
-    gpudist.load_checkpoint(tmp_path / "pipe", fresh)
+    gpudist.load_checkpoint(saved, fresh)
+    state = results[0][0]
     assert all(torch.equal(fresh.state_dict()[k].to(v.device), v) for k, v in state.items())
 
 
