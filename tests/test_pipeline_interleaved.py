@@ -216,14 +216,11 @@ def check_llama_pipeline(results: list[tuple], saved: Path) -> None:
 # ------------------------------------------------------------------------------------------------------------ errors
 
 
-def bad_interleaved(comm):
+def construction_errors(comm, settings: list[dict]) -> list[str]:
+    """The error text of wrapping :func:`deep` with each of ``settings`` (each must be refused)."""
     config = ShardingConfiguration(comm)
     errors = []
-    for kwargs in (
-        {"micro_batches": 3, "schedule": "interleaved"},
-        {"micro_batches": 4, "schedule": "interleaved", "virtual_stages": 1},
-        {"micro_batches": 4, "schedule": "1f1b", "virtual_stages": 2},
-    ):
+    for kwargs in settings:
         with pytest.raises(ValueError) as info:
             PipelineParallelModel(deep(), config, **kwargs)
         errors.append(str(info.value))
@@ -235,7 +232,12 @@ def test_interleaved_refuses_bad_settings_up_front():
     chunk) is refused at construction naming the fix; so are virtual_stages=1 with interleaved and
     virtual_stages with another schedule. Catches a schedule built anyway (its rounds would not line up and
     a rank would wait for a micro-batch that never comes)."""
-    errors = run_ranks(bad_interleaved, 2, "inmemory")[0]
+    settings = [
+        {"micro_batches": 3, "schedule": "interleaved"},
+        {"micro_batches": 4, "schedule": "interleaved", "virtual_stages": 1},
+        {"micro_batches": 4, "schedule": "1f1b", "virtual_stages": 2},
+    ]
+    errors = run_ranks(construction_errors, 2, "inmemory", settings=settings)[0]
     assert "micro_batches a multiple of num_stages=2, got micro_batches=3; use 4" in errors[0]
     assert "virtual_stages=1 must be an int >= 2" in errors[1]
     assert "virtual_stages=2 needs schedule='interleaved'" in errors[2]

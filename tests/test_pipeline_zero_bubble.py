@@ -31,7 +31,7 @@ from gpudist.testing import run_ranks
 from .fakenccl import AsyncRuntime, FakeNccl, count_host_syncs, run_nccl
 from .helpers import check_training, global_batch, hybrid_check, hybrid_train, pipeline_reference, pipeline_train
 from .test_pipeline import lm, lm_batch, lm_loss
-from .test_pipeline_interleaved import check_llama_pipeline, deep, llama4
+from .test_pipeline_interleaved import check_llama_pipeline, construction_errors, deep, llama4
 from .tolerances import reference_pair
 
 NEW = ("zero_bubble", "zbv", "dualpipev")
@@ -353,27 +353,18 @@ def test_hf_llama_dualpipev_matches_single_process_and_checkpoints(tmp_path):
 # ------------------------------------------------------------------------------------------------------------ errors
 
 
-def bad_settings(comm):
-    config = ShardingConfiguration(comm)
-    errors = []
-    for kwargs in (
-        {"micro_batches": 3, "schedule": "dualpipev"},
-        {"micro_batches": 4, "schedule": "zbv", "virtual_stages": 3},
-        {"micro_batches": 4, "schedule": "zero_bubble", "virtual_stages": 2},
-        {"micro_batches": 4, "schedule": "zb-h2"},
-    ):
-        with pytest.raises(ValueError) as info:
-            PipelineParallelModel(deep(), config, **kwargs)
-        errors.append(str(info.value))
-    return errors
-
-
 def test_bad_settings_are_refused_up_front():
     """DualPipe-V with fewer than 2p micro-batches, a V with other than 2 chunks per rank, ZB-H1 with chunks and an
     unknown name are refused at construction, naming the value and the fix. Catches a schedule built anyway:
     DualPipe-V's steady state would start before both warm-ups end (a rank waits for a micro-batch that never
     comes)."""
-    errors = run_ranks(bad_settings, 2, "inmemory")[0]
+    settings = [
+        {"micro_batches": 3, "schedule": "dualpipev"},
+        {"micro_batches": 4, "schedule": "zbv", "virtual_stages": 3},
+        {"micro_batches": 4, "schedule": "zero_bubble", "virtual_stages": 2},
+        {"micro_batches": 4, "schedule": "zb-h2"},
+    ]
+    errors = run_ranks(construction_errors, 2, "inmemory", settings=settings)[0]
     assert "needs micro_batches >= 2 x num_stages = 4, got micro_batches=3; use 4 or more" in errors[0]
     assert "virtual_stages=3: schedule='zbv' holds exactly 2 chunks per rank" in errors[1]
     assert "virtual_stages=2 needs schedule='interleaved' (got 'zero_bubble')" in errors[2]

@@ -319,7 +319,7 @@ def activations_alive(order: Sequence[tuple], weights: Sequence[float] | None = 
     """The most activations ``order`` keeps alive at once, and how many micro-batches each chunk had alive at that
     peak: a micro-batch's activations on chunk ``c`` count ``weights[c]`` (default 1 each) from its forward to its
     ``W`` when its backward is split, or to its whole backward."""
-    chunks = 1 + max((op[2] for op in order if len(op) == 3), default=0)
+    chunks = _chunks([order])
     weights = [1] * chunks if weights is None else list(weights)
     split = {op[1:] for op in order if op[0] == "W"}
     alive, peak, at_peak = [0] * len(weights), 0, [0] * len(weights)
@@ -330,6 +330,11 @@ def activations_alive(order: Sequence[tuple], weights: Sequence[float] | None = 
         if load > peak:
             peak, at_peak = load, list(alive)
     return peak, at_peak
+
+
+def _chunks(orders: Sequence[Sequence[tuple]]) -> int:
+    """Chunks per rank in ``orders``: ops name their chunk third, or there is one."""
+    return 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
 
 
 def replay(
@@ -350,7 +355,7 @@ def replay(
         ValueError: When the orders deadlock (an op waits for one that never runs).
     """
     p = len(orders)
-    v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
+    v = _chunks(orders)
     weight = backward_cost / 2 if weight_cost is None else weight_cost
     last = p * v - 1
     split = [{op[1:] for op in order if op[0] == "W"} for order in orders]
@@ -390,7 +395,7 @@ def schedule_bubble(
     """Idle fraction of the step when every stage runs ``orders[s]`` with these costs, as :func:`replay` times
     them. For GPipe and 1F1B with equal stages it is ``(p - 1) / (m + p - 1)``."""
     p = len(orders)
-    v = 1 + max((op[2] for order in orders for op in order if len(op) == 3), default=0)
+    v = _chunks(orders)
     makespan = max(f[-1] for f in replay(orders, forward_cost, backward_cost, weight_cost, where) if f)
     busy = sum(1 for order in orders for op in order if op[0] == "F") * (forward_cost + backward_cost) / v
     return 1.0 - busy / (p * makespan)
