@@ -100,7 +100,9 @@ def _variants(comm, args) -> dict[str, object]:
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    out["torch FSDP2 HSDP"] = _step(net, torch.optim.SGD(net.parameters(), **sgd), x, y)
+    # FSDP2's parameters are DTensors, for which torch 2.13 has no fused SGD ("aten._fused_sgd_ does not have a
+    # sharding strategy"): its best is the foreach SGD, its default.
+    out["torch FSDP2 HSDP"] = _step(net, torch.optim.SGD(net.parameters(), lr=sgd["lr"], foreach=True), x, y)
     return out
 
 
