@@ -10,6 +10,9 @@ strict where NCCL is unforgiving:
   deadlocks here (and times out with an error) exactly where it would stall a GPU stream. A send completes only
   when received (NCCL may buffer small ones; code must not rely on it).
 - Calls between ``groupStart()`` and ``groupEnd()`` are posted together and progress concurrently.
+- A call whose peer never posts (a dead rank) waits until this rank's communicator is aborted, then fails
+  (``ncclCommAbort`` releases the kernels); the abort is local and never waits for the peer, and a communicator
+  built from a fresh unique id then works. The fake's own ``timeout`` only bounds the wait as a test's safety net.
 - Collectives are matched by order on each communicator; ranks that disagree on kind, count, dtype, op or root
   get an error (real NCCL would hang or corrupt memory). In-place calls must use NCCL's exact aliasing
   (all-gather: ``send == recv + rank * count``; reduce-scatter: ``recv == send + rank * recvcount``); any
@@ -217,10 +220,10 @@ class FakeNccl:
     def _wait(self, comm: _Communicator, ready, what: str) -> None:
         clique, deadline = comm._clique, time.monotonic() + self.timeout
         while not ready():
-            if clique.aborted is not None:
+            if comm._abort_reason() is not None:
                 raise NcclError(
                     f"NCCL_ERROR_SYSTEM_ERROR: communicator aborted while rank {comm._rank} waited in "
-                    f"{what} ({clique.aborted})"
+                    f"{what} ({comm._abort_reason()})"
                 )
             left = deadline - time.monotonic()
             if left <= 0:
@@ -337,7 +340,13 @@ class FakeNccl:
 
 
 class _Communicator:
-    """``cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)``: blocks until all ``ndev`` ranks joined."""
+    """``cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)``: blocks until all ``ndev`` ranks joined.
+
+    ``abort()`` is ``ncclCommAbort``: local to this rank. Its calls waiting for peers fail at once (the kernels are
+    released) and it never waits for anyone; the peers are not told, so theirs go on waiting (a peer that died is
+    simply a rank that stops posting) until they abort too. Only :meth:`FakeNccl.abort_all`, the test harness's
+    way out when a rank thread failed, releases every rank of a communicator.
+    """
 
     _fake: FakeNccl
 
@@ -354,7 +363,7 @@ class _Communicator:
         commId = tuple(commId)
         if not 0 <= rank < ndev:
             raise NcclError(f"NCCL_ERROR_INVALID_ARGUMENT: rank {rank} of {ndev}")
-        self._rank, self._seq, self._closed, self.async_error = rank, 0, False, None
+        self._rank, self._seq, self._closed, self._aborted, self.async_error = rank, 0, False, False, None
         self._clique = self._fake._clique(commId, ndev)
         with self._clique.cond:
             if rank in self._clique.members:
@@ -372,11 +381,15 @@ class _Communicator:
 
     def abort(self) -> None:
         with self._clique.cond:
-            self._clique.aborted = self._clique.aborted or f"rank {self._rank} called abort"
-            self._clique.cond.notify_all()
-        self._closed = True
+            self._aborted = self._closed = True
+            self._clique.cond.notify_all()  # wakes this rank's waiting calls; the peers' ones see nothing new
+
+    def _abort_reason(self) -> str | None:
+        """Why this rank's waiting calls must fail: its own abort, or the harness's ``abort_all``."""
+        return f"rank {self._rank} called ncclCommAbort" if self._aborted else self._clique.aborted
 
     def check_async_error(self) -> None:
+        self._usable()  # CuPy passes the freed (NULL) handle on: NCCL_ERROR_INVALID_ARGUMENT
         if self.async_error is not None:
             raise NcclError(self.async_error)
 
@@ -760,7 +773,7 @@ class AsyncRuntime:
             try:
                 self._run(entry)
             except NcclError as e:
-                if not any(comm._clique.aborted for comm, _ in entry.calls):
+                if not any(comm._abort_reason() for comm, _ in entry.calls):
                     self._fail(entry, e)
                     return
                 with self._cond:  # ncclCommAbort released the kernels: the rest of the stream completes, unfinished

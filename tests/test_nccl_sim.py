@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 
 import gpudist
@@ -20,7 +21,7 @@ from gpudist.comm import CommunicationError, CommunicationTimeoutError
 from gpudist.comm.nccl import NCCLCommunicationBackend, nccl_version
 from gpudist.testing import free_port, run_ranks
 
-from .fakenccl import FakeNccl, HostRuntime, installed, run_nccl
+from .fakenccl import AsyncRuntime, FakeNccl, HostRuntime, installed, run_nccl
 from .helpers import (
     GPU_PAIRS,
     GPU_STEPS,
@@ -99,32 +100,44 @@ def test_batch_send_recv_lets_a_ring_exchange_in_one_step():
     assert fake.calls["send"] == fake.calls["recv"] == 3
 
 
+def _on_threads(fn, world: int, fake: FakeNccl) -> list:
+    """``fn(rank)`` for every rank, each on a thread of its own, results in rank order. Every wait is bounded: a rank
+    that fails releases the others (``abort_all``), and a thread still running after 120 s fails the test."""
+    results, errors = [None] * world, []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # pytest's own failures too: reported below
+            errors.append(e)
+            fake.abort_all(f"rank {rank} failed: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.parametrize("cupy_version", [14, 13])
 def test_create_exchanges_the_id_through_the_tcp_store(cupy_version):
     """Two ranks join through torch's TCPStore. Catches the 128-byte id in the wrong form for the installed CuPy
     (bytes from 14 on, signed chars before: an unsigned byte > 127 overflows) or ranks reading different ids
     (init never completes)."""
-    fake, results, errors, port = FakeNccl(timeout=20, cupy_version=cupy_version), [None, None], [], free_port()
+    fake, port = FakeNccl(timeout=20, cupy_version=cupy_version), free_port()
 
-    def join(rank: int) -> None:
-        try:
-            comm = NCCLCommunicationBackend.create(rank, 2, "127.0.0.1", port, timeout=20)
-            t = torch.tensor([rank + 1.0])
-            comm.all_reduce(t)
-            results[rank] = t.item()
-            comm.shutdown()
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-            fake.abort_all(str(e))
+    def join(rank: int) -> float:
+        comm = NCCLCommunicationBackend.create(rank, 2, "127.0.0.1", port, timeout=20)
+        t = torch.tensor([rank + 1.0])
+        comm.all_reduce(t)
+        comm.shutdown()
+        return t.item()
 
     with installed(fake):
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors
-    assert results == [3.0, 3.0]
+        assert _on_threads(join, 2, fake) == [3.0, 3.0]
 
 
 def _subgroup_sums(comm) -> list[float]:
@@ -214,6 +227,100 @@ def test_shutdown_with_a_stuck_op_aborts_instead_of_waiting_for_the_device():
         with pytest.raises(CommunicationTimeoutError, match=r"all_reduce.*timed out"):
             comm.broadcast(torch.ones(2), 0)
         comm.shutdown()  # idempotent
+
+
+def _generation(store: dist.Store, rank: int, world: int, number: int, **kwargs) -> NCCLCommunicationBackend:
+    """Membership generation ``number``'s NCCL group, in a namespace of its own on ``store`` (as live training does)."""
+    name = f"gen-{number}"
+    return NCCLCommunicationBackend.join_group(
+        dist.PrefixStore(f"{name}/", store), rank, world, name=name, connect_timeout=60, **kwargs
+    )
+
+
+def test_survivors_of_a_dead_rank_abort_and_all_reduce_in_a_new_group():
+    """Rank 1 of 3 dies (stops posting) before an all-reduce; on a GPU-like device the survivors' op waits for it until
+    the watchdog aborts the communicator at the op timeout, and raises naming op, group and rank; they then form a
+    2-rank group through the store and all-reduce exactly; the old group refuses further ops. Catches a pending op
+    that returns its unfinished output as if complete once the abort released it (the survivors would train on a
+    half-reduced gradient), and a rebuild that reuses the old group's id or store keys."""
+    fake, store, dead = FakeNccl(timeout=60), dist.HashStore(), 1
+
+    def life(rank: int):
+        old = _generation(store, rank, 3, 0, timeout=2.0)
+        warm = torch.tensor([rank + 1.0])
+        old.all_reduce(warm)
+        if rank == dead:
+            return old  # it dies here: posts nothing more (its communicator is aborted below, as its exit would)
+        with pytest.raises(CommunicationTimeoutError) as timed_out, old.unchecked():  # as in steady-state steps
+            old.all_reduce(torch.tensor([rank + 1.0]))
+        new = _generation(store, [0, 2].index(rank), 2, 1, timeout=60)
+        t = torch.tensor([rank + 1.0, 10.0 * rank])
+        new.all_reduce(t)
+        with pytest.raises(CommunicationError) as refused:
+            old.broadcast(torch.zeros(1), 0)
+        new.shutdown()
+        old.shutdown()
+        return warm.item(), str(timed_out.value), t.tolist(), str(refused.value), old._comm._closed
+
+    with installed(fake, AsyncRuntime):
+        results = _on_threads(life, 3, fake)
+    results[dead].abort()
+    results[dead].shutdown()
+    for rank in (0, 2):
+        warm, timed_out, reduced, refused, closed = results[rank]
+        assert warm == 6.0
+        assert timed_out.startswith(f"all_reduce on group 'gen-0' failed on rank {rank}: "), timed_out
+        assert "timed out after 2s" in timed_out and "aborted" in timed_out
+        assert reduced == [4.0, 20.0]  # ranks 0 and 2 only: 1 + 3, 0 + 20
+        assert refused.startswith(f"broadcast on group 'gen-0' failed on rank {rank}: the group is unusable"), refused
+        assert "timed out" in refused and closed
+    assert not fake.stream_errors, fake.stream_errors
+
+
+def test_abort_fails_pending_work_and_the_group_is_rebuilt():
+    """A survivor told by its membership service that its peer died aborts at once, while its all-reduce already
+    waits for that peer on the device. Catches an abort that does not mark the group broken (the Work, released by
+    the abort, would return the unfinished output as if complete) and a group that cannot be formed again after it."""
+    fake, store = FakeNccl(timeout=60), dist.HashStore()
+
+    def life(rank: int):
+        comm = _generation(store, rank, 2, 0, timeout=600, validate=False)
+        if rank == 1:
+            return comm  # dies before its all-reduce
+        work = comm.all_reduce(torch.ones(2), async_op=True)
+        assert not work.is_completed()  # the device started the op: it waits for rank 1
+        comm.abort()
+        with pytest.raises(CommunicationError, match=r"all_reduce on group 'gen-0' failed on rank 0: .*ncclCommAbort"):
+            work.wait()
+        comm.shutdown()
+        alone = _generation(store, 0, 1, 1)
+        t = torch.tensor([5.0])
+        alone.all_reduce(t)
+        alone.shutdown()
+        return t.item(), comm._watchdog.is_alive()
+
+    with installed(fake, AsyncRuntime):
+        results = _on_threads(life, 2, fake)
+    results[1].abort()
+    results[1].shutdown()
+    assert results[0] == (5.0, False)
+
+
+def test_join_group_names_the_ranks_that_never_arrived():
+    """Ranks 0 and 1 of 3 join; rank 2 died before it could. Catches a join that goes on into ncclCommInitRank, which
+    waits for every rank with no timeout (the survivors would hang instead of forming the next generation), and a
+    timeout that does not say which rank is missing."""
+    fake, store = FakeNccl(timeout=10), dist.HashStore()
+
+    def join(rank: int) -> str:
+        with pytest.raises(CommunicationTimeoutError) as e:
+            NCCLCommunicationBackend.join_group(store, rank, 3, name="gen-4", connect_timeout=0.5)
+        return str(e.value)
+
+    with installed(fake):
+        for rank, message in enumerate(_on_threads(join, 2, fake)):
+            assert message.startswith(f"rank {rank}: NCCL group 'gen-4' of 3 did not form within 0.5s: rank(s) [2]")
+    assert fake.calls["allReduce"] == 0
 
 
 class _Recording(HostRuntime):

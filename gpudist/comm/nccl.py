@@ -27,6 +27,11 @@ Gloo or MPI backend of the same processes).
   of its own breaks the group with its text. ``shutdown()`` (also registered at interpreter exit) joins the
   watchdog and destroys the communicator once this rank's ops have completed, or aborts it when they have not by
   their deadline: it never waits on the device unbounded.
+- Rebuilding after a failure, without leaving Python: a survivor calls :meth:`~NCCLCommunicationBackend.abort` on
+  the old group (``ncclCommAbort``: local, it never waits for the dead peer; the watchdog does the same when an op
+  times out), then every member of the next group calls :meth:`~NCCLCommunicationBackend.join_group` with a fresh
+  name: rank 0 publishes a new unique id through a ``torch.distributed`` store, and a rank that never arrives is
+  reported after ``connect_timeout``. An NCCL communicator cannot drop a rank, so a new one is the only way on.
 - Consistency check (``validate=True``): one all-gather of the 14-int64 signature, read on the host, so it
   costs a device synchronization per op; gpudist's strategies turn it off around ops that agree by construction
   (``comm.unchecked()``). ``send``/``recv`` shapes are not cross-checked on NCCL (the handshake the CPU backends
@@ -261,6 +266,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._subgroups = 0
         self._inflight: list[_InFlight] = []
         self._lock = threading.Lock()
+        self._comm_lock = threading.Lock()  # the watchdog's async-error check vs. freeing the communicator
+        self._comm_gone = False  # destroyed or aborted: the handle must not be passed to NCCL again
         self._stop = threading.Event()
         self._shut = False
         self._watchdog = threading.Thread(target=self._watch, name=f"gpudist-nccl-watchdog-r{rank}", daemon=True)
@@ -358,14 +365,86 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """
         from .gloo import create_store, join_timeout
 
-        join = join_timeout(timeout, connect_timeout)
         if store is None:
-            store = create_store(master_addr, master_port, rank, world_size, join)
-        key = "gpudist/nccl/unique_id"
+            store = create_store(master_addr, master_port, rank, world_size, join_timeout(timeout, connect_timeout))
+        return cls.join_group(
+            store,
+            rank,
+            world_size,
+            name="world",
+            device=device,
+            timeout=timeout,
+            validate=validate,
+            connect_timeout=connect_timeout,
+        )
+
+    @classmethod
+    def join_group(
+        cls,
+        store: torch.distributed.Store,
+        rank: int,
+        world_size: int,
+        *,
+        name: str,
+        device: int | torch.device | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        validate: bool = True,
+        connect_timeout: float | None = None,
+    ) -> NCCLCommunicationBackend:
+        """Form a new NCCL group of ``world_size`` ranks meeting on ``store``: rank 0 publishes a fresh unique id under
+        the group's name, every rank marks its arrival and waits (at most ``connect_timeout``) for the id and for
+        every other rank's arrival, then all call ``ncclCommInitRank``. A survivor of a failed group calls this after
+        :meth:`abort` on the old one (live elastic training forms one group per membership generation).
+
+        The arrival marks are there because ``ncclCommInitRank`` waits for every rank without a timeout (CuPy offers
+        no non-blocking init): a member that died before joining is reported here, by rank, instead of hanging the
+        init. One that dies between its arrival and the end of the init still hangs it (bound it from outside, as
+        :meth:`gpudist.live.Membership.while_alive` does). Names must not repeat on one store: a rank would read the
+        earlier group's id (give each group its own name, or its own ``dist.PrefixStore``).
+
+        Args:
+            store: Where the ranks exchange the id (every rank passes the same one).
+            rank: This process's rank in the new group.
+            world_size: The number of ranks in the new group.
+            name: The group's name in the store's keys and in errors (e.g. ``"live-gen-3"``).
+            device: This rank's CUDA device; None: the current one.
+            timeout: Seconds every op may take.
+            validate: Check every collective's call signature across ranks.
+            connect_timeout: Seconds to wait for every rank to arrive (default: as :meth:`create`).
+
+        Returns:
+            This rank's backend of the new group.
+
+        Raises:
+            CommunicationTimeoutError: When a rank did not arrive within ``connect_timeout`` (it died, or never called
+                this); the message lists the missing ranks.
+            CommunicationError: As the constructor raises.
+            ValueError: When ``rank`` is not in ``0..world_size-1`` or a timeout is not positive.
+        """
+        from .gloo import join_timeout
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={world_size}")
+        join = join_timeout(timeout, connect_timeout)
+        ident, arrived = (
+            f"gpudist/nccl/{name}/unique_id",
+            [f"gpudist/nccl/{name}/arrived/{r}" for r in range(world_size)],
+        )
         if rank == 0:
-            store.set(key, cls.unique_id())
-        store.wait([key], datetime.timedelta(seconds=join))
-        return cls(rank, world_size, store.get(key), device=device, timeout=timeout, validate=validate)
+            store.set(ident, cls.unique_id())
+        store.set(arrived[rank], b"1")
+        try:
+            store.wait([ident, *arrived], datetime.timedelta(seconds=join))
+        except RuntimeError as e:  # DistStoreError: a rank never arrived
+            missing = [r for r, key in enumerate(arrived) if not store.check([key])]
+            raise CommunicationTimeoutError(
+                f"rank {rank}: NCCL group {name!r} of {world_size} did not form within {join:g}s: rank(s) {missing} "
+                f"never arrived (died, or never called join_group) ({first_line(e)})",
+                op="init",
+                group=name,
+                rank=rank,
+            ) from e
+        return cls(rank, world_size, store.get(ident), device=device, timeout=timeout, validate=validate, group=name)
 
     @property
     def device(self) -> torch.device:
@@ -408,6 +487,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         def wait() -> None:
             self._raise_if_broken(op)
             self._rt.wait(event)
+            self._raise_if_broken(op)  # aborted while pending: the kernel was released with its output unfinished
             if then is not None:
                 then()
 
@@ -439,10 +519,12 @@ class NCCLCommunicationBackend(CommunicationBackend):
         late = next((f for f in inflight if id(f) not in done and now > f.deadline), None)
         with self._lock:
             self._inflight = [f for f in self._inflight if id(f) not in done]
-        try:
-            self._comm.check_async_error()
-        except RuntimeError as e:
-            return self._error(f"NCCL reported an asynchronous error: {e}", "async")
+        with self._comm_lock:
+            try:
+                if not self._comm_gone:
+                    self._comm.check_async_error()
+            except RuntimeError as e:
+                return self._error(f"NCCL reported an asynchronous error: {e}", "async")
         if late is not None:
             return self._error(
                 f"timed out after {self.timeout:g}s: a peer never called {late.op}, hangs, or died; the NCCL "
@@ -457,8 +539,38 @@ class NCCLCommunicationBackend(CommunicationBackend):
         stuck waiting for a dead peer)."""
         self._mark_broken(problem)
         self._stop.set()
-        with contextlib.suppress(Exception):  # already aborted or destroyed: nothing left to release
-            self._comm.abort()
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
+        """``ncclCommAbort`` (``abort``) or ``ncclCommDestroy``, once, under the lock the watchdog's async-error check
+        takes: CuPy frees the communicator in both, and a check running beside it would read freed memory."""
+        with self._comm_lock:
+            if self._comm_gone:
+                return
+            self._comm_gone = True
+            if not abort:
+                self._comm.destroy()
+                return
+            with contextlib.suppress(Exception):  # an abort is best effort: there is nothing left to release it with
+                self._comm.abort()
+
+    def abort(self) -> None:
+        """Abort the communicator now (``ncclCommAbort``): what a survivor calls on its group once a peer died, before
+        forming the next group with :meth:`join_group`.
+
+        It is local: it never waits for the dead peer, and releases this rank's kernels stuck waiting for it. The
+        backend is unusable afterwards: every later op, and the ``wait()`` of every op still pending, raises
+        :class:`CommunicationError` naming this group, rank and the first failure (a watchdog timeout that came first
+        stays the reason). Peers are not told: each aborts its own communicator (or its watchdog does at its op
+        timeout). Idempotent; :meth:`shutdown` after it only stops the watchdog.
+        """
+        self._abort(
+            self._error(
+                "the communicator was aborted (ncclCommAbort) on this rank, e.g. because a peer died; form a new "
+                "group with NCCLCommunicationBackend.join_group",
+                "abort",
+            )
+        )
 
     def _gather_signatures(self, op: str, mine: torch.Tensor, everyone: torch.Tensor) -> None:
         src, dst = mine.to(self._device), torch.empty(everyone.numel(), dtype=torch.int64, device=self._device)
@@ -620,8 +732,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def shutdown(self) -> None:
         """Stop the watchdog, then destroy the communicator once this rank's ops in flight have completed, or abort it
-        if they have not by their deadline (a dead or stuck peer): it returns within the op timeout, never waits on
-        the device unbounded. Idempotent; also called at interpreter exit."""
+        if they have not by their deadline (a dead or stuck peer) or the group is already broken (``ncclCommDestroy``
+        could wait for the failed peer): it returns within the op timeout, never waits on the device unbounded.
+        Idempotent; also called at interpreter exit."""
         if self._shut:
             return
         self._shut = True
@@ -634,7 +747,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
                 if problem is not None:
                     self._abort(problem)
                 elif not self._inflight:
-                    self._comm.destroy()
+                    self._close(abort=False)
                     return
                 else:
                     time.sleep(0.01)
+            self._close(abort=True)  # broken by an op's error (no abort yet) or by the watchdog (a no-op then)
