@@ -38,17 +38,40 @@ from .checkpoint import (
 )
 from .config import ShardingConfiguration
 from .flat import exchange_bytes
-from .strategies.optimizer import DataParallelWrapper
-from .strategies.zero import data_parallel_optimizer
+from .strategies.ddp import DDPModel
+from .strategies.fsdp import ZeRO3Model, ZeRO3Optimizer
+from .strategies.model import ShardedModel
+from .strategies.optimizer import DataParallelWrapper, ShardedOptimizer
+from .strategies.zero import ZeRO2Model, data_parallel_optimizer
 
-__all__ = ["ElasticOptimizer"]
+__all__ = ["ElasticOptimizer", "elastic_classes"]
 
 _SCALING = {None: lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": math.sqrt}
 _PREFIX = "step-"
 
 
+def elastic_classes(zero_stage: int) -> tuple[type[ShardedModel], type[ShardedOptimizer]]:
+    """The model wrapper and data-parallel optimizer for ``zero_stage``: 0 (DDP, replicated state), 1 (ZeRO-1) and
+    2 (ZeRO-2) as :func:`~gpudist.strategies.zero.data_parallel_optimizer` maps them, 3 (ZeRO-3: parameters split
+    too). ZeRO-2 frees the gradients it does not own and ZeRO-3 the parameters, so each has its own model; stages 0
+    and 1 reduce gradients with DDP.
+
+    Raises:
+        ValueError: When ``zero_stage`` is not 0, 1, 2 or 3.
+    """
+    if zero_stage == 3 and not isinstance(zero_stage, bool):
+        return ZeRO3Model, ZeRO3Optimizer
+    try:
+        optimizer_class = data_parallel_optimizer(zero_stage)
+    except ValueError:
+        raise ValueError(
+            f"zero_stage={zero_stage!r}; use 0 (replicated state), 1 (ZeRO-1), 2 (ZeRO-2) or 3 (ZeRO-3)"
+        ) from None
+    return (ZeRO2Model if zero_stage == 2 else DDPModel), optimizer_class
+
+
 class ElasticOptimizer(DataParallelWrapper):
-    """Data parallelism (replicated state, or ZeRO-1/2 with ``zero_stage``) with resumable, asynchronous,
+    """Data parallelism (replicated state, or ZeRO-1/2/3 with ``zero_stage``) with resumable, asynchronous,
     atomic checkpoints: see the module doc.
 
     ``model``: the module (or ``ShardedModel`` wrapper) whose parameters this optimizer steps; by default the
@@ -69,7 +92,8 @@ class ElasticOptimizer(DataParallelWrapper):
             (created if missing).
         checkpoint_every: Steps between checkpoints (>= 1); a failure redoes at most that many steps.
         model: The module or ``ShardedModel`` to checkpoint; None: the wrapper built with ``config``.
-        zero_stage: 0 (replicated state), 1 (ZeRO-1) or 2 (ZeRO-2).
+        zero_stage: 0 (replicated state), 1 (ZeRO-1), 2 (ZeRO-2) or 3 (ZeRO-3; the model must be the
+            :class:`~gpudist.ZeRO3Model` built with ``config``: :func:`elastic_classes` gives the pair).
         batch_size: Samples per rank per step, to count ``samples_seen``; None: not counted.
         lr_scaling: None, ``"linear"`` or ``"sqrt"``, as described in the module doc.
         base_world_size: The world size the groups' base learning rates are meant for; None: this run's (or the
@@ -82,7 +106,8 @@ class ElasticOptimizer(DataParallelWrapper):
             neither a ``ShardingConfiguration`` nor a ``ShardedModel``, or there is no model (no ``model`` and no
             wrapper built with ``config``).
         ValueError: When ``checkpoint_every``, ``zero_stage``, ``lr_scaling``, ``batch_size``, ``keep`` or
-            ``base_world_size`` is invalid, or the data-parallel optimizer refuses the parameters (ZeRO: no
+            ``base_world_size`` is invalid, ``zero_stage=3`` comes without a ``ZeRO3Model`` (or a ``ZeRO3Model``
+            with another stage), or the data-parallel optimizer refuses the parameters (ZeRO: no
             trainable parameter, mixed dtypes or devices, layouts that differ between ranks).
         CheckpointError: When ``resume`` finds a checkpoint that cannot be loaded into the model and optimizer.
     """
@@ -110,7 +135,7 @@ class ElasticOptimizer(DataParallelWrapper):
                 f"checkpoint_every={checkpoint_every!r} must be an integer >= 1 (steps between "
                 "checkpoints; a failure redoes at most that many steps)"
             )
-        inner_class = data_parallel_optimizer(zero_stage)
+        model_class, inner_class = elastic_classes(zero_stage)
         if lr_scaling not in _SCALING:
             raise ValueError(f"lr_scaling={lr_scaling!r}; use None, 'linear' or 'sqrt'")
         if batch_size is not None and (
@@ -128,6 +153,13 @@ class ElasticOptimizer(DataParallelWrapper):
             raise TypeError(
                 "ElasticOptimizer needs the model it checkpoints: build a DDPModel/ZeRO model with the "
                 "same config first, or pass model=your_module"
+            )
+        if (zero_stage == 3) != isinstance(module, ZeRO3Model):  # the other stages' optimizers step whole parameters
+            raise ValueError(
+                f"zero_stage={zero_stage} with a {type(module).__name__}: ZeRO-3 shards the parameters, so its "
+                f"optimizer pairs only with a ZeRO3Model and a ZeRO3Model only with zero_stage=3; build the model "
+                f"as {model_class.__name__} (gpudist.elastic.elastic_classes({zero_stage})[0]) or pass the "
+                "zero_stage it was built for"
             )
         shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         if shared_store and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:

@@ -28,18 +28,21 @@ worker is restarted and reloads the last checkpoint. Live mode keeps the process
   the lowest rank at the highest step sends a whole copy (:func:`~gpudist.checkpoint.snapshot_state`) by broadcast,
   unless everyone is already there (each then reloads its own copy, no traffic). So a survivor whose peer applied
   the failed step before the failure (a ring all-reduce can complete on some ranks and not others) catches up
-  instead of anyone applying it twice. ZeRO-1/2 (sharded state): when no member of ``g`` was lost (a join, a
-  scale-up), every old member's shard snapshot is all-gathered and each rank loads its new ranges from their union
-  (resharding live); when a member was lost, its optimizer shard is gone, and every member loads the newest
-  complete checkpoint from ``checkpoint_dir``, resharded (steps since it are redone, in the same processes).
+  instead of anyone applying it twice. ZeRO-1/2/3 (sharded state; ZeRO-3 shards the parameters too): when no member
+  of ``g`` was lost (a join, a scale-up), every old member's shard snapshot is all-gathered and each rank loads its
+  new ranges from their union (resharding live); when a member was lost, its shard is gone, and every member loads
+  the newest complete checkpoint from ``checkpoint_dir``, resharded (steps since it are redone, in the same
+  processes), unless ``redundancy="buddy"`` kept a mirror of it on the next rank: then the survivors rebuild it
+  from the mirrors, at the step they had reached.
 * **The failed step is retried** at the new world size with the same global batch: the batch is split over the
   members by numpy's ``array_split`` rule (contiguous shares, the first ``G % N`` one sample larger), each rank's
   summed loss is scaled by ``N / G`` and the gradients averaged over the ``N`` ranks, so every step minimizes the
   mean loss over the same ``G`` samples at any world size: the result equals uninterrupted training up to float
   reassociation (a different summation order of the same terms).
 
-Limits: one process per member; Gloo (CPU) or in-memory groups (tests); ZeRO-3 is not supported; when every
-member of a generation dies the job stops (relaunch it: the checkpoint is the fallback).
+Limits: one process per member; Gloo (CPU) or in-memory groups (tests); plain ZeRO-3 over the whole group (no
+HSDP or hpZ groups); when every member of a generation dies the job stops (relaunch it: the checkpoint is the
+fallback).
 """
 
 from __future__ import annotations
@@ -67,10 +70,8 @@ from .checkpoint import load_snapshots, snapshot_state
 from .comm import CommunicationBackend, CommunicationError, GlooCommunicationBackend, InMemoryCommunicationBackend
 from .comm.gloo import is_loopback
 from .config import ShardingConfiguration
-from .elastic import ElasticOptimizer
+from .elastic import ElasticOptimizer, elastic_classes
 from .flat import exchange_bytes
-from .strategies.ddp import DDPModel
-from .strategies.zero import ZeRO2Model
 
 __all__ = [
     "STORE_ENV",
@@ -593,13 +594,12 @@ class _BuddyMirror:
 
 
 def _wrap(module: nn.Module, config: ShardingConfiguration, zero_stage: int) -> nn.Module:
-    """The wrapper that pairs with ``ElasticOptimizer(zero_stage=...)``: ZeRO-2 frees the gradients it does not own,
-    so it has its own model; stages 0 and 1 reduce gradients with DDP."""
-    return (ZeRO2Model if zero_stage == 2 else DDPModel)(module, config)
+    """The wrapper that pairs with ``ElasticOptimizer(zero_stage=...)`` (:func:`~gpudist.elastic.elastic_classes`)."""
+    return elastic_classes(zero_stage)[0](module, config)
 
 
 class LiveElasticTrainer:
-    """Data-parallel training (DDP, or ZeRO-1/2 with ``zero_stage``) that survives workers dying and joining
+    """Data-parallel training (DDP, or ZeRO-1/2/3 with ``zero_stage``) that survives workers dying and joining
     without restarting anyone (see the module doc for the protocol).
 
     A class of its own rather than ``ElasticOptimizer(mode="live")``: a failed step has to be re-run with the global
@@ -615,18 +615,20 @@ class LiveElasticTrainer:
         membership: This worker's :class:`Membership`.
         checkpoint_dir: Checkpoints (the fallback when sharded state is lost), as :class:`~gpudist.ElasticOptimizer`.
         checkpoint_every: Steps between checkpoints.
-        zero_stage: 0 (replicated state), 1 or 2.
+        zero_stage: 0 (replicated state), 1, 2 or 3 (ZeRO-3: :attr:`model` is a :class:`~gpudist.ZeRO3Model`, whose
+            module holds no parameters between forwards: read them with ``model.gather_full_parameters()``).
         backend: ``"gloo"`` (processes) or ``"inmemory"`` (threads of one process: tests).
         timeout: Seconds every collective may take (bounds the detection of a hung peer).
         connect_timeout: Seconds a new generation's group may take to connect while all its members heartbeat (one
             that stops is detected after ``failure_timeout`` instead: :meth:`Membership.while_alive`). None:
             ``timeout``.
         config_options: Passed to :class:`~gpudist.ShardingConfiguration` (e.g. ``bucket_cap_mb``).
-        redundancy: None, or ``"buddy"`` (ZeRO-1/2 only): after each step every rank's shard snapshot is mirrored to
-            the next rank (async, waited for before the next step's optimizer update), so when members die the
-            survivors rebuild the state from those mirrors, live, instead of reloading the checkpoint, as long as no
-            member died together with its buddy. Costs host memory of about four shard snapshots per rank (two own,
-            two mirrored; :attr:`buddy_bytes`) and a snapshot plus a send/recv per step.
+        redundancy: None, or ``"buddy"`` (ZeRO-1/2/3 only): after each step every rank's shard snapshot (its optimizer
+            shard and its share of the parameters, at stage 3 their only copy) is mirrored to the next rank (async,
+            waited for before the next step's optimizer update), so when members die the survivors rebuild the state
+            from those mirrors, live, instead of reloading the checkpoint, as long as no member died together with its
+            buddy. Costs host memory of about four shard snapshots per rank (two own, two mirrored; :attr:`buddy_bytes`)
+            and a snapshot plus a send/recv per step.
     """
 
     def __init__(
@@ -646,14 +648,14 @@ class LiveElasticTrainer:
     ):
         if backend not in ("gloo", "inmemory"):
             raise ValueError(f"backend={backend!r}; use 'gloo' or 'inmemory'")
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={zero_stage!r}; live mode supports 0 (DDP), 1 and 2")
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r}; use 0 (DDP), 1, 2 or 3 (ZeRO-1/2/3)")
         if redundancy not in (None, "buddy"):
             raise ValueError(f"redundancy={redundancy!r}; use None or 'buddy'")
         if redundancy == "buddy" and zero_stage == 0:
             raise ValueError(
                 "redundancy='buddy' mirrors sharded state; with zero_stage=0 every rank holds the whole state already "
-                "(use zero_stage=1 or 2, or leave redundancy=None)"
+                "(use zero_stage=1, 2 or 3, or leave redundancy=None)"
             )
         self.build_module = build_module
         self.build_optimizer = build_optimizer

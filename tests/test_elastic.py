@@ -19,6 +19,7 @@ from torch import nn
 import gpudist
 from gpudist import read_manifest
 from gpudist.checkpoint import CheckpointWrite, remove_stale_staging
+from gpudist.elastic import elastic_classes
 from gpudist.testing import elastic_job, free_port, run_ranks
 
 from .tolerances import assert_matches_reference, reference_pair
@@ -44,7 +45,7 @@ def reference(steps: int, dtype=torch.float32) -> torch.Tensor:
 def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: bool, lr_scaling=None):
     """Train the elastic job's model from the newest checkpoint under ``root`` up to step ``until``."""
     config = gpudist.ShardingConfiguration(comm)
-    model = elastic_job.wrap(elastic_job.build_model(), config, zero_stage)
+    model = elastic_classes(zero_stage)[0](elastic_job.build_model(), config)
     opt = gpudist.ElasticOptimizer(
         elastic_job.make_optimizer(model.parameters()),
         config,
@@ -64,7 +65,7 @@ def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: boo
         opt.zero_grad()
     if finish:
         opt.finish()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    flat = model.gather_full_parameters()
     return start, flat, opt.history, opt.samples_seen, lr
 
 
@@ -85,13 +86,13 @@ def test_restart_falls_back_to_an_older_checkpoint_when_the_newest_is_damaged(tm
     assert [start for start, *_ in results] == [read_manifest(older)["step"]] * 2
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_resume_at_other_world_sizes_equals_uninterrupted_training(tmp_path, zero_stage):
-    """3 ranks train 7 steps (checkpoints at 3 and 6) and stop without finishing, as a crash would; 2 ranks resume
-    from step 6 and train to 12; 3 ranks resume from 12 to 15. The result must equal single-process training for
-    15 steps, so no step was lost or applied twice and the AdamW state (sharded by ZeRO at stages 1-2) was resharded
-    3 -> 2 -> 3 correctly. Catches resuming from a checkpoint that is not the newest, a step counter off by one,
-    optimizer state dropped or misplaced on resharding, and samples_seen/history not carried over."""
+    """3 ranks train 7 steps (checkpoints at 3 and 6) and stop without finishing, as a crash would; 2 ranks resume from
+    step 6 and train to 12; 3 ranks resume from 12 to 15. The result must equal single-process training for 15 steps, so
+    no step was lost or applied twice and the AdamW state (sharded by ZeRO at stages 1-2, the parameters too at stage 3)
+    was resharded 3 -> 2 -> 3 correctly. Catches resuming from a checkpoint that is not the newest, a step counter off
+    by one, optimizer state dropped or misplaced on resharding, and samples_seen/history not carried over."""
     root = str(tmp_path / "ckpt")
     first = run_ranks(_train, 3, "inmemory", root=root, until=7, every=3, zero_stage=zero_stage, finish=False)
     assert first[0][0] == 0
@@ -164,20 +165,38 @@ def test_an_uncommitted_save_is_never_loaded(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-1"]
 
 
+_BAD = {
+    "every": {"checkpoint_every": 0},
+    "scaling": {"lr_scaling": "cubic"},
+    "stage": {"zero_stage": 4},
+    "model": {},
+    "plain-zero3": {"zero_stage": 3},
+    "zero3-stage1": {"zero_stage": 1},
+}
+
+
 def _bad(comm, case: str, root: str):
-    module = nn.Linear(4, 2)
     config = gpudist.ShardingConfiguration(comm)
+    module = gpudist.ZeRO3Model(nn.Linear(4, 2), config) if case == "zero3-stage1" else nn.Linear(4, 2)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    kwargs = {"checkpoint_every": 0} if case == "every" else {"lr_scaling": "cubic"} if case == "scaling" else {}
-    gpudist.ElasticOptimizer(opt, config, root, model=None if case == "model" else module, **kwargs)
+    gpudist.ElasticOptimizer(opt, config, root, model=None if case == "model" else module, **_BAD[case])
 
 
 @pytest.mark.parametrize(
     "case,message",
-    [("every", "checkpoint_every=0"), ("scaling", "lr_scaling='cubic'"), ("model", "needs the model it checkpoints")],
+    [
+        ("every", "checkpoint_every=0"),
+        ("scaling", "lr_scaling='cubic'"),
+        ("stage", r"zero_stage=4; use 0 .* or 3 \(ZeRO-3\)"),
+        ("model", "needs the model it checkpoints"),
+        ("plain-zero3", "zero_stage=3 with a Linear: .* build the model as ZeRO3Model"),
+        ("zero3-stage1", "zero_stage=1 with a ZeRO3Model: .* build the model as DDPModel"),
+    ],
 )
 def test_bad_input_is_refused(tmp_path, case, message):
-    """Bad settings raise an error naming the value and the fix, before anything is read or written."""
+    """Bad settings raise an error naming the value and the fix, before anything is read or written. Catches a
+    ZeRO-3 model stepped by a stage-0-2 optimizer (it would treat the shards as whole parameters) or a ZeRO-3
+    optimizer over an unsharded model, refused only later or with a message naming neither."""
     with pytest.raises(gpudist.testing.RanksFailedError, match=message):
         run_ranks(_bad, 1, "inmemory", case=case, root=str(tmp_path))
 

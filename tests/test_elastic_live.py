@@ -40,6 +40,22 @@ class Death(BaseException):
     """A simulated kill: not an Exception, so nothing in the trainer catches it."""
 
 
+class OutputFaults(Faults):
+    """:class:`Faults` whose ``backward`` point is reached when the first layer's output gradient is computed (the
+    later layers' gradients are in flight then, as with the weight hook): ZeRO-3 replaces the module's parameters by
+    its shards, so a hook on the first layer's weight never fires there."""
+
+    def build_module(self):
+        module = super().build_module()
+        if self.where == "backward":
+
+            def watch(layer, inputs, output) -> None:  # returning anything would replace the output
+                output.register_hook(lambda grad: self.at("backward"))
+
+            module[0].register_forward_hook(watch)
+        return module
+
+
 @functools.cache
 def _refs(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return reference(steps, torch.float32), reference(steps, torch.float64)
@@ -78,12 +94,19 @@ def _run(
                 groups.append(super()._group(g))
                 return groups[-1]
 
+            def _form(self, g):
+                heal = super()._form(g)
+                # ZeRO's fused update never calls the torch optimizer's step, whose pre-hook Faults uses: hook the
+                # data-parallel optimizer's own step (before its gradient-norm all-reduce) as well.
+                self.optimizer.inner.register_step_pre_hook(lambda *_: faults.at("optimizer"))
+                return heal
+
         def kill():
             if doomed is not None:
                 doomed.wait()
             raise Death
 
-        faults = Faults(step, where, kill)
+        faults = OutputFaults(step, where, kill)
         membership = Membership.connect(
             service.address, job=job, min_size=first, failure_timeout=1.0, join_timeout=LIMIT
         )
@@ -109,7 +132,7 @@ def _run(
                     _wait(lambda: membership.store.add("joins", 0) > first)
                 trainer.train_step(elastic_job.batch, faults.loss)
             trainer.finish()
-            flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
+            flat = trainer.model.gather_full_parameters()  # ZeRO-3: collective over the last generation
             results[name] = (flat, trainer.events)
         except Death:
             for comm in groups:
@@ -198,12 +221,13 @@ def test_a_death_while_a_newcomer_is_admitted_is_detected_by_heartbeat(tmp_path)
     assert results["newcomer"][1][0]["heal"] == "peer"
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_zero_falls_back_to_the_checkpoint_when_a_shard_is_lost_and_reshards_live_on_a_join(tmp_path, zero_stage):
-    """Catches ZeRO state handled as if it were replicated: when a member dies its optimizer shard is gone, so the
-    survivors must reload the newest checkpoint (redoing the steps since it, in-process), and when a newcomer joins
-    with nobody lost, the shards must be resharded live over the new group (heal "peers"); a lost or misplaced shard
-    moves the final model far from the reference."""
+    """Catches ZeRO state handled as if it were replicated: when a member dies (in backward: ZeRO-3's parameter
+    gathers and gradient reduce-scatters in flight) its shard is gone, so the survivors must reload the newest
+    checkpoint (redoing the steps since it, in-process), and when a newcomer joins with nobody lost, the shards
+    (ZeRO-3: the parameters' too) must be resharded live over the new group, the joiner ending equal to the
+    survivors (heal "peers"); a lost or misplaced shard moves the final model far from the reference."""
     results = _run(
         tmp_path,
         f"zero{zero_stage}",
@@ -253,12 +277,13 @@ def test_gloo_processes_survive_a_sigkill_and_a_replacement_heals_over_gloo(tmp_
     assert any(e["heal"] == "peer" for _, ev in results.values() for e in ev)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_buddy_mirrors_rebuild_a_dead_members_zero_shard_without_redoing_a_step(tmp_path, zero_stage):
     """Catches a buddy mirror that is missing, stale or loaded into the wrong ranges: two members die one after the
-    other (backward of step 3, while ZeRO-2's reduce-scatters are in flight; forward of step 6), each time the
-    survivors must rebuild the dead member's optimizer shard from its buddy's mirror (heal "buddy", no checkpoint
-    exists) at the step they had reached (0 steps redone) and end where single-process training ends."""
+    other (backward of step 3, while ZeRO-2/3's reduce-scatters are in flight; forward of step 6), each time the
+    survivors must rebuild the dead member's optimizer shard (ZeRO-3: and parameter shard) from its buddy's mirror (heal
+    "buddy", no checkpoint exists) at the step they had reached (0 steps redone) and end where single-process training
+    ends."""
     results = _run(
         tmp_path,
         f"buddy{zero_stage}",
@@ -272,6 +297,18 @@ def test_buddy_mirrors_rebuild_a_dead_members_zero_shard_without_redoing_a_step(
     assert [(e["world"], e["heal"]) for e in events] == [(3, "initial"), (2, "buddy"), (1, "buddy")], events
     assert [e["step"] - e["completed_before"] for e in events[1:]] == [0, 0], events  # nothing redone
     assert [e["step"] for e in events[1:]] == [3, 6]
+
+
+def test_zero3_buddy_rebuilds_a_member_that_died_inside_the_optimizer_step(tmp_path):
+    """Catches a ZeRO-3 death inside the optimizer step (the survivors wait in its gradient-norm all-reduce) that is
+    not survived, or not rebuilt from the mirrors: the survivors must rebuild the dead member's parameter and
+    optimizer shards from its buddy's mirror at the step they had completed (0 steps redone), retry the failed step
+    at two ranks and end where single-process training ends."""
+    results = _run(tmp_path, "buddy3-step", [None, None, (4, "optimizer")], steps=6, zero_stage=3, redundancy="buddy")
+    _check(results, 6, {"w0", "w1"})
+    events = results["w0"][1]
+    assert [(e["world"], e["heal"]) for e in events] == [(3, "initial"), (2, "buddy")], events
+    assert events[1]["step"] == events[1]["completed_before"] == 4, events
 
 
 def test_buddy_falls_back_to_the_checkpoint_when_a_member_dies_with_its_buddy(tmp_path):
