@@ -100,9 +100,9 @@ class TrainConfig:
     live: bool = False
     """--strategy elastic without restarts: gpudist.live workers that survive a member's death in-process."""
     zero_stage: int = 0
-    """Live mode: 0 (replicated state, DDP), 1 or 2 (sharded optimizer state)."""
+    """Live mode: 0 (replicated state, DDP), 1, 2 or 3 (sharded optimizer state; 3 shards the parameters too)."""
     redundancy: str | None = None
-    """Live mode with zero_stage 1 or 2: "buddy" mirrors each rank's shard on the next rank (no disk on a death)."""
+    """Live mode with zero_stage 1, 2 or 3: "buddy" mirrors each rank's shard on the next rank (no disk on a death)."""
     kill_at: int | None = None
     """Live mode, a demo of a failure: the last of the first workers SIGKILLs itself in step kill_at's forward."""
     replacements: int = 1
@@ -787,15 +787,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     parser.add_argument(
         "--zero-stage",
         type=int,
-        choices=[0, 1, 2],
+        choices=[0, 1, 2, 3],
         default=defaults.zero_stage,
-        help="--live: 0 (DDP), or shard the optimizer state (1) and gradients (2)",
+        help="--live: 0 (DDP), or shard the optimizer state (1), gradients (2) and parameters (3)",
     )
     parser.add_argument(
         "--redundancy",
         choices=["buddy"],
         default=None,
-        help="--live with --zero-stage 1|2: mirror each rank's shard on the next rank, so a death heals from memory",
+        help="--live with --zero-stage 1|2|3: mirror each rank's shard on the next rank, so a death heals from memory",
     )
     parser.add_argument(
         "--kill-at",
@@ -849,7 +849,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     if (args.live and args.strategy != "elastic") or (live_options and not args.live):
         parser.error("--live goes with --strategy elastic; --zero-stage, --redundancy and --kill-at with --live")
     if args.redundancy and not args.zero_stage:
-        parser.error("--redundancy buddy mirrors sharded state: add --zero-stage 1 or 2")
+        parser.error("--redundancy buddy mirrors sharded state: add --zero-stage 1, 2 or 3")
     if args.kill_at is not None and (world < 2 or not 0 <= args.kill_at <= args.steps - 3):
         parser.error(
             f"--kill-at {args.kill_at} needs --world-size >= 2 (got {world}) and a step in 0..{args.steps - 3} "

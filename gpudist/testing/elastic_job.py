@@ -39,11 +39,10 @@ def build_model() -> nn.Module:
 
 
 def wrap(module: nn.Module, config, zero_stage: int) -> nn.Module:
-    """The model wrapper that pairs with ``ElasticOptimizer(zero_stage=...)``: ZeRO-2 frees gradients it does not
-    own, so it needs its own model; stages 0 and 1 reduce gradients with DDP."""
-    import gpudist
+    """The model wrapper that pairs with ``ElasticOptimizer(zero_stage=...)`` (see ``elastic_classes``)."""
+    from gpudist.elastic import elastic_classes
 
-    return (gpudist.ZeRO2Model if zero_stage == 2 else gpudist.DDPModel)(module, config)
+    return elastic_classes(zero_stage)[0](module, config)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
