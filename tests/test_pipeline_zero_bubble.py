@@ -147,6 +147,44 @@ def test_split_backward_equals_one_backward(build, whole):
         torch.testing.assert_close(p.grad, g)
 
 
+class _Rewired(nn.Module):
+    """Builds another graph on each call: ``a`` then ``b``; ``b`` then ``a`` (the same node types, the weights on
+    the other boundaries); ``a`` on both sides of the input's path (the whole-backward fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(4, 4), nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        first, second = [(self.a, self.b), (self.b, self.a), (self.a, self.a)][self.calls % 3]
+        self.calls += 1
+        return second(torch.tanh(first(x)))
+
+
+def test_split_backward_follows_a_graph_that_changes_between_micro_batches():
+    """The boundary analysis is cached by the graph's shape; a chunk whose graph changes between micro-batches
+    (weights swapped between the same nodes, or one weight used twice) must get the plan of the graph it built.
+    Catches a cache keyed on less than the whole shape (the node types, the node count, without the parameters'
+    places): a stale plan restarts at a boundary towards the wrong weights (a weight left without its gradient)
+    or restarts where the whole backward is needed (a weight counted twice)."""
+    torch.manual_seed(0)
+    net = _Rewired()
+    params = list(net.parameters())
+    for call in range(6):
+        x = torch.randn(3, 4, requires_grad=True)
+        (out,) = outputs = [net(x)]
+        grads = [torch.randn_like(out)]
+        want = torch.autograd.grad(outputs, [x, *params], grads, retain_graph=True, allow_unused=True)
+        part = SplitBackward(outputs, grads, [x], params)
+        (dx,) = part.input_pass()
+        assert part.whole is (call % 3 == 2)
+        torch.testing.assert_close(dx, want[0])
+        part.weight_pass()
+        for p, g in zip(params, want[1:], strict=True):
+            torch.testing.assert_close(p.grad, g)
+            p.grad = None
+
+
 # ------------------------------------------------------------------------------------------------------------ parity
 
 
