@@ -39,7 +39,9 @@ class DDPModel(ShardedModel):
     Shards: nothing. Communicates: one all-reduce (average) of the gradients per step, ``2 (N-1)/N x P``
     bytes per rank on a ring, in buckets of ``config.bucket_cap_mb`` launched during backward as soon as
     each bucket's gradients are ready (the last layers' first), so communication overlaps the rest of
-    backward. ``param.grad`` are views into the flat buckets (no copy); ``no_sync()`` accumulates locally.
+    backward; on Gloo's shared-memory transport, where the all-reduce is this process's own CPU work, all buckets
+    start at the end of backward instead (overlap would only share the cores). ``param.grad`` are views into the
+    flat buckets (no copy); ``no_sync()`` accumulates locally.
     Use it when the model, its gradients and its optimizer state fit on one device.
 
     Hierarchical all-reduce (``hierarchical``): each bucket is reduce-scattered inside the node, its 1/L piece
