@@ -17,10 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpudist import ShardingConfiguration
 from gpudist.comm import CommunicationError, CommunicationTimeoutError, GlooCommunicationBackend, split_sizes
 from gpudist.comm import shm as S
 from gpudist.launch.spawn import RanksFailedError, spawn
+from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import run_ranks
+
+from .helpers import batch, flat, fresh_net, initial_state
 
 SLOT = S.REGION_BYTES_PER_RANK // 4  # fp32 elements per slot
 SIZES = [1, 123, 2 * SLOT + 7]
@@ -254,3 +258,43 @@ def test_ranks_on_different_hosts_or_opted_out_stay_on_tcp(monkeypatch):
     assert not S.shm_requested(None) and S.shm_requested(True)
     monkeypatch.setenv(S.ENV, "1")
     assert S.shm_requested(None) and not S.shm_requested(False)
+
+
+def train_over_both(comm, state, strategy: str) -> dict:
+    """Three steps of ``strategy`` over a shared-memory group and over a TCP group (several uneven buckets each);
+    the parameters after them and the bytes each group had sent when the last gradient of the first backward
+    arrived (``fc1.weight``, the final one: backward runs from the last layer)."""
+    out = {}
+    for name, group in zip(("shm", "tcp"), both_transports(comm), strict=True):
+        config = ShardingConfiguration(group, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(fresh_net(state), config)
+        opt = opt_cls(torch.optim.SGD(model.parameters(), lr=0.1), config)
+        sent = []
+        model.module.fc1.weight.register_post_accumulate_grad_hook(
+            lambda _, sent=sent, group=group: sent.append(group.stats.total_bytes)
+        )
+        for step in range(3):
+            x, y = batch(step, comm.rank, comm.world_size)
+            start = group.stats.total_bytes
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            sent[-1] -= start
+            opt.step()
+            opt.zero_grad()
+        out[name] = {"params": flat(model.module), "during_backward": sent[0]}
+        group.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_data_parallel_over_shared_memory_matches_tcp(strategy):
+    """Catches bucket all-reduces that a shared-memory group defers to the end of backward but then never starts or
+    waits for (stale or unaveraged gradients), and deferral applied where it must not be: DDP and ZeRO-1 start none
+    during backward on shared memory (there it only competes with backward for the cores), ZeRO-2 still does (its
+    full-size send buffers must be freed as backward goes), TCP always does. Two ranks add in the same order on
+    either transport, so the parameters agree exactly."""
+    results = run_ranks(train_over_both, 2, "gloo", state=initial_state(), strategy=strategy)
+    for r in results:
+        assert torch.equal(r["shm"]["params"], r["tcp"]["params"])
+        assert r["tcp"]["during_backward"] > 0
+        assert (r["shm"]["during_backward"] > 0) == (strategy == "zero2"), r

@@ -166,6 +166,7 @@ class ZeRO2Model(DDPModel):
     strategy = "zero2"
     _hook_op = "reduce_scatter"
     _flat_parameters = True
+    _defers_on_shared_memory = False  # each bucket's full-size send buffer is reduced and freed during backward
 
     @property
     def _views(self) -> bool:
