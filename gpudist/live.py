@@ -69,6 +69,7 @@ from torch import nn
 from .checkpoint import load_snapshots, snapshot_state
 from .comm import CommunicationBackend, CommunicationError, GlooCommunicationBackend, InMemoryCommunicationBackend
 from .comm.gloo import is_loopback
+from .comm.nccl import NCCLCommunicationBackend
 from .config import ShardingConfiguration
 from .elastic import ElasticOptimizer, elastic_classes
 from .flat import exchange_bytes
@@ -501,8 +502,8 @@ class _BuddyMirror:
         mirror = cls(g, member)
         mirror.own[step] = blob
         if comm.world_size > 1:
-            lengths = torch.zeros(comm.world_size, dtype=torch.int64)
-            comm.all_gather(torch.tensor([len(blob)], dtype=torch.int64), lengths)
+            lengths = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
+            comm.all_gather(torch.tensor([len(blob)], dtype=torch.int64, device=comm.device), lengths)
             mirror._send_cap = _frame_capacity(int(lengths[comm.rank]))
             mirror._recv_cap = _frame_capacity(int(lengths[(comm.rank - 1) % comm.world_size]))
             mirror._post_recv(comm, step)
@@ -521,7 +522,7 @@ class _BuddyMirror:
         return ring[(ring.index(self.member) - 1) % len(ring)]
 
     def _post_recv(self, comm: CommunicationBackend, step: int) -> None:
-        frame = torch.empty(self._recv_cap, dtype=torch.uint8)
+        frame = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
         self._recv = (comm, step, comm.recv(frame, (comm.rank - 1) % comm.world_size, async_op=True), frame)
 
     def post(self, comm: CommunicationBackend, step: int, blob: bytes) -> None:
@@ -532,7 +533,7 @@ class _BuddyMirror:
         self.mirror = {s: b for s, b in self.mirror.items() if s >= step - 1}
         if comm.world_size == 1:
             return
-        frame = torch.zeros(self._send_cap, dtype=torch.uint8)
+        frame = torch.zeros(self._send_cap, dtype=torch.uint8)  # built on the host, sent from the backend's device
         frame[:8] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
         payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         sends = [frame]
@@ -541,6 +542,7 @@ class _BuddyMirror:
         else:  # grew past the frame (an optimizer that creates state lazily): the length, then a message of its own
             sends.append(payload)
             self._send_cap = _frame_capacity(len(blob))
+        sends = [t.to(comm.device) for t in sends]
         self._sends = [comm.send(t, (comm.rank + 1) % comm.world_size, async_op=True) for t in sends]
 
     def settle(self, *, strict: bool) -> None:
@@ -557,14 +559,15 @@ class _BuddyMirror:
             # complete only once waited for, so on Gloo such a mirror is given up)
         try:
             recv.wait()
+            frame = frame.cpu()
             length = int(frame[:8].view(torch.int64))
             if 8 + length <= frame.numel():
                 self.mirror[step] = frame[8 : 8 + length].numpy().tobytes()
             else:
-                whole = torch.empty(length, dtype=torch.uint8)
+                whole = torch.empty(length, dtype=torch.uint8, device=comm.device)
                 comm.recv(whole, (comm.rank - 1) % comm.world_size)
                 self._recv_cap = _frame_capacity(length)
-                self.mirror[step] = whole.numpy().tobytes()
+                self.mirror[step] = whole.cpu().numpy().tobytes()
         except CommunicationError:
             if strict:
                 raise
@@ -617,7 +620,10 @@ class LiveElasticTrainer:
         checkpoint_every: Steps between checkpoints.
         zero_stage: 0 (replicated state), 1, 2 or 3 (ZeRO-3: :attr:`model` is a :class:`~gpudist.ZeRO3Model`, whose
             module holds no parameters between forwards: read them with ``model.gather_full_parameters()``).
-        backend: ``"gloo"`` (processes) or ``"inmemory"`` (threads of one process: tests).
+        backend: ``"gloo"`` (processes), ``"nccl"`` (processes, one GPU each: the module is moved to the backend's
+            device, a hung or dead peer is detected by the op ``timeout``, and each generation aborts the old
+            communicator and forms a new one; not MPI, which cannot drop a dead rank without ULFM) or ``"inmemory"``
+            (threads of one process: tests).
         timeout: Seconds every collective may take (bounds the detection of a hung peer).
         connect_timeout: Seconds a new generation's group may take to connect while all its members heartbeat (one
             that stops is detected after ``failure_timeout`` instead: :meth:`Membership.while_alive`). None:
@@ -646,10 +652,18 @@ class LiveElasticTrainer:
         config_options: dict[str, Any] | None = None,
         redundancy: str | None = None,
     ):
-        if backend not in ("gloo", "inmemory"):
-            raise ValueError(f"backend={backend!r}; use 'gloo' or 'inmemory'")
+        if backend not in ("gloo", "nccl", "inmemory"):
+            raise ValueError(
+                f"backend={backend!r}; use 'gloo', 'nccl' or 'inmemory' (an MPI job cannot drop a dead rank without "
+                "ULFM: see docs/strategies.md)"
+            )
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}; use 0 (DDP), 1, 2 or 3 (ZeRO-1/2/3)")
+        if backend == "nccl" and zero_stage:
+            raise ValueError(
+                f"zero_stage={zero_stage} with backend='nccl': live mode on NCCL is tested with replicated state only "
+                "(ZeRO with buddy mirrors hung in the simulated-NCCL test); use zero_stage=0, or backend='gloo'"
+            )
         if redundancy not in (None, "buddy"):
             raise ValueError(f"redundancy={redundancy!r}; use None or 'buddy'")
         if redundancy == "buddy" and zero_stage == 0:
@@ -706,8 +720,9 @@ class LiveElasticTrainer:
         name = f"live-gen-{g.number}"
 
         def connect(store: dist.Store) -> CommunicationBackend:
-            if self.backend == "gloo":  # the constructor connects the full mesh: every member is in it
-                return GlooCommunicationBackend.join_group(
+            if self.backend in ("gloo", "nccl"):  # every member is in the group once it connected; NCCL: a fresh id
+                joined = GlooCommunicationBackend if self.backend == "gloo" else NCCLCommunicationBackend
+                return joined.join_group(
                     dist.PrefixStore(f"{name}/", store),
                     rank,
                     world,
@@ -761,7 +776,7 @@ class LiveElasticTrainer:
     def _form(self, g: Generation) -> str:
         comm = self._group(g)
         config = ShardingConfiguration(comm, **self.config_options)
-        model = _wrap(self.build_module(), config, self.zero_stage)
+        model = _wrap(self.build_module().to(comm.device), config, self.zero_stage)
         torch_opt = self.build_optimizer(model.parameters())
         opt = ElasticOptimizer(
             torch_opt,
@@ -815,8 +830,8 @@ class LiveElasticTrainer:
         if self._buddy is not None:
             return self._heal_from_buddies(comm, model, opt)
         mine = self.step_count if self._state_ok else -1
-        steps = torch.zeros(comm.world_size, dtype=torch.int64)
-        comm.all_gather(torch.tensor([mine], dtype=torch.int64), steps)
+        steps = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
+        comm.all_gather(torch.tensor([mine], dtype=torch.int64, device=comm.device), steps)
         steps = steps.tolist()
         best = max(steps)
         if best < 0 or (self.zero_stage and (g.lost or min(steps[: len(g.survivors)]) != best)):
@@ -918,7 +933,7 @@ class LiveElasticTrainer:
         inputs, targets = batch
         world, rank = self.comm.world_size, self.comm.rank
         total = inputs.shape[0]
-        x, y = torch.tensor_split(inputs, world)[rank], torch.tensor_split(targets, world)[rank]
+        x, y = (torch.tensor_split(t, world)[rank].to(self.comm.device) for t in (inputs, targets))
         loss = loss_fn(self.model(x), y)
         (loss * (world / total)).backward()
         if self._buddy is not None:  # the previous step's mirrors, before this step changes any shard
@@ -945,20 +960,21 @@ class LiveElasticTrainer:
 
 
 def _release(comm: CommunicationBackend) -> None:
-    """Close a group this worker no longer uses (Gloo: its connections; in-memory groups hold nothing)."""
+    """Close a group this worker no longer uses (Gloo: its connections; NCCL: ``ncclCommAbort`` when a failure broke
+    it, ``ncclCommDestroy`` otherwise; in-memory groups hold nothing)."""
     if hasattr(comm, "shutdown"):
         comm.shutdown()
 
 
 def _broadcast_bytes(comm: CommunicationBackend, payload: bytes, src: int) -> bytes:
     """``src``'s ``payload`` on every rank (a length, then the bytes; collective)."""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=comm.device)
     comm.broadcast(length, src)
-    data = torch.zeros(int(length), dtype=torch.uint8)
+    data = torch.zeros(int(length), dtype=torch.uint8, device=comm.device)
     if comm.rank == src and payload:
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     comm.broadcast(data, src)
-    return data.numpy().tobytes()
+    return data.cpu().numpy().tobytes()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -73,12 +73,16 @@ def _run(
     hold=None,
     redundancy=None,
     together=False,
+    backend="inmemory",
+    timeout=LIMIT,
 ):
     """Run ``len(plans)`` workers (threads; ``plans[i] = (step, where)`` to die there, or None) and, once generation
     ``newcomer_after`` is decided and a member has reached step ``hold``, one newcomer; the first members wait at
     step ``hold`` until it has asked to join (so it is admitted at step ``hold + 1`` however fast the steps are).
     ``together``: the members that die wait for each other at their fault point first (so all die in one
-    generation). Return {worker: (final parameters, events)} for those that finished."""
+    generation). ``backend="nccl"`` runs the groups on the simulated NCCL (install it around the call): a killed
+    worker's communicators are aborted locally, so its peers learn of the death only at their op ``timeout``, as on
+    GPUs. Return {worker: (final parameters, events)} for those that finished."""
     service = MembershipService()
     first = len(plans)
     results: dict[str, object] = {}
@@ -119,8 +123,8 @@ def _run(
                 tmp_path / "checkpoints",
                 every,
                 zero_stage=zero_stage,
-                backend="inmemory",
-                timeout=LIMIT,
+                backend=backend,
+                timeout=timeout,
                 config_options=TINY_BUCKETS,
                 redundancy=redundancy,
                 faults=faults,
@@ -136,7 +140,7 @@ def _run(
             results[name] = (flat, trainer.events)
         except Death:
             for comm in groups:
-                comm.abort(f"{name} was killed")
+                comm.abort() if backend == "nccl" else comm.abort(f"{name} was killed")
         except BaseException as e:  # reported below
             errors[name] = f"{type(e).__name__}: {e}"
         finally:
@@ -346,3 +350,30 @@ def test_newest_covered_picks_the_newest_step_every_shard_is_held_at():
     assert newest_covered([report(7, [11, 12], [11, 12]), report(9, [11, 12], [11, 12])]) == (12, 4)
     assert newest_covered([report(7, [11, 12], [11, 12])]) is None
     assert newest_covered([newcomer]) is None
+
+
+def test_nccl_survivors_abort_and_rebuild_the_communicator(tmp_path, zero_stage=0, redundancy=None):
+    """The same protocol on the simulated NCCL (GPU-like async runtime): a member dies in backward with buckets in
+    flight; NCCL tells nobody, so the survivors' ops hang until their watchdog aborts the communicator at the op
+    timeout; each generation forms a new communicator from a fresh unique id. Catches a trainer that cannot leave a
+    hung NCCL group (a worker would hang: "a worker hung"), that reuses the old communicator or id, or that moves
+    the healed state or the batch share off the backend's device; the survivors must end where single-process
+    training ends, healing locally, 0 steps redone (ZeRO on NCCL is refused for now)."""
+    from .fakenccl import AsyncRuntime, FakeNccl, installed
+
+    with installed(FakeNccl(timeout=LIMIT), AsyncRuntime):
+        results = _run(
+            tmp_path,
+            f"nccl{zero_stage}",
+            [None, None, (3, "backward")],
+            steps=6,
+            zero_stage=zero_stage,
+            redundancy=redundancy,
+            backend="nccl",
+            timeout=3.0,
+        )
+    _check(results, 6, {"w0", "w1"})
+    failed = results["w0"][1][1]
+    assert failed["world"] == 2 and "timed out" in failed["reason"], failed
+    assert failed["heal"] == ("buddy" if redundancy else "local"), failed
+    assert failed["step"] == failed["completed_before"] == 3, failed
