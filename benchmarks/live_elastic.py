@@ -2,7 +2,8 @@
 
 Starts the membership service here and ``--world`` Gloo worker processes of ``gpudist.testing.live_job`` (the elastic
 job's MLP and global batches, DDP state). While they train, SIGKILLs a random member at random moments
-(``--kills`` times, never the last two) and starts a replacement for each at once, which imports torch and then
+(``--kills`` times, never the last two; each once the previous kill's survivors completed a step in a later
+generation) and starts a replacement for each at once, which imports torch and then
 joins the running job, healing from a peer. ``--back-to-back`` of the kills (2 by default) are followed by a second
 one as soon as the survivors complete the next step, during or just after the recovery and the replacement's
 admission (that one may leave a single member). Reports per kill: the seconds from the kill to the first step a
@@ -99,6 +100,8 @@ def run(args) -> dict:
             newest = max(recs, key=lambda r: r["time"])
             if follows and (newest["gen"] <= follows["generation"] or newest["step"] <= follows["step"]):
                 continue  # the first kill's survivors have not completed the next step yet
+            if not follows and kills and newest["gen"] <= kills[-1]["generation"]:
+                continue  # a random kill waits for the last one's recovery (a step in a later generation)
             members = {r["member"]: r for r in recs if r["gen"] == newest["gen"]}
             pids = {r["pid"]: r for r in recs if r["gen"] == newest["gen"] and "pid" in r}
             alive = [p for p in procs if p.poll() is None and p.pid in pids]
@@ -148,6 +151,14 @@ def run(args) -> dict:
                 "world_after": healed[0]["world"] if healed else None,
                 "survivor_failed_s": min((g["detected"] for g in healed), default=at) - at if healed else None,
                 "generation_formed_s": max(g["formed"] for g in healed) - at if healed else None,
+                # where the seconds went, the slowest survivor's: membership decided, group connected, state healed
+                **{
+                    f"{phase}_s": max(g[phase] for g in healed) - at
+                    if healed and all(phase in g for g in healed)
+                    else None
+                    for phase in ("decided", "connected", "healed")
+                },
+                "generations_failed_to_form": max((len(g.get("trail", [])) for g in healed), default=0),
                 "a_survivor_waited_out_the_op_timeout": any("timed out" in g["reason"] for g in healed),
             }
         )

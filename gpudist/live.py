@@ -67,7 +67,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import load_snapshots, snapshot_state
-from .comm import CommunicationBackend, CommunicationError, GlooCommunicationBackend, InMemoryCommunicationBackend
+from .comm import (
+    CommunicationBackend,
+    CommunicationError,
+    GlooCommunicationBackend,
+    InMemoryCommunicationBackend,
+    Work,
+)
 from .comm.gloo import is_loopback
 from .comm.nccl import NCCLCommunicationBackend
 from .config import ShardingConfiguration
@@ -372,6 +378,34 @@ class Membership:
             raise outcome["error"]
         return outcome["value"]
 
+    def watch(self, members: Callable[[], tuple[Generation, Any] | None], on_dead: Callable[[Any, set[int]], None]):
+        """Start a thread that reads the heartbeats of the current generation's other members every
+        ``heartbeat_interval`` (a store client of its own) and calls ``on_dead(token, dead)`` once per ``token`` when
+        some stopped for ``failure_timeout``: how a worker blocked in a collective that waits on a live peer (which
+        itself waits on the dead one, or already left the group) learns of a death without waiting out the op
+        timeout. ``members()`` returns ``(generation, token)`` (the token: the group to abort), or None while no
+        group is to be watched (one being formed is watched by :meth:`while_alive`). Stops with :meth:`close`."""
+        beats = _Heartbeats(dist.PrefixStore(self._prefix, self._connect()), self.failure_timeout)
+
+        def run() -> None:
+            fired = None
+            while not self._stop.wait(self.heartbeat_interval):
+                current = members()
+                if current is None or current[1] is fired:
+                    continue
+                g, token = current
+                try:
+                    dead = beats.dead([m for m in g.members if m != self.id], time.monotonic())
+                except Exception:  # the service is gone: the next generation decision will say so
+                    return
+                if dead:
+                    fired = token
+                    on_dead(token, dead)
+
+        thread = threading.Thread(target=run, daemon=True, name="gpudist-live-watch")
+        thread.start()
+        return thread
+
     def admission_due(self, current: Generation, step: int, rank: int) -> bool:
         """The per-step check (one store round trip; two on rank 0): whether ``current`` ends before ``step`` to
         admit newcomers. Rank 0 marks the end at the next step when a join request is pending; every rank reads
@@ -478,12 +512,14 @@ class _BuddyMirror:
     of the ZeRO model and optimizer: its share of the parameters and its optimizer shard) at the two newest steps,
     and the mirrors of its predecessor's (rank - 1's), all in the coordinates of generation ``layout``.
 
-    After each step the new snapshot goes to the buddy (rank + 1) as an async send of a fixed-size frame (sized at
-    the generation's first, synchronous exchange); the receive of the predecessor's is posted a step ahead, so its
-    data moves as soon as the predecessor sends it. The trainer waits for both before the next step's optimizer
-    update: once any rank completes a collective of step ``s + 1`` after that wait, every mirror of step ``s`` has
-    arrived. A member killed between finishing a step and its frame arriving takes that step's shard with it: the
-    survivors then rebuild the step before (one step redone).
+    After each step every rank sends its new snapshot to its buddy (rank + 1) in a fixed-size frame (sized at the
+    generation's first, synchronous exchange) and receives its predecessor's, in one :meth:`batch_send_recv` posted
+    at the same point of every rank's op sequence (so it also suits transports whose p2p runs in issue order: NCCL);
+    it moves while the next step's forward and backward run. The trainer waits for it before the next step's
+    optimizer update: once any rank completes a collective of step ``s + 1`` after that wait, every mirror of step
+    ``s`` has arrived. A snapshot that outgrew its frame (an optimizer that creates state lazily) follows in a second
+    exchange at that wait, where both ends know of it. A member killed between finishing a step and its frame
+    arriving takes that step's shard with it: the survivors then rebuild the step before (one step redone).
     """
 
     def __init__(self, layout: Generation | None = None, member: int | None = None):
@@ -493,8 +529,9 @@ class _BuddyMirror:
         self.mirror: dict[int, bytes] = {}
         self._send_cap = 0
         self._recv_cap = 0
-        self._recv: tuple[CommunicationBackend, int, Any, torch.Tensor] | None = None  # comm, step, work, frame
-        self._sends: list | None = None  # the last post's sends, until settled
+        self._pending: tuple[CommunicationBackend, int, Work, torch.Tensor, bytes | None] | None = None
+        """The last post's exchange until settled: group, step, its work, the receive frame, and this rank's
+        snapshot when it did not fit its frame (sent at the settle)."""
 
     @classmethod
     def begin(cls, comm: CommunicationBackend, g: Generation, member: int, step: int, blob: bytes) -> _BuddyMirror:
@@ -506,7 +543,6 @@ class _BuddyMirror:
             comm.all_gather(torch.tensor([len(blob)], dtype=torch.int64, device=comm.device), lengths)
             mirror._send_cap = _frame_capacity(int(lengths[comm.rank]))
             mirror._recv_cap = _frame_capacity(int(lengths[(comm.rank - 1) % comm.world_size]))
-            mirror._post_recv(comm, step)
             mirror.post(comm, step, blob)
             mirror.settle(strict=True)
         return mirror
@@ -515,19 +551,15 @@ class _BuddyMirror:
     def nbytes(self) -> int:
         """Bytes held for redundancy: own snapshots, mirrors and the frames in flight."""
         held = sum(map(len, self.own.values())) + sum(map(len, self.mirror.values()))
-        return held + (self._recv_cap if self._recv is not None else 0) + (self._send_cap if self._sends else 0)
+        return held + (self._recv_cap + self._send_cap if self._pending is not None else 0)
 
     def predecessor(self) -> int:
         ring = self.layout.members
         return ring[(ring.index(self.member) - 1) % len(ring)]
 
-    def _post_recv(self, comm: CommunicationBackend, step: int) -> None:
-        frame = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
-        self._recv = (comm, step, comm.recv(frame, (comm.rank - 1) % comm.world_size, async_op=True), frame)
-
     def post(self, comm: CommunicationBackend, step: int, blob: bytes) -> None:
-        """Keep ``blob`` (this rank's snapshot at ``step``) and start sending it to the buddy; drop what is older
-        than ``step - 1``."""
+        """Keep ``blob`` (this rank's snapshot at ``step``), start exchanging it with the buddy and the predecessor,
+        and drop what is older than ``step - 1``."""
         self.own = {s: b for s, b in self.own.items() if s >= step - 1}
         self.own[step] = blob
         self.mirror = {s: b for s, b in self.mirror.items() if s >= step - 1}
@@ -535,47 +567,55 @@ class _BuddyMirror:
             return
         frame = torch.zeros(self._send_cap, dtype=torch.uint8)  # built on the host, sent from the backend's device
         frame[:8] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
-        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        sends = [frame]
-        if 8 + len(blob) <= frame.numel():
-            frame[8 : 8 + len(blob)] = payload
-        else:  # grew past the frame (an optimizer that creates state lazily): the length, then a message of its own
-            sends.append(payload)
-            self._send_cap = _frame_capacity(len(blob))
-        sends = [t.to(comm.device) for t in sends]
-        self._sends = [comm.send(t, (comm.rank + 1) % comm.world_size, async_op=True) for t in sends]
+        fits = 8 + len(blob) <= frame.numel()
+        if fits:
+            frame[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        received = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
+        rank, world = comm.rank, comm.world_size
+        work = comm.batch_send_recv([(frame.to(comm.device), (rank + 1) % world)], [(received, (rank - 1) % world)])
+        self._pending = (comm, step, work, received, None if fits else blob)
 
     def settle(self, *, strict: bool) -> None:
-        """Complete the exchange of the last post and post the next step's receive. ``strict``: wait, and raise a
-        CommunicationError (training: a failure like any other). Otherwise (healing after a failure, the old group
-        about to be dropped) wait for the predecessor's frame only when this rank sent that step too (a dead
-        predecessor's connection errors at once; a live one sent it), and for nothing else."""
-        if self._recv is None or (strict and self._sends is None):
+        """Complete the last post's exchange. ``strict``: wait, then exchange the snapshots that outgrew their
+        frames, and raise a CommunicationError (training: a failure like any other). Otherwise (after a failure,
+        before this worker aborts the old group) wait for it on a transport whose ops progress on their own (a dead
+        peer's connection errors at once; a live one sent its frame, or fails and aborts the group too), only look
+        where p2p runs in issue order (NCCL: a peer's abort does not end this rank's wait), and give up a mirror
+        that did not arrive or did not fit."""
+        if self._pending is None:
             return
-        comm, step, recv, frame = self._recv
-        sent, self._recv, self._sends = self._sends, None, None
-        if not strict and sent is None and not recv.is_completed():
-            return  # this rank did not send that step: its predecessor may never have (Gloo reports a recv
-            # complete only once waited for, so on Gloo such a mirror is given up)
+        comm, step, work, frame, unfit = self._pending
+        self._pending = None
         try:
-            recv.wait()
-            frame = frame.cpu()
-            length = int(frame[:8].view(torch.int64))
-            if 8 + length <= frame.numel():
-                self.mirror[step] = frame[8 : 8 + length].numpy().tobytes()
-            else:
-                whole = torch.empty(length, dtype=torch.uint8, device=comm.device)
-                comm.recv(whole, (comm.rank - 1) % comm.world_size)
-                self._recv_cap = _frame_capacity(length)
-                self.mirror[step] = whole.cpu().numpy().tobytes()
+            if strict or not comm.ordered_p2p:
+                work.wait()
+            elif not work.is_completed():
+                return
         except CommunicationError:
             if strict:
                 raise
             return
-        if strict:
-            for work in sent:
-                work.wait()
-            self._post_recv(comm, step + 1)
+        frame = frame.cpu()
+        length = int(frame[:8].view(torch.int64))
+        outgrew = 8 + length > frame.numel()
+        if not strict:
+            if not outgrew:
+                self.mirror[step] = frame[8 : 8 + length].numpy().tobytes()
+            return
+        rank, world = comm.rank, comm.world_size
+        sends = (
+            []
+            if unfit is None
+            else [(torch.frombuffer(bytearray(unfit), dtype=torch.uint8).to(comm.device), (rank + 1) % world)]
+        )
+        whole = torch.empty(length if outgrew else 0, dtype=torch.uint8, device=comm.device)
+        if sends or outgrew:  # both ends know of an outgrown snapshot now: exchange it here, then grow the frames
+            comm.batch_send_recv(sends, [(whole, (rank - 1) % world)] if outgrew else []).wait()
+            if unfit is not None:
+                self._send_cap = _frame_capacity(len(unfit))
+            if outgrew:
+                self._recv_cap = _frame_capacity(length)
+        self.mirror[step] = whole.cpu().numpy().tobytes() if outgrew else frame[8 : 8 + length].numpy().tobytes()
 
     def report(self, live_step: int | None) -> dict[str, Any]:
         """What this rank can provide (see :func:`newest_covered`); ``live_step``: the step of its live state, if
@@ -659,11 +699,6 @@ class LiveElasticTrainer:
             )
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}; use 0 (DDP), 1, 2 or 3 (ZeRO-1/2/3)")
-        if backend == "nccl" and zero_stage:
-            raise ValueError(
-                f"zero_stage={zero_stage} with backend='nccl': live mode on NCCL is tested with replicated state only "
-                "(ZeRO with buddy mirrors hung in the simulated-NCCL test); use zero_stage=0, or backend='gloo'"
-            )
         if redundancy not in (None, "buddy"):
             raise ValueError(f"redundancy={redundancy!r}; use None or 'buddy'")
         if redundancy == "buddy" and zero_stage == 0:
@@ -685,7 +720,8 @@ class LiveElasticTrainer:
         self.samples_seen = 0
         self.events: list[dict[str, Any]] = []
         """One entry per generation this worker formed: number, world size, why, how the state healed, the step
-        before and after, and times (``time.time()``) of detection and completion."""
+        before and after, times (``time.time()``) of detection, decision, connect, heal and completion, and the
+        ``trail`` of generations that failed to form before it (with their times and errors)."""
         self.generation: Generation | None = None
         self.comm: CommunicationBackend | None = None
         self.model: nn.Module | None = None
@@ -695,8 +731,16 @@ class LiveElasticTrainer:
         self.redundancy = redundancy
         self._buddy = _BuddyMirror(None, membership.id) if redundancy == "buddy" else None
         self._heal_detail: str | None = None
+        self._phases: dict[str, float] = {}  # when the generation being formed was decided, connected, healed
         self._retired: list[tuple[float, CommunicationBackend]] = []  # (release after, group): see _retire
+        self._watched: tuple[Generation, CommunicationBackend] | None = None  # what the watch thread may abort
         self._enter(self.membership.join(), "join", time.time())
+        self.membership.watch(lambda: self._watched, self._dead_found)
+
+    def _dead_found(self, comm: CommunicationBackend, dead: set[int]) -> None:
+        """The watch thread's verdict: members of the current generation stopped heartbeating. Abort its group, so
+        this worker's op in it fails now (and every peer op that waits on this worker), whatever it waits on."""
+        _abort(comm, f"member(s) {sorted(dead)} stopped heartbeating for {self.membership.failure_timeout:g}s")
 
     @property
     def rank(self) -> int:
@@ -740,20 +784,25 @@ class LiveElasticTrainer:
 
     def _enter(self, g: Generation, reason: str, detected: float) -> None:
         """Form generation ``g`` (and the next ones while forming fails) and heal the state into it."""
+        trail: list[dict[str, Any]] = []  # the generations tried before this one formed, and why each failed
+        self._watched = None
         while True:
             if self.membership.id not in g.members:
                 self._state_ok = False  # counted dead: whatever this worker holds is stale
                 if self._buddy is not None:
                     self._buddy = _BuddyMirror(None, self.membership.id)
+                trail.append({"generation": g.number, "left_out": time.time()})
                 g = self.membership.join()
                 continue
             before = self.step_count if self._state_ok else None
             completed = self.step_count  # steps applied before the failure, also when the last was cut off
             self._heal_detail = None
+            self._phases = {"decided": time.time()}
             try:
                 heal = self._form(g)
             except (CommunicationError, MembershipError) as e:  # a member died (or hung) while the group formed
                 reason, detected = f"failure while forming generation {g.number}: {e}", time.time()
+                trail.append({"generation": g.number, **self._phases, "failed": detected, "error": str(e)[:300]})
                 g = self.membership.next_generation(g)
                 continue
             self.events.append(
@@ -768,13 +817,25 @@ class LiveElasticTrainer:
                     "step": self.step_count,
                     "detail": self._heal_detail,
                     "detected": detected,
+                    **self._phases,
                     "formed": time.time(),
+                    "trail": trail,
                 }
             )
+            self._watched = (g, self.comm)
             return
 
     def _form(self, g: Generation) -> str:
         comm = self._group(g)
+        self._phases["connected"] = time.time()
+        try:
+            return self._form_on(g, comm)
+        except BaseException as e:
+            _abort(comm, f"forming generation {g.number} failed: {e}")  # peers still in it fail at once
+            self._retire(comm)
+            raise
+
+    def _form_on(self, g: Generation, comm: CommunicationBackend) -> str:
         config = ShardingConfiguration(comm, **self.config_options)
         model = _wrap(self.build_module().to(comm.device), config, self.zero_stage)
         torch_opt = self.build_optimizer(model.parameters())
@@ -789,6 +850,7 @@ class LiveElasticTrainer:
         )
         held = self.step_count, self.samples_seen  # what the old model and optimizer are at
         heal = self._heal(g, comm, model, opt)
+        self._phases["healed"] = time.time()
         if self._buddy is not None:  # mirror the state just healed at once: a death in the next step is covered too
             try:
                 blob = snapshot_state(model, opt, step=self.step_count, extra=self._extra())
@@ -927,6 +989,12 @@ class LiveElasticTrainer:
                 return self._attempt(get_batch(self.step_count), loss_fn)
             except CommunicationError as e:
                 detected = time.time()
+                self._watched = None
+                if self._buddy is not None:  # the last mirror frames, sent and received, before leaving the group
+                    self._buddy.settle(strict=False)
+                # Leave the group at once: a survivor still waiting on this worker in an op fails now instead of at
+                # the op timeout (then it aborts too, and so on), so every survivor reaches the decision below.
+                _abort(self.comm, f"this worker left after: {e}")
                 self._enter(self.membership.next_generation(self.generation), f"failure: {e}", detected)
 
     def _attempt(self, batch: tuple[torch.Tensor, torch.Tensor], loss_fn) -> float:
@@ -957,6 +1025,13 @@ class LiveElasticTrainer:
     def finish(self) -> None:
         """Commit the pending checkpoint (collective). Call after the last step."""
         self.optimizer.finish()
+
+
+def _abort(comm: CommunicationBackend, reason: str) -> None:
+    """Break ``comm`` from this worker now (any thread): Gloo shuts down its connections, NCCL aborts its
+    communicator, an in-memory group fails on every member; its pending ops fail at once."""
+    if isinstance(comm, (InMemoryCommunicationBackend, GlooCommunicationBackend, NCCLCommunicationBackend)):
+        comm.abort(reason)
 
 
 def _release(comm: CommunicationBackend) -> None:

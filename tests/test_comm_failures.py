@@ -379,3 +379,49 @@ def test_reduction_parsing():
     assert ReductionOperation.parse(ReductionOperation.MAX) is ReductionOperation.MAX
     with pytest.raises(ValueError, match="SUM, AVERAGE, MAX, MIN, PRODUCT"):
         ReductionOperation.parse("xor")
+
+
+def _chain_of_waits(comm, port: int) -> dict:
+    """In a new group of 3: rank 2 waits for rank 1, rank 1 for rank 0, rank 0 for rank 2, and nobody sends; rank
+    0 aborts (a survivor leaving a failed group), then each rank aborts once its op failed, as live mode does."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 3, comm.rank == 0, timeout=datetime.timedelta(seconds=60))
+    group = GlooCommunicationBackend.join_group(
+        dist.PrefixStore("chain/", store), comm.rank, 3, name="chain", timeout=120.0
+    )
+    group.all_reduce(torch.ones(1))  # every rank connected (an abort during the connect fails the peers' connect)
+    work = group.recv(torch.zeros(4), (comm.rank - 1) % 3, async_op=True)
+    if comm.rank == 0:
+        group.abort("rank 0 left")
+    try:
+        work.wait()
+        error = None
+    except CommunicationError as e:
+        error = f"{type(e).__name__}: {e}"
+    group.abort("its op failed")
+    try:
+        group.all_reduce(torch.ones(1))
+        again = None
+    except CommunicationError as e:
+        again = str(e)
+    group.shutdown()
+    return {"error": error, "again": again}
+
+
+@pytest.mark.faults
+def test_gloo_abort_releases_a_chain_of_waits_on_live_peers():
+    """GlooCommunicationBackend.abort shuts down this rank's connections of the group: its own pending receive
+    fails, and so does a live peer's receive from it, which aborts in turn and releases the next one, with no
+    death and no timeout (ops may take 120 s here). Catches an abort that only marks the group broken (Gloo's own
+    ProcessGroupGloo.abort returns without failing a pending receive): rank 2's receive from rank 1, which waits
+    on rank 0, would wait out the op timeout, as a live-mode survivor did when its peer had already left."""
+    results = run_ranks(_chain_of_waits, 3, "gloo", timeout=120.0, port=free_port())
+    assert "aborted on this rank (rank 0 left)" in results[0]["error"], results[0]
+    for r in (1, 2):
+        assert results[r]["error"].startswith("CommunicationError:"), results[r]
+        assert "closed its connection" in results[r]["error"] and "timed out" not in results[r]["error"], results[r]
+    for r in range(3):
+        assert "unusable" in results[r]["again"], results[r]

@@ -352,28 +352,36 @@ def test_newest_covered_picks_the_newest_step_every_shard_is_held_at():
     assert newest_covered([newcomer]) is None
 
 
-def test_nccl_survivors_abort_and_rebuild_the_communicator(tmp_path, zero_stage=0, redundancy=None):
+@pytest.mark.parametrize(
+    ("zero_stage", "redundancy", "where"), [(0, None, "backward"), (2, "buddy", "optimizer"), (3, "buddy", "optimizer")]
+)
+def test_nccl_survivors_abort_and_rebuild_the_communicator(tmp_path, zero_stage, redundancy, where):
     """The same protocol on the simulated NCCL (GPU-like async runtime): a member dies in backward with buckets in
-    flight; NCCL tells nobody, so the survivors' ops hang until their watchdog aborts the communicator at the op
-    timeout; each generation forms a new communicator from a fresh unique id. Catches a trainer that cannot leave a
-    hung NCCL group (a worker would hang: "a worker hung"), that reuses the old communicator or id, or that moves
-    the healed state or the batch share off the backend's device; the survivors must end where single-process
-    training ends, healing locally, 0 steps redone (ZeRO on NCCL is refused for now)."""
+    flight; NCCL tells nobody, so the survivors' ops hang until the trainer's heartbeat watch aborts the
+    communicator (its heartbeat stopped: 1 s here, well before the 20 s op timeout); each generation forms a new
+    communicator from a fresh unique id. Catches a trainer that cannot leave a hung NCCL group (a worker would hang:
+    "a worker hung"), that waits for the op timeout, that reuses the old communicator or id, or that moves the
+    healed state or the batch share off the backend's device; the survivors must end where single-process training
+    ends, 0 steps redone: DDP heals locally; ZeRO-2/3 with buddy mirrors rebuild the dead member's shard from the
+    mirror exchanged in one grouped send/receive per step (a receive posted a step ahead, as on Gloo, would stall
+    the stream: the variant hung before). ZeRO's member dies in the optimizer step: this simulator runs a stream's
+    ops only once its host waits, so a member killed in backward never sent its last frame (one step redone, as the
+    trainer documents for a frame that did not arrive); a GPU sends it during that forward."""
     from .fakenccl import AsyncRuntime, FakeNccl, installed
 
     with installed(FakeNccl(timeout=LIMIT), AsyncRuntime):
         results = _run(
             tmp_path,
             f"nccl{zero_stage}",
-            [None, None, (3, "backward")],
+            [None, None, (3, where)],
             steps=6,
             zero_stage=zero_stage,
             redundancy=redundancy,
             backend="nccl",
-            timeout=3.0,
+            timeout=20.0,
         )
     _check(results, 6, {"w0", "w1"})
     failed = results["w0"][1][1]
-    assert failed["world"] == 2 and "timed out" in failed["reason"], failed
+    assert failed["world"] == 2 and "stopped heartbeating" in failed["reason"], failed
     assert failed["heal"] == ("buddy" if redundancy else "local"), failed
     assert failed["step"] == failed["completed_before"] == 3, failed

@@ -70,6 +70,25 @@ _TORCH_OPS = {
     ReductionOperation.MIN: dist.ReduceOp.MIN,
     ReductionOperation.PRODUCT: dist.ReduceOp.PRODUCT,
 }
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's sockets, ``{fd: inode}`` (Linux ``/proc``; empty elsewhere)."""
+    fds = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            fds[int(name)] = int(link[8:-1])
+    return fds
+
+
 _PEER_GONE = (
     "Connection reset",
     "Connection closed",
@@ -238,6 +257,8 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._in_flight_lock = threading.Lock()
         self._shm_wish = shm
         self._shm: SharedMemoryChannel | None = None
+        self._sockets: frozenset[int] = frozenset()  # the group's TCP connections (socket inodes): see abort
+        self._abort_reason: str | None = None
         if shm is not None:
             with self._failures("init"):
                 self._shm = SharedMemoryChannel.open(
@@ -388,8 +409,10 @@ class GlooCommunicationBackend(CommunicationBackend):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} out of range for world_size={world_size}")
         join = join_timeout(timeout, connect_timeout)
+        before = _socket_fds()
         try:
             pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=join))
+            sockets = frozenset(_socket_fds().values()) - frozenset(before.values())  # its connections, its listener
         except RuntimeError as e:
             raise CommunicationTimeoutError(
                 f"rank {rank}: Gloo group {name!r} of {world_size} did not form within {join:g}s: {first_line(e)}",
@@ -397,9 +420,37 @@ class GlooCommunicationBackend(CommunicationBackend):
                 group=name,
                 rank=rank,
             ) from e
-        return cls(
+        backend = cls(
             timeout=timeout, validate=validate, _gloo=pg, _store=store, _rank_world=(rank, world_size), _group_name=name
         )
+        backend._sockets = sockets
+        return backend
+
+    def abort(self, reason: str | None = None) -> None:
+        """Break the group now, from any thread: shut down the sending side of this rank's TCP connections of it (a
+        group from :meth:`join_group`, on Linux). Every peer's pending op that reads from this rank fails at once (its
+        Gloo closes the connection on the end of stream, which fails this rank's pending ops in turn), while data
+        already on its way to this rank still arrives first. What a survivor of a failure
+        calls before forming the next group: a Gloo op cannot be cancelled otherwise (``ProcessGroupGloo.abort``
+        returns without failing a pending receive), and a survivor that waits on another survivor which already
+        left the group would wait out the op timeout. Later ops raise :class:`CommunicationError` quoting
+        ``reason``. Idempotent; :meth:`shutdown` still releases the group.
+
+        Args:
+            reason: Why, quoted in this rank's errors.
+        """
+        self._abort_reason = reason or "aborted"
+        self._mark_broken(self._error(f"the group was aborted on this rank: {self._abort_reason}", "abort"))
+        for fd, inode in _socket_fds().items():
+            if inode in self._sockets:
+                sock = socket.socket(fileno=fd)  # wraps the fd (no dup); detached below, so it stays Gloo's
+                try:
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_WR)
+                except OSError:  # closed meanwhile, or not connected
+                    pass
+                finally:
+                    sock.detach()
 
     @property
     def device(self) -> torch.device:
@@ -423,8 +474,12 @@ class GlooCommunicationBackend(CommunicationBackend):
                 op,
                 CommunicationTimeoutError,
             )
+        if self._abort_reason is not None:
+            return self._error(f"the group was aborted on this rank ({self._abort_reason}): {text}", op)
         if any(s in text for s in _PEER_GONE):
-            return self._error(f"a peer process closed its connection (it died or was killed): {text}", op)
+            return self._error(
+                f"a peer process closed its connection (it died, was killed or aborted the group): {text}", op
+            )
         return self._error(text, op)
 
     def _gather_rows(self, mine: torch.Tensor) -> torch.Tensor:

@@ -554,7 +554,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
             with contextlib.suppress(Exception):  # an abort is best effort: there is nothing left to release it with
                 self._comm.abort()
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Abort the communicator now (``ncclCommAbort``): what a survivor calls on its group once a peer died, before
         forming the next group with :meth:`join_group`.
 
@@ -563,11 +563,14 @@ class NCCLCommunicationBackend(CommunicationBackend):
         :class:`CommunicationError` naming this group, rank and the first failure (a watchdog timeout that came first
         stays the reason). Peers are not told: each aborts its own communicator (or its watchdog does at its op
         timeout). Idempotent; :meth:`shutdown` after it only stops the watchdog.
+
+        Args:
+            reason: Why, quoted in this rank's errors (default: "e.g. because a peer died").
         """
         self._abort(
             self._error(
-                "the communicator was aborted (ncclCommAbort) on this rank, e.g. because a peer died; form a new "
-                "group with NCCLCommunicationBackend.join_group",
+                f"the communicator was aborted (ncclCommAbort) on this rank, {reason or 'e.g. because a peer died'}; "
+                "form a new group with NCCLCommunicationBackend.join_group",
                 "abort",
             )
         )
