@@ -513,9 +513,9 @@ class _BuddyMirror:
     and the mirrors of its predecessor's (rank - 1's), all in the coordinates of generation ``layout``.
 
     After each step every rank sends its new snapshot to its buddy (rank + 1) in a fixed-size frame (sized at the
-    generation's first, synchronous exchange) and receives its predecessor's, in one :meth:`batch_send_recv` posted
-    at the same point of every rank's op sequence (so it also suits transports whose p2p runs in issue order: NCCL);
-    it moves while the next step's forward and backward run. The trainer waits for it before the next step's
+    generation's first, synchronous exchange) and receives its predecessor's, both posted at the same point of every
+    rank's op sequence (one grouped call where p2p runs in issue order, NCCL, so it cannot stall the stream); it
+    moves while the next step's forward and backward run. The trainer waits for it before the next step's
     optimizer update: once any rank completes a collective of step ``s + 1`` after that wait, every mirror of step
     ``s`` has arrived. A snapshot that outgrew its frame (an optimizer that creates state lazily) follows in a second
     exchange at that wait, where both ends know of it. A member killed between finishing a step and its frame
@@ -529,9 +529,10 @@ class _BuddyMirror:
         self.mirror: dict[int, bytes] = {}
         self._send_cap = 0
         self._recv_cap = 0
-        self._pending: tuple[CommunicationBackend, int, Work, torch.Tensor, bytes | None] | None = None
-        """The last post's exchange until settled: group, step, its work, the receive frame, and this rank's
-        snapshot when it did not fit its frame (sent at the settle)."""
+        self._pending: tuple[CommunicationBackend, int, tuple[Work, Work], torch.Tensor, bytes | None] | None = None
+        """The last post's exchange until settled: group, step, its receive's and send's work (one work for both
+        where p2p is ordered), the receive frame, and this rank's snapshot when it did not fit its frame (sent at
+        the settle)."""
 
     @classmethod
     def begin(cls, comm: CommunicationBackend, g: Generation, member: int, step: int, blob: bytes) -> _BuddyMirror:
@@ -572,8 +573,12 @@ class _BuddyMirror:
             frame[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         received = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
         rank, world = comm.rank, comm.world_size
-        work = comm.batch_send_recv([(frame.to(comm.device), (rank + 1) % world)], [(received, (rank - 1) % world)])
-        self._pending = (comm, step, work, received, None if fits else blob)
+        send, recv = (frame.to(comm.device), (rank + 1) % world), (received, (rank - 1) % world)
+        if comm.ordered_p2p:  # one group call: issued at the same point by every rank, they cannot stall a stream
+            works = (comm.batch_send_recv([send], [recv]),) * 2
+        else:  # apart, so a send to a dead buddy does not hide a frame received from a live predecessor
+            works = (comm.recv(*recv, async_op=True), comm.send(*send, async_op=True))
+        self._pending = (comm, step, works, received, None if fits else blob)
 
     def settle(self, *, strict: bool) -> None:
         """Complete the last post's exchange. ``strict``: wait, then exchange the snapshots that outgrew their
@@ -584,13 +589,19 @@ class _BuddyMirror:
         that did not arrive or did not fit."""
         if self._pending is None:
             return
-        comm, step, work, frame, unfit = self._pending
+        comm, step, (recv, send), frame, unfit = self._pending
         self._pending = None
-        try:
-            if strict or not comm.ordered_p2p:
-                work.wait()
-            elif not work.is_completed():
+        if not strict:
+            for work in (send, recv) if not comm.ordered_p2p else ():
+                try:
+                    work.wait()
+                except CommunicationError:  # a dead buddy needs no mirror; a dead predecessor's is lost
+                    pass
+            if not recv.is_completed():
                 return
+        try:
+            recv.wait()
+            send.wait()
         except CommunicationError:
             if strict:
                 raise
@@ -734,6 +745,10 @@ class LiveElasticTrainer:
         self._phases: dict[str, float] = {}  # when the generation being formed was decided, connected, healed
         self._retired: list[tuple[float, CommunicationBackend]] = []  # (release after, group): see _retire
         self._watched: tuple[Generation, CommunicationBackend] | None = None  # what the watch thread may abort
+        try:  # a process's first optimizer imports torch's compiler stack (1.2 s here): before joining, not in a heal
+            build_optimizer([nn.Parameter(torch.zeros(1))])
+        except Exception:  # an optimizer builder that wants the real parameters: it warms up in the heal instead
+            pass
         self._enter(self.membership.join(), "join", time.time())
         self.membership.watch(lambda: self._watched, self._dead_found)
 
@@ -1031,7 +1046,10 @@ def _abort(comm: CommunicationBackend, reason: str) -> None:
     """Break ``comm`` from this worker now (any thread): Gloo shuts down its connections, NCCL aborts its
     communicator, an in-memory group fails on every member; its pending ops fail at once."""
     if isinstance(comm, (InMemoryCommunicationBackend, GlooCommunicationBackend, NCCLCommunicationBackend)):
-        comm.abort(reason)
+        try:
+            comm.abort(reason)
+        except Exception as e:  # best effort: the group is left either way, and its ops still time out
+            _log.warning("gpudist.live: aborting group %r failed: %s: %s", comm.group, type(e).__name__, e)
 
 
 def _release(comm: CommunicationBackend) -> None:

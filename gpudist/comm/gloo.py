@@ -442,15 +442,19 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._abort_reason = reason or "aborted"
         self._mark_broken(self._error(f"the group was aborted on this rank: {self._abort_reason}", "abort"))
         for fd, inode in _socket_fds().items():
-            if inode in self._sockets:
+            if inode not in self._sockets:
+                continue
+            try:
                 sock = socket.socket(fileno=fd)  # wraps the fd (no dup); detached below, so it stays Gloo's
-                try:
-                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        sock.shutdown(socket.SHUT_WR)
-                except OSError:  # closed meanwhile, or not connected
-                    pass
-                finally:
-                    sock.detach()
+            except OSError:  # Gloo closed it meanwhile (a peer's death)
+                continue
+            try:  # still the same socket (not a new one that reused the number), connected (not the listener)
+                if os.fstat(fd).st_ino == inode and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_WR)
+            except OSError:  # closed meanwhile, or not connected
+                pass
+            finally:
+                sock.detach()
 
     @property
     def device(self) -> torch.device:
