@@ -382,7 +382,7 @@ def main() -> None:
     parser.add_argument("--failure-timeout", type=float, default=1.0, help="heartbeat silence that means dead")
     parser.add_argument("--limit", type=float, default=400.0, help="seconds before giving up")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--zero-stage", type=int, default=0, help="0 (DDP), 1 or 2")
+    parser.add_argument("--zero-stage", type=int, default=0, help="0 (DDP), 1, 2 or 3")
     parser.add_argument("--redundancy", default=None, choices=["buddy"], help="buddy mirrors (ZeRO only)")
     parser.add_argument("--overhead-steps", type=int, default=300, help="steps of each no-kill cost run")
     parser.add_argument("--gpt-overhead", action="store_true", help="buddy cost on a GPT (no kills) instead")

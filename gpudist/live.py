@@ -40,9 +40,14 @@ worker is restarted and reloads the last checkpoint. Live mode keeps the process
   mean loss over the same ``G`` samples at any world size: the result equals uninterrupted training up to float
   reassociation (a different summation order of the same terms).
 
-Limits: one process per member; Gloo (CPU), NCCL (replicated state only, for now) or in-memory groups (tests),
-not MPI (no ULFM); plain ZeRO-3 over the whole group (no HSDP or hpZ groups); when every member of a generation
-dies the job stops (relaunch it: the checkpoint is the fallback).
+* **Leaving a failed group.** A survivor whose op failed aborts the group before anything else (Gloo: shuts down
+  its connections, so a peer still waiting on it fails at once instead of at the op timeout, and aborts in turn;
+  NCCL: ``ncclCommAbort``), and a watch thread aborts the current group as soon as a member's heartbeat stops for
+  ``failure_timeout``, whatever this worker is blocked in.
+
+Limits: one process per member; Gloo (CPU), NCCL or in-memory groups (tests), not MPI (no ULFM); plain ZeRO-3 over
+the whole group (no HSDP or hpZ groups); when every member of a generation dies the job stops (relaunch it: the
+checkpoint is the fallback).
 """
 
 from __future__ import annotations

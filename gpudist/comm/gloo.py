@@ -211,6 +211,9 @@ class GlooCommunicationBackend(CommunicationBackend):
 
     name = "gloo"
 
+    _sockets: frozenset[int] = frozenset()  # a joined group's TCP connections (socket inodes): see abort
+    _abort_reason: str | None = None
+
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
@@ -257,8 +260,6 @@ class GlooCommunicationBackend(CommunicationBackend):
         self._in_flight_lock = threading.Lock()
         self._shm_wish = shm
         self._shm: SharedMemoryChannel | None = None
-        self._sockets: frozenset[int] = frozenset()  # the group's TCP connections (socket inodes): see abort
-        self._abort_reason: str | None = None
         if shm is not None:
             with self._failures("init"):
                 self._shm = SharedMemoryChannel.open(

@@ -157,7 +157,7 @@ def main() -> None:
             }
         )
     trainer.finish()
-    flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
+    flat = trainer.model.gather_full_parameters()  # collective; ZeRO-3's module holds no parameters between steps
     state = sum(trainer.model.memory_per_rank().values())
     final = {"params": flat, "events": trainer.events, "id": membership.id, "state_bytes": state}
     torch.save({**final, "buddy_bytes": trainer.buddy_bytes}, root / f"final-{membership.id}.pt")
