@@ -38,6 +38,7 @@ import collections
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -68,6 +69,8 @@ __all__ = [
     "Share",
     "canonical",
     "complete_checkpoints",
+    "frame_length",
+    "frame_snapshot",
     "group_hyperparameters",
     "latest_checkpoint",
     "load_checkpoint",
@@ -82,6 +85,7 @@ __all__ = [
     "save_checkpoint",
     "saved_optimizer",
     "scalar_of",
+    "snapshot_frame",
     "snapshot_state",
     "stage_optimizer",
     "stage_torch_optimizer",
@@ -486,25 +490,32 @@ def save_checkpoint(
 
 
 def _capture(
-    model: nn.Module, optimizer, comm: CommunicationBackend | None, step: int, extra: dict[str, Any] | None
+    model: nn.Module,
+    optimizer,
+    comm: CommunicationBackend | None,
+    step: int,
+    extra: dict[str, Any] | None,
+    clone: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
-    """This rank's pieces (host copies), its optimizer scalars and the manifest body (without ``files``); no
+    """This rank's pieces (host copies; ``clone=False``: views of the live state where they are on the host, to be
+    copied before the state changes), its optimizer scalars and the manifest body (without ``files``); no
     communication, so it also works on a group that has failed (:func:`snapshot_state`)."""
+    take = (lambda t: t.cpu().clone()) if clone else (lambda t: t.cpu())
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     parts = _model_parts(model, comm)
     pieces: dict[str, torch.Tensor] = {}
     for tensor, segments in parts.held:
         flat = tensor.detach().reshape(-1)
         for pos, n, name, c in written(canonical(segments, 0, flat.numel()), parts.share, True):
-            pieces[f"param|{name}|{c}"] = flat[pos : pos + n].contiguous().cpu().clone()
+            pieces[f"param|{name}|{c}"] = take(flat[pos : pos + n].contiguous())
     for name, b, writes in parts.buffers:
         if writes:
-            pieces[f"buffer|{name}|0"] = b.detach().reshape(-1).contiguous().cpu().clone()
+            pieces[f"buffer|{name}|0"] = take(b.detach().reshape(-1).contiguous())
     scalars, opt_desc = {}, None
     if optimizer is not None:
         segmap = {id(t): segs for t, segs in parts.held}
         opt_pieces, scalars, opt_desc = optimizer_pieces(optimizer, segmap, parts.share, rank, world)
-        pieces.update({k: v.cpu().clone() for k, v in opt_pieces.items()})
+        pieces.update({k: take(v) for k, v in opt_pieces.items()})
     body = {
         "format": FORMAT,
         "strategy": parts.strategy,
@@ -558,6 +569,91 @@ def snapshot_state(
     stored, listed = _pack_runs(pieces)
     meta = {"format": FORMAT, "body": json.dumps(body), "pieces": json.dumps(listed), "scalars": json.dumps(scalars)}
     return st_save(stored, metadata=meta)
+
+
+_FRAME_ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _FRAME_ALIGN) * _FRAME_ALIGN
+
+
+def snapshot_frame(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    extra: dict | None = None,
+    capacity: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`snapshot_state` as a frame: one uint8 host tensor to send every step (buddy mirrors), made with a single
+    copy of each piece of the state and no serialization pass (``snapshot_state`` copies, packs and serializes: 0.7 s
+    for a 13.9M-parameter model's 167 MB of AdamW state on the benchmark VM). :func:`frame_snapshot` turns a frame
+    into ``snapshot_state``'s bytes when it is needed (a heal).
+
+    Layout: an int64 payload length ``P``, an int64 header length ``H``, the header (JSON: the manifest metadata of
+    ``snapshot_state`` and each tensor's name, dtype, shape and offset), then the tensors' bytes, each 16-byte aligned;
+    ``frame_length(frame) = 8 + P`` bytes are used, the rest is room.
+
+    Args:
+        model, optimizer, step, extra: As :func:`snapshot_state`.
+        capacity: The frame's size at least (room to grow, so frames of later steps keep one size).
+        out: A frame to write into if it is large enough (reused: no fresh memory each step).
+
+    Returns:
+        The frame: ``out``, or a new tensor.
+
+    Raises:
+        TypeError: When ``extra`` is not JSON-serializable, or ``model`` is not an ``nn.Module``.
+    """
+    if extra is not None and not _jsonable(extra):
+        raise TypeError(f"extra must be JSON-serializable, got {extra!r}")
+    pieces, scalars, body = _capture(model, optimizer, _comm_of(model, optimizer), step, extra, clone=False)
+    stored, listed = _pack_runs(pieces)
+    meta = {"format": FORMAT, "body": json.dumps(body), "pieces": json.dumps(listed), "scalars": json.dumps(scalars)}
+    entries, offset = [], 0
+    for name, t in stored.items():
+        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        offset = _aligned(offset + t.numel() * t.element_size())
+    header = json.dumps({"meta": meta, "tensors": entries}).encode()
+    data = _aligned(16 + len(header))
+    size = max(data + offset, capacity)
+    frame = out if out is not None and out.numel() >= size else torch.empty(size, dtype=torch.uint8)
+    frame[:16] = torch.tensor([data + offset - 8, len(header)], dtype=torch.int64).view(torch.uint8)
+    frame[16 : 16 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    for (_, _, _, at), t in zip(entries, stored.values(), strict=True):
+        n = t.numel() * t.element_size()
+        frame[data + at : data + at + n].view(t.dtype).copy_(t.reshape(-1))
+    return frame
+
+
+def frame_length(frame: torch.Tensor) -> int:
+    """The bytes of ``frame`` (:func:`snapshot_frame`) in use; more than ``frame.numel()`` when only its start was
+    received (the snapshot outgrew the frames it was sent in)."""
+    return 8 + int(frame[:8].view(torch.int64))
+
+
+def frame_snapshot(frame: torch.Tensor) -> bytes:
+    """The :func:`snapshot_state` bytes of a :func:`snapshot_frame`, for :func:`load_snapshots`.
+
+    Raises:
+        CheckpointError: When the frame is damaged.
+    """
+    try:
+        payload, length = (int(v) for v in frame[:16].view(torch.int64))
+        header = json.loads(frame[16 : 16 + length].numpy().tobytes())
+        data = _aligned(16 + length)
+        tensors = {}
+        for name, dtype, shape, at in header["tensors"]:
+            dtype = getattr(torch, dtype)
+            n = math.prod(shape) * dtype.itemsize
+            if data + at + n > 8 + payload:
+                raise ValueError(f"tensor {name} ends past the payload")
+            tensors[name] = frame[data + at : data + at + n].view(dtype).reshape(shape).clone()  # own storage each
+        return st_save(tensors, metadata=header["meta"])
+    except Exception as e:  # json, torch and the checks raise several types for garbled input
+        raise CheckpointError(f"snapshot frame is damaged: {type(e).__name__}: {e}") from None
 
 
 def load_snapshots(

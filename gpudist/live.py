@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import load_snapshots, snapshot_state
+from .checkpoint import frame_length, frame_snapshot, load_snapshots, snapshot_frame, snapshot_state
 from .comm import (
     CommunicationBackend,
     CommunicationError,
@@ -513,125 +513,165 @@ def _uncovered(reports: list[dict[str, Any]]) -> str:
 
 
 class _BuddyMirror:
-    """One rank's part of buddy redundancy: snapshots of its own shard (:func:`~gpudist.checkpoint.snapshot_state`
-    of the ZeRO model and optimizer: its share of the parameters and its optimizer shard) at the two newest steps,
-    and the mirrors of its predecessor's (rank - 1's), all in the coordinates of generation ``layout``.
+    """One rank's part of buddy redundancy: frames (:func:`~gpudist.checkpoint.snapshot_frame`) of its own shard (the
+    ZeRO model's and optimizer's: its share of the parameters and its optimizer shard) at the two newest steps, and
+    the mirrors of its predecessor's (rank - 1's), all in the coordinates of generation ``layout``.
 
-    After each step every rank sends its new snapshot to its buddy (rank + 1) in a fixed-size frame (sized at the
-    generation's first, synchronous exchange) and receives its predecessor's, both posted at the same point of every
-    rank's op sequence (one grouped call where p2p runs in issue order, NCCL, so it cannot stall the stream); it
-    moves while the next step's forward and backward run. The trainer waits for it before the next step's
-    optimizer update: once any rank completes a collective of step ``s + 1`` after that wait, every mirror of step
-    ``s`` has arrived. A snapshot that outgrew its frame (an optimizer that creates state lazily) follows in a second
-    exchange at that wait, where both ends know of it. A member killed between finishing a step and its frame
-    arriving takes that step's shard with it: the survivors then rebuild the step before (one step redone).
+    After each step every rank sends its new frame to its buddy (rank + 1) and receives its predecessor's, of fixed
+    sizes (set at the generation's first, synchronous exchange). On Gloo and in-memory groups the receive is posted
+    a step ahead, so a frame moves as soon as it is sent (a member killed right after sending still delivers it);
+    where p2p runs in issue order (NCCL) a receive posted ahead would stall the stream, so the send and the receive
+    go in one group call at the same point of every rank's op sequence. It moves while the next step's forward and
+    backward run. The trainer waits for it before the next step's optimizer update: once
+    any rank completes a collective of step ``s + 1`` after that wait, every mirror of step ``s`` has arrived. A
+    snapshot that outgrew its frame (an optimizer that creates state lazily) follows whole in a second exchange at
+    that wait, where both ends know of it. A member killed between finishing a step and its frame arriving takes
+    that step's shard with it: the survivors then rebuild the step before (one step redone). Frames dropped (older
+    than the step before) are reused for the next ones, so a step allocates no fresh memory.
     """
 
     def __init__(self, layout: Generation | None = None, member: int | None = None):
         self.layout = layout
         self.member = member
-        self.own: dict[int, bytes] = {}
-        self.mirror: dict[int, bytes] = {}
+        self.own: dict[int, torch.Tensor] = {}
+        self.mirror: dict[int, torch.Tensor] = {}
         self._send_cap = 0
         self._recv_cap = 0
-        self._pending: tuple[CommunicationBackend, int, tuple[Work, Work], torch.Tensor, bytes | None] | None = None
-        """The last post's exchange until settled: group, step, its receive's and send's work (one work for both
-        where p2p is ordered), the receive frame, and this rank's snapshot when it did not fit its frame (sent at
-        the settle)."""
+        self._spare: list[torch.Tensor] = []  # dropped frames (host), for reuse
+        self._recv: tuple[CommunicationBackend, int, Work, torch.Tensor] | None = None
+        """The predecessor's frame being received: group, step, work, buffer."""
+        self._send: Work | None = None
+        """This rank's last post, until settled (where p2p is ordered, the same work as the receive)."""
+        self._outgrew = False
+        """Whether that post's frame outgrew the size the buddy expects (then it is sent whole at the settle)."""
 
     @classmethod
-    def begin(cls, comm: CommunicationBackend, g: Generation, member: int, step: int, blob: bytes) -> _BuddyMirror:
-        """Generation ``g``'s first exchange (collective, synchronous): the frame sizes, then the snapshots."""
+    def begin(
+        cls, comm: CommunicationBackend, g: Generation, member: int, step: int, frame: torch.Tensor
+    ) -> _BuddyMirror:
+        """Generation ``g``'s first exchange (collective, synchronous): the frame sizes, then the frames."""
         mirror = cls(g, member)
-        mirror.own[step] = blob
-        if comm.world_size > 1:
-            lengths = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
-            comm.all_gather(torch.tensor([len(blob)], dtype=torch.int64, device=comm.device), lengths)
-            mirror._send_cap = _frame_capacity(int(lengths[comm.rank]))
-            mirror._recv_cap = _frame_capacity(int(lengths[(comm.rank - 1) % comm.world_size]))
-            mirror.post(comm, step, blob)
-            mirror.settle(strict=True)
+        if comm.world_size == 1:
+            mirror.own[step] = frame
+            return mirror
+        lengths = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
+        comm.all_gather(torch.tensor([frame_length(frame)], dtype=torch.int64, device=comm.device), lengths)
+        mirror._send_cap = _frame_capacity(int(lengths[comm.rank]))
+        mirror._recv_cap = _frame_capacity(int(lengths[(comm.rank - 1) % comm.world_size]))
+        if frame.numel() < mirror._send_cap:
+            frame = torch.cat([frame, frame.new_empty(mirror._send_cap - frame.numel())])
+        mirror.post(comm, step, frame)
+        mirror.settle(strict=True)
         return mirror
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for redundancy: own snapshots, mirrors and the frames in flight."""
-        held = sum(map(len, self.own.values())) + sum(map(len, self.mirror.values()))
-        return held + (self._recv_cap + self._send_cap if self._pending is not None else 0)
+        """Bytes held for redundancy: own frames, mirrors, spare frames and the frames in flight."""
+        held = sum(f.numel() for f in (*self.own.values(), *self.mirror.values(), *self._spare))
+        return held + (self._recv[3].numel() if self._recv is not None else 0)
+
+    @property
+    def capacity(self) -> int:
+        """The size of this rank's frames (pass to :func:`~gpudist.checkpoint.snapshot_frame`)."""
+        return self._send_cap
+
+    def spare(self, numel: int) -> torch.Tensor | None:
+        """A dropped frame of ``numel`` bytes at least, to write the next snapshot into, or None."""
+        for i, frame in enumerate(self._spare):
+            if frame.numel() >= numel:
+                return self._spare.pop(i)
+        return None
 
     def predecessor(self) -> int:
         ring = self.layout.members
         return ring[(ring.index(self.member) - 1) % len(ring)]
 
-    def post(self, comm: CommunicationBackend, step: int, blob: bytes) -> None:
-        """Keep ``blob`` (this rank's snapshot at ``step``), start exchanging it with the buddy and the predecessor,
-        and drop what is older than ``step - 1``."""
-        self.own = {s: b for s, b in self.own.items() if s >= step - 1}
-        self.own[step] = blob
-        self.mirror = {s: b for s, b in self.mirror.items() if s >= step - 1}
+    def _keep(self, held: dict[int, torch.Tensor], step: int) -> dict[int, torch.Tensor]:
+        """``held`` without what is older than ``step - 1`` (host frames kept as spares; at most two)."""
+        for s, frame in held.items():
+            if s < step - 1 and frame.device.type == "cpu" and len(self._spare) < 2:
+                self._spare.append(frame)
+        return {s: f for s, f in held.items() if s >= step - 1}
+
+    def _post_recv(self, comm: CommunicationBackend, step: int) -> None:
+        """Post the receive of the predecessor's frame of ``step`` (alone: a transport whose ops progress on their
+        own, where it is posted a step ahead, so that frame moves as soon as the predecessor sends it)."""
+        received = self.spare(self._recv_cap) if comm.device.type == "cpu" else None
+        received = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device) if received is None else received
+        work = comm.recv(received[: self._recv_cap], (comm.rank - 1) % comm.world_size, async_op=True)
+        self._recv = (comm, step, work, received)
+
+    def post(self, comm: CommunicationBackend, step: int, frame: torch.Tensor) -> None:
+        """Keep ``frame`` (this rank's snapshot at ``step``), send it to the buddy (and, where p2p runs in issue
+        order, post the predecessor's receive with it, in one group call), and drop what is older than
+        ``step - 1``."""
+        self.own = self._keep(self.own, step)
+        self.own[step] = frame
+        self.mirror = self._keep(self.mirror, step)
         if comm.world_size == 1:
             return
-        frame = torch.zeros(self._send_cap, dtype=torch.uint8)  # built on the host, sent from the backend's device
-        frame[:8] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
-        fits = 8 + len(blob) <= frame.numel()
-        if fits:
-            frame[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        received = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
-        rank, world = comm.rank, comm.world_size
-        send, recv = (frame.to(comm.device), (rank + 1) % world), (received, (rank - 1) % world)
-        if comm.ordered_p2p:  # one group call: issued at the same point by every rank, they cannot stall a stream
-            works = (comm.batch_send_recv([send], [recv]),) * 2
-        else:  # apart, so a send to a dead buddy does not hide a frame received from a live predecessor
-            works = (comm.recv(*recv, async_op=True), comm.send(*send, async_op=True))
-        self._pending = (comm, step, works, received, None if fits else blob)
+        # A frame that outgrew the size the buddy expects: its first bytes, whose length tells the buddy so.
+        self._outgrew = frame_length(frame) > self._send_cap
+        send = (frame[: self._send_cap].to(comm.device), (comm.rank + 1) % comm.world_size)
+        if comm.ordered_p2p:  # issued at the same point by every rank: it cannot stall a stream
+            received = torch.empty(self._recv_cap, dtype=torch.uint8, device=comm.device)
+            self._send = comm.batch_send_recv([send], [(received, (comm.rank - 1) % comm.world_size)])
+            self._recv = (comm, step, self._send, received)
+            return
+        if self._recv is None or self._recv[1] != step:  # the generation's first post
+            self._post_recv(comm, step)
+        self._send = comm.send(*send, async_op=True)
 
     def settle(self, *, strict: bool) -> None:
-        """Complete the last post's exchange. ``strict``: wait, then exchange the snapshots that outgrew their
-        frames, and raise a CommunicationError (training: a failure like any other). Otherwise (after a failure,
-        before this worker aborts the old group) wait for it on a transport whose ops progress on their own (a dead
-        peer's connection errors at once; a live one sent its frame, or fails and aborts the group too), only look
-        where p2p runs in issue order (NCCL: a peer's abort does not end this rank's wait), and give up a mirror
-        that did not arrive or did not fit."""
-        if self._pending is None:
+        """Complete the last post's exchange. ``strict``: wait, exchange the frames that outgrew their sizes, post
+        the next receive (where it goes a step ahead), and raise a CommunicationError (training: a failure like any
+        other). Otherwise (after a failure, before this worker aborts the old group): wait for the predecessor's
+        frame (also when this rank did not post that step: it may have arrived) and this rank's send on a transport
+        whose ops progress on their own (a dead peer's connection errors at once; a live one sent it, or fails and
+        aborts the group too, which ends the wait), just look where p2p runs in issue order (NCCL: a peer's abort
+        does not end this rank's wait); give up a mirror that did not arrive or did not fit."""
+        if self._recv is None or (strict and self._send is None):
             return
-        comm, step, (recv, send), frame, unfit = self._pending
-        self._pending = None
+        comm, step, recv, received = self._recv
+        send, outgrew = self._send, self._outgrew
+        self._recv = self._send = None
         if not strict:
-            for work in (send, recv) if not comm.ordered_p2p else ():
-                try:
+            for work in (w for w in (send, recv) if w is not None) if not comm.ordered_p2p else ():
+                try:  # bounded: a peer that never sent fails, aborts and ends this wait (or the heartbeat watch does)
                     work.wait()
-                except CommunicationError:  # a dead buddy needs no mirror; a dead predecessor's is lost
+                except CommunicationError:  # a dead buddy needs no mirror; a frame that never came is lost
                     pass
-            if not recv.is_completed():
+            if not recv.is_completed() or (send is not None and not send.is_completed()):
                 return
         try:
             recv.wait()
-            send.wait()
+            if send is not None:
+                send.wait()
         except CommunicationError:
             if strict:
                 raise
             return
-        frame = frame.cpu()
-        length = int(frame[:8].view(torch.int64))
-        outgrew = 8 + length > frame.numel()
+        received = received.cpu()
+        length = frame_length(received)
+        theirs_outgrew = length > received.numel()
+        if not theirs_outgrew:
+            self.mirror[step] = received
         if not strict:
-            if not outgrew:
-                self.mirror[step] = frame[8 : 8 + length].numpy().tobytes()
-            return
-        rank, world = comm.rank, comm.world_size
-        sends = (
-            []
-            if unfit is None
-            else [(torch.frombuffer(bytearray(unfit), dtype=torch.uint8).to(comm.device), (rank + 1) % world)]
-        )
-        whole = torch.empty(length if outgrew else 0, dtype=torch.uint8, device=comm.device)
-        if sends or outgrew:  # both ends know of an outgrown snapshot now: exchange it here, then grow the frames
-            comm.batch_send_recv(sends, [(whole, (rank - 1) % world)] if outgrew else []).wait()
-            if unfit is not None:
-                self._send_cap = _frame_capacity(len(unfit))
-            if outgrew:
+            return  # (an outgrown frame's rest never comes)
+        if outgrew or theirs_outgrew:
+            rank, world = comm.rank, comm.world_size
+            mine = self.own[step][: frame_length(self.own[step])]
+            whole = torch.empty(length if theirs_outgrew else 0, dtype=torch.uint8, device=comm.device)
+            sends = [(mine.to(comm.device), (rank + 1) % world)] if outgrew else []
+            recvs = [(whole, (rank - 1) % world)] if theirs_outgrew else []
+            comm.batch_send_recv(sends, recvs).wait()  # both ends of each pair know of it now
+            if theirs_outgrew:
+                self.mirror[step] = whole.cpu()
                 self._recv_cap = _frame_capacity(length)
-        self.mirror[step] = whole.cpu().numpy().tobytes() if outgrew else frame[8 : 8 + length].numpy().tobytes()
+            if outgrew:
+                self._send_cap = _frame_capacity(mine.numel())
+        if not comm.ordered_p2p:
+            self._post_recv(comm, step + 1)
 
     def report(self, live_step: int | None) -> dict[str, Any]:
         """What this rank can provide (see :func:`newest_covered`); ``live_step``: the step of its live state, if
@@ -873,8 +913,8 @@ class LiveElasticTrainer:
         self._phases["healed"] = time.time()
         if self._buddy is not None:  # mirror the state just healed at once: a death in the next step is covered too
             try:
-                blob = snapshot_state(model, opt, step=self.step_count, extra=self._extra())
-                self._buddy = _BuddyMirror.begin(comm, g, self.membership.id, self.step_count, blob)
+                frame = snapshot_frame(model, opt, step=self.step_count, extra=self._extra())
+                self._buddy = _BuddyMirror.begin(comm, g, self.membership.id, self.step_count, frame)
             except CommunicationError:
                 self.step_count, self.samples_seen = held  # the healed state was never switched to
                 raise
@@ -954,12 +994,12 @@ class LiveElasticTrainer:
         step, layout = found
         held = report["layout"] == layout
         own = b""
-        if held and step in report["own"]:
-            own = buddy.own.get(step) or self._snapshot(False)  # not copied yet: the live state is at that step
+        if held and step in report["own"]:  # not copied yet: the live state is at that step
+            own = frame_snapshot(buddy.own[step]) if step in buddy.own else self._snapshot(False)
         owners = {r["id"] for r in reports if r["layout"] == layout and step in r["own"]}
         mirrored = b""
         if held and step in report["mirror"] and buddy.predecessor() not in owners:
-            mirrored = buddy.mirror[step]
+            mirrored = frame_snapshot(buddy.mirror[step])
         rebuilt = [b for b in exchange_bytes(comm, mirrored) if b]
         blobs = [b for b in exchange_bytes(comm, own) if b] + rebuilt
         info = load_snapshots(blobs, model, opt)
@@ -1009,9 +1049,9 @@ class LiveElasticTrainer:
                 return self._attempt(get_batch(self.step_count), loss_fn)
             except CommunicationError as e:
                 detected = time.time()
-                self._watched = None
                 if self._buddy is not None:  # the last mirror frames, sent and received, before leaving the group
-                    self._buddy.settle(strict=False)
+                    self._buddy.settle(strict=False)  # (still watched: a member that stopped heartbeating ends it)
+                self._watched = None
                 # Leave the group at once: a survivor still waiting on this worker in an op fails now instead of at
                 # the op timeout (then it aborts too, and so on), so every survivor reaches the decision below.
                 _abort(self.comm, f"this worker left after: {e}")
@@ -1039,7 +1079,16 @@ class LiveElasticTrainer:
         opt.samples_seen = self.samples_seen
         opt.zero_grad()
         if self._buddy is not None:
-            self._buddy.post(self.comm, self.step_count, self._snapshot(False))
+            buddy = self._buddy
+            frame = snapshot_frame(
+                self.model,
+                self.optimizer,
+                step=self.step_count,
+                extra=self._extra(),
+                capacity=buddy.capacity,
+                out=buddy.spare(buddy.capacity),
+            )
+            buddy.post(self.comm, self.step_count, frame)
         return float(loss.detach())
 
     def finish(self) -> None:

@@ -201,3 +201,44 @@ def test_an_optimizer_load_that_fails_changes_nothing(tmp_path):
         assert opt.state[p].keys() == state[p].keys() and all(
             torch.equal(opt.state[p][k], state[p][k]) for k in state[p]
         )
+
+
+def test_snapshot_frame_loads_as_snapshot_state_does_and_rejects_damage():
+    """A buddy-mirror frame (snapshot_frame: one copy per piece into a reused buffer) must load exactly what
+    snapshot_state's bytes load: parameters, AdamW moments, step counts, the step and extra. Catches a frame whose
+    tensors are misplaced or misaligned, a reused ``out`` buffer that keeps the previous step's values, and a damaged
+    frame loaded silently."""
+    from gpudist.checkpoint import frame_length, frame_snapshot, load_snapshots, snapshot_frame, snapshot_state
+
+    torch.manual_seed(0)
+
+    def trained(steps: int):
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3, bias=False))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            model(torch.randn(4, 5)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = trained(2)
+    frame = snapshot_frame(model, opt, step=2, extra={"live": {"samples_seen": 8}}, capacity=1 << 16)
+    assert frame.numel() == 1 << 16 and frame_length(frame) < frame.numel()
+    model(torch.randn(4, 5)).square().sum().backward()  # step 3, written into the same buffer
+    opt.step()
+    again = snapshot_frame(model, opt, step=3, extra={"live": {"samples_seen": 12}}, out=frame)
+    assert again is frame
+    for blob in (frame_snapshot(again), snapshot_state(model, opt, step=3, extra={"live": {"samples_seen": 12}})):
+        fresh, fresh_opt = trained(0)
+        info = load_snapshots([blob], fresh, fresh_opt)
+        assert info.step == 3 and info.extra == {"live": {"samples_seen": 12}}
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b)
+        for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+            s, t = opt.state[p], fresh_opt.state[q]
+            assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
+            assert float(s["step"]) == float(t["step"]) == 3
+    damaged = again.clone()
+    damaged[20:40] = ord("#")
+    with pytest.raises(CheckpointError, match="snapshot frame is damaged"):
+        frame_snapshot(damaged)
