@@ -388,7 +388,7 @@ def _chain_of_waits(comm, port: int) -> dict:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 3, comm.rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=60))  # hosted by the test
     group = GlooCommunicationBackend.join_group(
         dist.PrefixStore("chain/", store), comm.rank, 3, name="chain", timeout=120.0
     )
@@ -418,7 +418,14 @@ def test_gloo_abort_releases_a_chain_of_waits_on_live_peers():
     death and no timeout (ops may take 120 s here). Catches an abort that only marks the group broken (Gloo's own
     ProcessGroupGloo.abort returns without failing a pending receive): rank 2's receive from rank 1, which waits
     on rank 0, would wait out the op timeout, as a live-mode survivor did when its peer had already left."""
-    results = run_ranks(_chain_of_waits, 3, "gloo", timeout=120.0, port=free_port())
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()  # the store lives outside the ranks, as live mode's membership service does
+    store = dist.TCPStore("127.0.0.1", port, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    results = run_ranks(_chain_of_waits, 3, "gloo", timeout=120.0, port=port)
+    del store
     assert "aborted on this rank (rank 0 left)" in results[0]["error"], results[0]
     for r in (1, 2):
         assert results[r]["error"].startswith("CommunicationError:"), results[r]

@@ -223,6 +223,7 @@ def test_ddp_sgd_on_the_example_model_matches_single_process(world_size):
         assert_matches_reference(flat, *expected)
 
 
+@pytest.mark.slow  # 4 x ~12 s of end-to-end runs: the slow tier (CI runs it), keeping the default run under 10 min
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
 def test_script_runs_every_zero_strategy(tmp_path, strategy):
     """Catches `examples/train.py --strategy zero1|zero2|zero3|fsdp` failing where DDP works (a model/optimizer pair

@@ -274,6 +274,7 @@ def test_unrecognised_model_is_refused_naming_what_was_looked_for():
     assert "batch size 3, not a multiple of micro_batches=4" in errors[3]
 
 
+@pytest.mark.slow  # ~20 s end to end: the slow tier (CI runs it)
 def test_hf_llama_example_runs_two_strategies(tmp_path):
     """`examples/hf_llama.py --strategy pipeline --steps 3` as a user runs it (a subprocess spawning 2 Gloo ranks),
     and its ZeRO-3 run in this process (2 in-memory ranks: a second subprocess would double the test's ~20 s of

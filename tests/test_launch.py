@@ -202,6 +202,7 @@ def test_init_under_real_torchrun():
     assert "all ranks ok: True" in out.stdout
 
 
+@pytest.mark.slow  # ~12 s: the slow tier (CI runs it)
 def test_gpudist_bench_kernels(tmp_path):
     """Catches the kernel benchmark breaking (an op builder out of step with the kernels' signatures, a
     missing baseline) or an unknown op passing silently; no timing is asserted."""

@@ -89,6 +89,39 @@ def _socket_fds() -> dict[int, int]:
     return fds
 
 
+def _store_port(store: dist.Store) -> int | None:
+    """The TCP port of the TCPStore under ``store`` (PrefixStores unwrapped), or None."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return getattr(store, "port", None)
+
+
+def _new_sockets(before: dict[int, int], store_port: int | None) -> frozenset[int]:
+    """The inodes of the sockets opened since ``before`` (:func:`_socket_fds`), less those of the store's port (a
+    store server in this process accepts its clients meanwhile; those connections are not the group's)."""
+    new = set()
+    for fd, inode in _socket_fds().items():
+        if inode in before.values():
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            ports = {sock.getsockname()[1]}
+            try:
+                ports.add(sock.getpeername()[1])
+            except OSError:  # the listener: no peer
+                pass
+            if store_port is None or store_port not in ports:
+                new.add(inode)
+        except (OSError, IndexError, TypeError):  # not an IP socket (a Unix one has no port): not Gloo's TCP either
+            pass
+        finally:
+            sock.detach()
+    return frozenset(new)
+
+
 _PEER_GONE = (
     "Connection reset",
     "Connection closed",
@@ -413,7 +446,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         before = _socket_fds()
         try:
             pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=join))
-            sockets = frozenset(_socket_fds().values()) - frozenset(before.values())  # its connections, its listener
+            sockets = _new_sockets(before, _store_port(store))  # its connections and listener
         except RuntimeError as e:
             raise CommunicationTimeoutError(
                 f"rank {rank}: Gloo group {name!r} of {world_size} did not form within {join:g}s: {first_line(e)}",
