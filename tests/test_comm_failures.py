@@ -394,7 +394,10 @@ def _chain_of_waits(comm, port: int) -> dict:
     )
     group.all_reduce(torch.ones(1))  # every rank connected (an abort during the connect fails the peers' connect)
     work = group.recv(torch.zeros(4), (comm.rank - 1) % 3, async_op=True)
+    store.add("posted", 1)
     if comm.rank == 0:
+        while store.add("posted", 0) < 3:  # every receive is posted before rank 0 leaves
+            time.sleep(0.01)
         group.abort("rank 0 left")
     try:
         work.wait()

@@ -250,6 +250,7 @@ def test_zero_falls_back_to_the_checkpoint_when_a_shard_is_lost_and_reshards_liv
     assert fallback["step_before"] == 5 and fallback["step"] == 4
 
 
+@pytest.mark.slow  # ~18 s of real processes: the slow tier (CI runs it; benchmarks/live_elastic.py kills 10 more)
 def test_gloo_processes_survive_a_sigkill_and_a_replacement_heals_over_gloo(tmp_path):
     """Catches what in-memory groups cannot show: a worker process SIGKILLed during backward's all-reduces (its Gloo
     connections reset; some survivors may have completed the collective, others not), survivors that must form a

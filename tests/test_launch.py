@@ -144,6 +144,7 @@ def test_gpudist_info():
     assert "gloo       available" in out.stdout
 
 
+@pytest.mark.slow  # ~11 s: the slow tier (CI runs it)
 def test_gpudist_bench_collectives(tmp_path):
     """The command prints the nccl-tests columns and writes JSON with gpudist and torch busbw side by side."""
     path = tmp_path / "c.json"

@@ -215,6 +215,7 @@ def test_top_recommendation_for_two_cpu_ranks_runs(kind):
     assert all(math.isfinite(v) for rank in losses for v in rank)
 
 
+@pytest.mark.slow  # ~10 s: the slow tier (CI runs it)
 def test_cli_llama_7b_on_4_nodes_prints_a_ranked_table(capsys, tmp_path):
     """Catches a broken command or an empty/unsorted table for the issue's example: the best row fits, rows are
     sorted by predicted step time among those that fit, the JSON holds every configuration and the best's code."""
