@@ -465,8 +465,9 @@ _FRAME_SLACK = 4096
 
 
 def _frame_capacity(length: int) -> int:
-    """Bytes of a frame for a snapshot of ``length`` bytes: an int64 length, the snapshot, the slack."""
-    return 8 + length + _FRAME_SLACK
+    """Bytes of a frame for a snapshot frame of ``length`` bytes in use (:func:`~gpudist.checkpoint.frame_length`):
+    those and the slack."""
+    return length + _FRAME_SLACK
 
 
 def newest_covered(reports: list[dict[str, Any]]) -> tuple[int, int] | None:
@@ -717,9 +718,9 @@ class LiveElasticTrainer:
         zero_stage: 0 (replicated state), 1, 2 or 3 (ZeRO-3: :attr:`model` is a :class:`~gpudist.ZeRO3Model`, whose
             module holds no parameters between forwards: read them with ``model.gather_full_parameters()``).
         backend: ``"gloo"`` (processes), ``"nccl"`` (processes, one GPU each: the module is moved to the backend's
-            device, a hung or dead peer is detected by the op ``timeout``, and each generation aborts the old
-            communicator and forms a new one; not MPI, which cannot drop a dead rank without ULFM) or ``"inmemory"``
-            (threads of one process: tests).
+            device, a dead peer is detected by its heartbeat and a hung one by the op ``timeout``, and each
+            generation aborts the old communicator and forms a new one; not MPI, which cannot drop a dead rank
+            without ULFM) or ``"inmemory"`` (threads of one process: tests).
         timeout: Seconds every collective may take (bounds the detection of a hung peer).
         connect_timeout: Seconds a new generation's group may take to connect while all its members heartbeat (one
             that stops is detected after ``failure_timeout`` instead: :meth:`Membership.while_alive`). None:

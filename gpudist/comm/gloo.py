@@ -17,6 +17,7 @@ costs one small-message latency per op (measured in ``benchmarks/collectives.py`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -24,6 +25,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -96,29 +98,37 @@ def _store_port(store: dist.Store) -> int | None:
     return getattr(store, "port", None)
 
 
+@contextlib.contextmanager
+def _borrowed_socket(fd: int) -> Iterator[socket.socket | None]:
+    """The socket behind ``fd``, without taking it over (detached on exit, so its owner keeps it); None when the fd
+    was closed meanwhile."""
+    try:
+        sock = socket.socket(fileno=fd)  # wraps the fd, no dup
+    except OSError:
+        yield None
+        return
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
 def _new_sockets(before: dict[int, int], store_port: int | None) -> frozenset[int]:
-    """The inodes of the sockets opened since ``before`` (:func:`_socket_fds`), less those of the store's port (a
-    store server in this process accepts its clients meanwhile; those connections are not the group's)."""
-    new = set()
+    """The inodes of the connected sockets opened since ``before`` (:func:`_socket_fds`), less those on the store's
+    port (a store server in this process accepts its clients meanwhile; those connections are not the group's)."""
+    old, new = set(before.values()), set()
     for fd, inode in _socket_fds().items():
-        if inode in before.values():
+        if inode in old:
             continue
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            ports = {sock.getsockname()[1]}
+        with _borrowed_socket(fd) as sock:
+            if sock is None:  # closed meanwhile
+                continue
             try:
-                ports.add(sock.getpeername()[1])
-            except OSError:  # the listener: no peer
-                pass
+                ports = {sock.getsockname()[1], sock.getpeername()[1]}
+            except (OSError, IndexError, TypeError):  # a listener (no peer), or not an IP socket: not a connection
+                continue
             if store_port is None or store_port not in ports:
                 new.add(inode)
-        except (OSError, IndexError, TypeError):  # not an IP socket (a Unix one has no port): not Gloo's TCP either
-            pass
-        finally:
-            sock.detach()
     return frozenset(new)
 
 
@@ -446,7 +456,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         before = _socket_fds()
         try:
             pg = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=join))
-            sockets = _new_sockets(before, _store_port(store))  # its connections and listener
+            sockets = _new_sockets(before, _store_port(store))  # its connections
         except RuntimeError as e:
             raise CommunicationTimeoutError(
                 f"rank {rank}: Gloo group {name!r} of {world_size} did not form within {join:g}s: {first_line(e)}",
@@ -478,17 +488,9 @@ class GlooCommunicationBackend(CommunicationBackend):
         for fd, inode in _socket_fds().items():
             if inode not in self._sockets:
                 continue
-            try:
-                sock = socket.socket(fileno=fd)  # wraps the fd (no dup); detached below, so it stays Gloo's
-            except OSError:  # Gloo closed it meanwhile (a peer's death)
-                continue
-            try:  # still the same socket (not a new one that reused the number), connected (not the listener)
-                if os.fstat(fd).st_ino == inode and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            with _borrowed_socket(fd) as sock, contextlib.suppress(OSError):  # Gloo may close it meanwhile
+                if sock is not None and os.fstat(fd).st_ino == inode:  # not a new socket that reused the number
                     sock.shutdown(socket.SHUT_WR)
-            except OSError:  # closed meanwhile, or not connected
-                pass
-            finally:
-                sock.detach()
 
     @property
     def device(self) -> torch.device:
