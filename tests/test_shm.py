@@ -260,6 +260,45 @@ def test_ranks_on_different_hosts_or_opted_out_stay_on_tcp(monkeypatch):
     assert S.shm_requested(None) and not S.shm_requested(False)
 
 
+class _PeerCountThenCloseMark:
+    """Counters as rank 1 of 2 sees them: rank 0's count is read from ``peer_counts`` in turn (the last value
+    repeats) and the failure mark says rank 0 closed the channel."""
+
+    def __init__(self, abort_index: int, peer_counts: list[int]):
+        self.abort_index, self.peer_counts, self.reads = abort_index, peer_counts, 0
+        self.values: dict[int, int] = {}
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            self.reads += 1
+            return self.peer_counts[min(self.reads, len(self.peer_counts)) - 1]
+        return 1 if i == self.abort_index else self.values.get(i, 0)
+
+    def __setitem__(self, i: int, v: int) -> None:
+        self.values[i] = v
+
+
+def test_a_peer_that_arrives_then_closes_does_not_fail_the_sync_point():
+    """Catches the race CI hit once: rank 0 passed the last sync point of an op and closed the channel while rank 1,
+    descheduled between its read of rank 0's count (still the old one) and its read of the close mark, failed an op
+    every rank had completed (and rank 0, gone on to its next group, waited out that group's 60 s timeout). A peer
+    that closed without arriving must still fail the wait."""
+    import mmap
+
+    mm = mmap.mmap(-1, S._header_bytes(2) + 3 * 4096)
+    channel = S.SharedMemoryChannel(mm, 1, 2, "g", 5.0, pids=None)
+    try:
+        channel._counters = _PeerCountThenCloseMark(channel._abort_index, [0, 1])  # stale, then arrived (seq 1)
+        channel._sync("all_reduce")
+        assert channel._counters.reads >= 2
+        channel._counters = _PeerCountThenCloseMark(channel._abort_index, [1])  # never reaches seq 2
+        with pytest.raises(CommunicationError, match="rank 0 of the shared-memory channel failed or shut down"):
+            channel._sync("all_reduce")
+    finally:
+        channel._worker.shutdown()
+        mm.close()
+
+
 def train_over_both(comm, state, strategy: str) -> dict:
     """Three steps of ``strategy`` over a shared-memory group and over a TCP group (several uneven buckets each);
     the parameters after them and the bytes each group had sent when the last gradient of the first backward

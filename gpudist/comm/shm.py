@@ -264,6 +264,10 @@ class SharedMemoryChannel:
             while counters[peer * step] < seq:
                 now = time.perf_counter()
                 failed = counters[self._abort_index]
+                # A peer stores its count before it marks the channel closed or exits (x86 keeps stores in order),
+                # so it may have arrived and then left between the read above and this one: read its count again.
+                if failed and counters[peer * step] >= seq:
+                    break
                 if failed:
                     raise self._error(
                         f"rank {failed - 1} of the shared-memory channel failed or shut down; the group is unusable",
@@ -278,7 +282,7 @@ class SharedMemoryChannel:
                     )
                 if self._pids is not None and now - last_pid_check > _POLL_PID_EVERY:
                     last_pid_check = now
-                    if not _pid_alive(self._pids[peer]):
+                    if not _pid_alive(self._pids[peer]) and counters[peer * step] < seq:
                         raise self._error(f"rank {peer} (pid {self._pids[peer]}) died while this rank waited", op)
                 if now - start > _SPIN:
                     sleep = min(_MAX_SLEEP, max(sleep * 2, 1e-5))
