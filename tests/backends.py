@@ -15,6 +15,7 @@ MPI = pytest.param(
 ALL = ["inmemory", "gloo", MPI]
 
 
-def mpi_world(world: int):
-    """``("mpi", world)`` as a (backend, world) parameter pair, marked and skipped like :data:`MPI`."""
-    return pytest.param("mpi", world, marks=MPI.marks, id=f"mpi-{world}")
+def mpi_world(world: int, slow: bool = False):
+    """``("mpi", world)`` as a (backend, world) parameter pair, marked and skipped like :data:`MPI` (and marked
+    ``slow`` with ``slow``: the slow tier, which CI also runs)."""
+    return pytest.param("mpi", world, marks=(*MPI.marks, *([pytest.mark.slow] if slow else [])), id=f"mpi-{world}")

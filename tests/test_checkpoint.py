@@ -96,6 +96,7 @@ def test_resharded_checkpoint_continues_like_an_uninterrupted_run(tmp_path, save
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
 
+@pytest.mark.slow
 def test_resharded_checkpoint_over_gloo(tmp_path):
     """Catches a save that only works when ranks share memory (threads): ZeRO-3 on 2 Gloo processes, DDP on 3."""
     state = initial_state()

@@ -120,7 +120,7 @@ WORLDS = [
     ("inmemory", 4),
     ("gloo", 2),
     ("gloo", 3),
-    pytest.param(MPI.values[0], 2, marks=MPI.marks, id="mpi-2"),
+    pytest.param(MPI.values[0], 2, marks=(*MPI.marks, pytest.mark.slow), id="mpi-2"),  # slow tier
 ]
 
 

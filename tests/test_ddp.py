@@ -109,7 +109,7 @@ def branch_step(comm, state, find_unused, strategy="ddp"):
         ("gloo", 2),
         ("gloo", 3),
         mpi_world(2),
-        mpi_world(3),
+        mpi_world(3, slow=True),
     ],
 )
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])

@@ -61,6 +61,7 @@ def ddp_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return proc, out
 
 
+@pytest.mark.slow
 def test_script_trains_and_writes_its_outputs(ddp_run):
     """Catches a script that crashes, hangs, lets replicas drift apart (e.g. a gradient bucket that is never
     all-reduced), trains on nothing, writes no or broken outputs, or reports success when a check failed."""
@@ -92,6 +93,7 @@ def test_script_trains_and_writes_its_outputs(ddp_run):
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporary files behind
 
 
+@pytest.mark.slow
 def test_ddp_on_two_ranks_matches_single_process_training(ddp_run):
     """The real-training check: the script's 2-rank DDP run must take exactly the steps one process takes on the
     whole global batch (plain PyTorch, no gpudist). Catches a rank given the wrong slice of the batch (or the same

@@ -285,6 +285,7 @@ def _needs_wide_store(variant: str) -> bool:
     return not (variant.startswith("quantize") and "residual" not in variant and "stochastic" not in variant)
 
 
+@pytest.mark.slow
 def test_aligned_kernels_vectorize(monkeypatch, tmp_path):
     """Catches a hot kernel that loses its 128-bit global accesses, spills, or grows past its register ceiling.
 

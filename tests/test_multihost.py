@@ -68,6 +68,7 @@ def job(tmp_path_factory):
     return out, killed_at
 
 
+@pytest.mark.slow
 def test_two_hosts_train_every_strategy_to_the_single_process_result(job):
     """Catches any strategy that is right on one host but wrong across hosts: node groups mixing hosts, HSDP or
     hierarchical DDP missing the cross-node reduction (each host would train on its half of the batch), Gloo bound
@@ -87,6 +88,7 @@ def test_two_hosts_train_every_strategy_to_the_single_process_result(job):
             assert link["world"] > 0 and link["intra"] == link["inter"] == 0, (name, link)
 
 
+@pytest.mark.slow
 def test_killing_a_host_gives_every_survivor_an_error_within_the_timeout(job):
     """Catches a survivor that hangs (or exits silently) when a whole host dies mid-training: each rank on the
     surviving host must raise a CommunicationError from its collective within the op timeout."""
