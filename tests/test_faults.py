@@ -101,10 +101,9 @@ def test_sigkill_of_a_rank_mid_step(strategy):
         result = pipes[r][0].recv()
         assert result["error"] is not None, f"rank {r} trained on without its peer"
         assert result["gpudist"], result
-        assert (
-            f"failed on rank {r}: a peer process closed its connection (it died, was killed or aborted the group)"
-            in result["error"]
-        )
+        # Over TCP: "a peer process closed its connection (it died, ...)"; over shared memory: "rank 1 (pid N) died
+        # while this rank waited".
+        assert f"failed on rank {r}: " in result["error"] and "died" in result["error"], result["error"]
         assert result["elapsed"] < 10.0, result
 
 

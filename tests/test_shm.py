@@ -26,7 +26,7 @@ from gpudist.testing import run_ranks
 
 from .helpers import batch, flat, fresh_net, initial_state
 
-SLOT = S.REGION_BYTES_PER_RANK // 4  # fp32 elements per slot
+SLOT = S.CHUNK_BYTES // 4  # fp32 elements per slot
 SIZES = [1, 123, 2 * SLOT + 7]
 
 
@@ -296,7 +296,6 @@ def test_a_peer_that_arrives_then_closes_does_not_fail_the_sync_point():
             channel._sync("all_reduce")
     finally:
         channel._worker.shutdown()
-        mm.close()
 
 
 def train_over_both(comm, state, strategy: str) -> dict:

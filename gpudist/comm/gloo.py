@@ -485,6 +485,9 @@ class GlooCommunicationBackend(CommunicationBackend):
         """
         self._abort_reason = reason or "aborted"
         self._mark_broken(self._error(f"the group was aborted on this rank: {self._abort_reason}", "abort"))
+        shm = self._shm
+        if shm is not None:  # a peer (or this rank's worker) waiting at a shared-memory sync point fails at once
+            shm.abort()
         for fd, inode in _socket_fds().items():
             if inode not in self._sockets:
                 continue

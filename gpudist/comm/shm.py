@@ -6,20 +6,24 @@ copies its data into its own slot, each reduces its 1/N slice of all slots, and 
 ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``broadcast`` go this way; point-to-point, ``all_to_all``,
 ``barrier`` and the signature check stay on Gloo.
 
-Region (one per group, :data:`REGION_BYTES_PER_RANK` x (N + 1) plus a 4 KiB header; 6 MiB + 4 KiB at N = 2): N
-slots of :data:`CHUNK_BYTES` and a result area of the same size. Rank 0 creates the file and every rank maps it, then
-rank 0 unlinks it at once, so nothing is left in ``/dev/shm`` whatever happens to the processes later. The region is
-transport memory, like Gloo's socket buffers: it is mapped when the group forms, before any model exists, and
-counted in RSS once touched.
+Region (one per group, :data:`REGION_BYTES_PER_RANK` x (N + 1) plus a 4 KiB header; 12 MiB + 4 KiB at N = 2): two
+slot sets, each N slots of :data:`CHUNK_BYTES` and a result area of the same size. Rank 0 creates the file, reserves
+its pages (a ``/dev/shm`` too small for them fails here and the group stays on TCP, rather than a SIGBUS later), and
+every rank maps it, then rank 0 unlinks it at once, so nothing is left in ``/dev/shm`` whatever happens to the
+processes later. The region is transport memory, like Gloo's socket buffers: it is mapped when the group forms,
+before any model exists, and counted in RSS once touched.
 
-Synchronization: each rank owns one 64-byte line of the header holding how many sync points it has passed; a sync
-point stores this rank's count and waits until every peer's count reaches it, polling with short sleeps (x86's
-store order makes a peer's data visible before its count; the channel is used only on x86-64). Per chunk of an op:
-write own slot, sync, reduce own slice of the slots into the result area, sync, read the result. A slot is written
-again only after the sync that follows every rank's reads of it, and the result area likewise, so two syncs per
-chunk protect every overwrite, within an op and between consecutive ops. A wait gives up after the backend's
-``timeout`` (:class:`CommunicationTimeoutError`), at once when a peer process is gone or a peer marked the channel
-failed (:class:`CommunicationError`); a failing rank marks it, so no peer waits out the full timeout.
+Synchronization: each rank owns one 64-byte line of the header holding how many sync points it has passed and one
+holding its wake-up semaphore (a process-shared POSIX semaphore: a futex). A sync point stores this rank's count,
+posts every peer's semaphore, and waits until every peer's count reaches it: re-reading for up to :data:`_SPIN`, then
+sleeping on its own semaphore until a peer posts (x86's store order makes a peer's data visible before its count; the
+channel is used only on x86-64). Chunks alternate between the two slot sets, across ops, so one sync point per chunk
+suffices: write own slot of set ``k % 2``, sync, then reduce own slice of those slots into the set's result area (or
+read the peers' slots); an all-reduce reads chunk ``k``'s result after the next sync point (one more closes the op).
+Slot set ``k % 2`` is written again only for chunk ``k + 2``, after the sync point of chunk ``k + 1``, which every
+rank reaches only once it is done reading chunk ``k``; the result areas likewise. A wait gives up after the
+backend's ``timeout`` (:class:`CommunicationTimeoutError`), at once when a peer process is gone or a peer marked the
+channel failed (:class:`CommunicationError`); a failing rank marks it, so no peer waits out the full timeout.
 
 Ops run on one worker thread per group in issue order (``async_op=True`` returns at once: DDP starts bucket
 all-reduces during backward); torch's copies and reductions release the GIL.
@@ -30,6 +34,7 @@ bit for bit across ranks.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -55,28 +60,49 @@ ENV = "GPUDIST_SHM"
 """Environment switch: ``0`` keeps every Gloo group on TCP, ``1`` asks for shared memory where the ranks share a
 host; unset: :data:`DEFAULT`."""
 
-DEFAULT = False
-"""Whether single-host Gloo groups use shared memory when neither the caller nor :data:`ENV` says. Off: on the loaded
-2-core machine it was measured on, it halves the CPU time of a lone all-reduce (a 26 MB fp32 all-reduce of 2 ranks:
-6.3 ms wall / 5.6 ms CPU against TCP's 16.2 / 12.5) and cuts a DDP step's CPU time by 7-8% on the MLP, but the
-step's wall time did not improve: with more runnable processes than cores, every sync point waits for a peer that
-may be off its core, where TCP lets a sender run ahead into the socket buffer (GPT, DDP: slower in 8 of 10 rounds,
-the same CPU time). ``docs/results.md`` has the runs."""
+DEFAULT = True
+"""Whether single-host Gloo groups use shared memory when neither the caller nor :data:`ENV` says. On: on the 2-core
+machine it was measured on, a 26 MB fp32 all-reduce of 2 ranks takes 7 ms wall and CPU against TCP's 18 / 12-15, and
+training steps over it were 1.06-1.23x those over TCP on an idle machine (DDP, ZeRO-1, ZeRO-2; MLP and GPT), at
+parity within the rounds' spread with a third busy process on the 2 cores (``docs/results.md`` has the runs)."""
 
 CHUNK_BYTES = 2 << 20
-"""Bytes of one slot: the most one rank contributes per chunk. Each chunk costs two syncs, each a wait for the slowest
+"""Bytes of one slot: the most one rank contributes per chunk. Each chunk costs a sync point, a wait for the slowest
 rank, so tiny chunks lose (256 KiB ones made a 19 MiB all-reduce slower than Gloo's TCP on a loaded 2-core machine);
-large ones fall out of the cache between copy-in, reduction and copy-out. Measured there, a 26 MB fp32 all-reduce of
-2 ranks (median of 6 rounds, wall / CPU ms): TCP 16.2 / 12.5; chunks of 1 MiB 6.5 / 5.9, 2 MiB 6.3 / 5.6, 4 MiB
-6.6 / 6.3, 8 MiB 9.4 / 8.8, 16 MiB 10.3 / 9.2."""
+large ones fall out of the cache between copy-in, reduction and copy-out. Measured on an idle 2-core machine, a 26 MB
+fp32 all-reduce / reduce-scatter / all-gather of 2 ranks (median of 22, wall ms): chunks of 512 KiB 7.8 / 6.8 / 6.1,
+1 MiB 6.7 / 5.3 / 6.7, 2 MiB 7.1 / 4.7 / 5.1 (with two sync points per chunk and one slot set: 7.0 / 6.5 / 6.1)."""
 
-REGION_BYTES_PER_RANK = CHUNK_BYTES
+REGION_BYTES_PER_RANK = 2 * CHUNK_BYTES
 
 _LINE = 64  # one cache line per rank's counter, so ranks never write the same line
 _MAGIC = 0x67707364_73686D31  # "gpdsshm1"
 _POLL_PID_EVERY = 0.2  # seconds between checks that the peer processes still exist
-_SPIN = 2e-5  # seconds a waiter re-reads before it starts sleeping
-_MAX_SLEEP = 2e-4
+_SPIN = 1e-4  # seconds a waiter re-reads before it starts sleeping
+_MAX_SLEEP = 2e-4  # without semaphores (a libc lacking them): the longest sleep between re-reads
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _semaphores():
+    """libc's ``sem_post``, ``sem_timedwait`` and ``sem_trywait`` (process-shared POSIX semaphores: a futex, so a
+    waiter sleeps in the kernel until a peer posts), or None where this libc lacks them (then waits poll)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        post, timedwait, trywait, init = libc.sem_post, libc.sem_timedwait, libc.sem_trywait, libc.sem_init
+    except (OSError, AttributeError):
+        return None
+    post.argtypes = trywait.argtypes = [ctypes.c_void_p]
+    timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    post.restype = timedwait.restype = trywait.restype = init.restype = ctypes.c_int
+    return post, timedwait, trywait, init
+
+
+_SEM = _semaphores()
+_SEM_BYTES = 32  # sizeof(sem_t) on x86-64 glibc and musl
 
 
 def host_identity() -> tuple[int, int, int]:
@@ -134,10 +160,14 @@ class SharedMemoryChannel:
         self._counters = memoryview(mm).cast("q")
         self._region = torch.frombuffer(mm, dtype=torch.uint8)
         self._data = self._region[_header_bytes(world_size) :]
-        self._slot_bytes = self._data.numel() // (world_size + 1)
+        self._slot_bytes = self._data.numel() // (2 * (world_size + 1))
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pids = pids  # peers' pids (index: rank), None when they live in another pid namespace
         self._seq = 0
+        self._chunks = 0  # chunks moved so far, all ops together: which slot set the next one uses
+        # Each rank's wake-up semaphore, in its own header line (the mapping outlives them: they hold it exported).
+        self._sem_cells = [ctypes.c_char.from_buffer(mm, _sem_offset(world_size, r)) for r in range(world_size)]
+        self._sems = [ctypes.addressof(cell) for cell in self._sem_cells] if _SEM is not None else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-shm-r{rank}")
         self.nbytes = len(mm)
 
@@ -182,6 +212,11 @@ class SharedMemoryChannel:
             mm = _map(path, size, header, create=True)
             if mm is None:
                 want = False
+            elif _SEM is not None:  # process-shared (glibc's zeroed sem_t is a process-private one)
+                for r in range(world_size):
+                    cell = ctypes.c_char.from_buffer(mm, _sem_offset(world_size, r))
+                    _SEM[3](ctypes.addressof(cell), 1, 0)
+                    del cell
         try:
             boot, net, pidns = host_identity()
             rows = allgather(torch.tensor([int(want), boot, net, pidns, os.getpid(), token], dtype=torch.int64))
@@ -218,6 +253,11 @@ class SharedMemoryChannel:
         """Wait until every op issued so far has finished (a Gloo barrier waits for the group's earlier ops too)."""
         self._worker.submit(lambda: None).result()
 
+    def abort(self) -> None:
+        """Mark the channel failed, from any thread: every rank's wait at a sync point, this rank's worker's
+        included, fails at once. The region stays mapped until :meth:`close`."""
+        self._mark_failed()
+
     def close(self) -> None:
         """Stop the worker and tell the peers this rank left (their waits then fail at once); unmap when unused."""
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -248,6 +288,36 @@ class SharedMemoryChannel:
     def _mark_failed(self) -> None:
         if self._counters is not None and self._counters[self._abort_index] == 0:
             self._counters[self._abort_index] = self.rank + 1
+            self._wake(range(self.world_size))  # a waiting peer (or this rank's worker) sees the mark at once
+
+    def _dead_peers(self) -> list[int]:
+        """The peers whose processes are gone (none known outside this pid namespace)."""
+        if self._pids is None:
+            return []
+        return [r for r, pid in enumerate(self._pids) if r != self.rank and not _pid_alive(pid)]
+
+    def _wake(self, ranks) -> None:
+        """Post the wake-up semaphore of each of ``ranks`` (a hint: a waiter checks the counts again)."""
+        if self._sems is not None:
+            for r in ranks:
+                _SEM[0](self._sems[r])
+
+    def _doze(self, seconds: float) -> None:
+        """Sleep until a peer posts this rank's semaphore or ``seconds`` pass."""
+        if self._sems is None:
+            time.sleep(min(seconds, _MAX_SLEEP))
+            return
+        deadline = time.time() + seconds
+        _SEM[1](self._sems[self.rank], ctypes.byref(_Timespec(int(deadline), int(deadline % 1 * 1e9))))
+
+    def _drain(self) -> None:
+        """Take back the posts left over from sync points this rank did not sleep at (each peer posts at every one),
+        so a later wait sleeps rather than spinning through them. A post taken here that belongs to a later sync
+        point was made after its poster's count was stored, so that wait finds the count without sleeping."""
+        if self._sems is not None:
+            mine = self._sems[self.rank]
+            while _SEM[2](mine) == 0:
+                pass
 
     @property
     def _abort_index(self) -> int:
@@ -258,8 +328,9 @@ class SharedMemoryChannel:
         self._seq += 1
         seq, counters, step = self._seq, self._counters, _LINE // 8
         counters[self.rank * step] = seq
+        self._wake(r for r in range(self.world_size) if r != self.rank)
         start = time.perf_counter()
-        last_pid_check, sleep = start, 0.0
+        last_pid_check = start
         for peer in range(self.world_size):
             while counters[peer * step] < seq:
                 now = time.perf_counter()
@@ -269,6 +340,13 @@ class SharedMemoryChannel:
                 if failed and counters[peer * step] >= seq:
                     break
                 if failed:
+                    dead = self._dead_peers()
+                    if dead:  # the rank that marked it saw a death first: name the dead one
+                        raise self._error(
+                            f"rank {dead[0]} (pid {self._pids[dead[0]]}) died while this rank waited (rank "
+                            f"{failed - 1} marked the shared-memory channel failed)",
+                            op,
+                        )
                     raise self._error(
                         f"rank {failed - 1} of the shared-memory channel failed or shut down; the group is unusable",
                         op,
@@ -285,15 +363,18 @@ class SharedMemoryChannel:
                     if not _pid_alive(self._pids[peer]) and counters[peer * step] < seq:
                         raise self._error(f"rank {peer} (pid {self._pids[peer]}) died while this rank waited", op)
                 if now - start > _SPIN:
-                    sleep = min(_MAX_SLEEP, max(sleep * 2, 1e-5))
-                    time.sleep(sleep)
+                    self._doze(min(_POLL_PID_EVERY, max(self.timeout - (now - start), 0.0) + 1e-3))
+        self._drain()
 
-    def _slots(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slots, result)`` viewed as ``dtype``: world_size x capacity and capacity elements."""
+    def _slots(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(slots, results)`` of both slot sets viewed as ``dtype``: world_size x capacity and capacity elements."""
         if dtype not in self._views:
             per = self._slot_bytes // torch.empty((), dtype=dtype).element_size()
-            flat = self._data.view(dtype)
-            self._views[dtype] = flat[: self.world_size * per].view(self.world_size, per), flat[self.world_size * per :]
+            sets = self._data.view(dtype)[: 2 * (self.world_size + 1) * per].view(2, self.world_size + 1, per)
+            self._views[dtype] = (
+                [sets[b, : self.world_size] for b in (0, 1)],
+                [sets[b, self.world_size] for b in (0, 1)],
+            )
         return self._views[dtype]
 
     def _reduce(self, parts: torch.Tensor, out: torch.Tensor, op: ReductionOperation) -> None:
@@ -312,71 +393,85 @@ class SharedMemoryChannel:
         else:
             torch.prod(parts, dim=0, dtype=out.dtype, out=out)
 
+    def _buffer(self) -> int:
+        """The slot set (0 or 1) of the next chunk: chunks alternate between two, across ops."""
+        self._chunks += 1
+        return self._chunks & 1
+
     def _all_reduce(self, op: str, flat: torch.Tensor, reduction: ReductionOperation) -> None:
-        slots, result = self._slots(flat.dtype)
-        capacity = slots.shape[1]
+        slots, results = self._slots(flat.dtype)
+        capacity = slots[0].shape[1]
+        unread = None  # (chunk, its result area, length): copied out after the next sync point
         for start in range(0, flat.numel(), capacity):
             chunk = flat[start : start + capacity]
-            n = chunk.numel()
-            slots[self.rank, :n].copy_(chunk)
+            n, b = chunk.numel(), self._buffer()
+            slots[b][self.rank, :n].copy_(chunk)
+            self._sync(op)  # every slot of this chunk written, every share of the previous chunk reduced
+            if unread is not None:
+                unread[0].copy_(unread[1][: unread[2]])
+            a, e = shard_range(n, self.world_size, self.rank)
+            if e > a:
+                self._reduce(slots[b][:, a:e], results[b][a:e], reduction)
+            unread = chunk, results[b], n
+        if unread is not None:
             self._sync(op)
-            a, b = shard_range(n, self.world_size, self.rank)
-            if b > a:
-                self._reduce(slots[:, a:b], result[a:b], reduction)
-            self._sync(op)
-            chunk.copy_(result[:n])
+            unread[0].copy_(unread[1][: unread[2]])
 
     def _reduce_scatter(self, op: str, inp: torch.Tensor, out: torch.Tensor, reduction: ReductionOperation) -> None:
         slots, _ = self._slots(inp.dtype)
-        segment = slots.shape[1] // self.world_size  # the slot holds a segment of every rank's range
+        segment = slots[0].shape[1] // self.world_size  # the slot holds a segment of every rank's range
         ranges = [shard_range(inp.numel(), self.world_size, r) for r in range(self.world_size)]
         longest = max(b - a for a, b in ranges)
         for offset in range(0, longest, segment):
+            mine = slots[self._buffer()]
             for r, (a, b) in enumerate(ranges):
                 piece = inp[a + offset : min(b, a + offset + segment)]
-                slots[self.rank, r * segment : r * segment + piece.numel()].copy_(piece)
+                mine[self.rank, r * segment : r * segment + piece.numel()].copy_(piece)
             self._sync(op)
             a, b = ranges[self.rank]
             n = max(0, min(segment, b - a - offset))
             if n:
                 base = self.rank * segment
-                self._reduce(slots[:, base : base + n], out[offset : offset + n], reduction)
-            self._sync(op)
+                self._reduce(mine[:, base : base + n], out[offset : offset + n], reduction)
 
     def _all_gather(self, op: str, inp: torch.Tensor, out: torch.Tensor) -> None:
         slots, _ = self._slots(inp.dtype)
-        capacity = slots.shape[1]
+        capacity = slots[0].shape[1]
         ranges = [shard_range(out.numel(), self.world_size, r) for r in range(self.world_size)]
         longest = max(b - a for a, b in ranges)
         mine = out[slice(*ranges[self.rank])]
         if mine.numel() and mine.data_ptr() != inp.data_ptr():  # in place when inp is out's own range
             mine.copy_(inp)
         for offset in range(0, longest, capacity):
-            piece = inp[offset : offset + capacity]
-            slots[self.rank, : piece.numel()].copy_(piece)
+            piece, these = inp[offset : offset + capacity], slots[self._buffer()]
+            these[self.rank, : piece.numel()].copy_(piece)
             self._sync(op)
             for r, (a, b) in enumerate(ranges):
                 n = max(0, min(capacity, b - a - offset))
                 if r != self.rank and n:
-                    out[a + offset : a + offset + n].copy_(slots[r, :n])
-            self._sync(op)
+                    out[a + offset : a + offset + n].copy_(these[r, :n])
 
     def _broadcast(self, op: str, flat: torch.Tensor, src: int) -> None:
         slots, _ = self._slots(flat.dtype)
-        capacity = slots.shape[1]
+        capacity = slots[0].shape[1]
         for start in range(0, flat.numel(), capacity):
-            chunk = flat[start : start + capacity]
+            chunk, these = flat[start : start + capacity], slots[self._buffer()]
             if self.rank == src:
-                slots[src, : chunk.numel()].copy_(chunk)
+                these[src, : chunk.numel()].copy_(chunk)
             self._sync(op)
             if self.rank != src:
-                chunk.copy_(slots[src, : chunk.numel()])
-            self._sync(op)
+                chunk.copy_(these[src, : chunk.numel()])
 
 
 def _header_bytes(world_size: int) -> int:
-    """The header: a line per rank's sync count, one for the failure mark; the magic number in its last 8 bytes."""
-    return -(-((world_size + 2) * _LINE) // 4096) * 4096
+    """The header: a line per rank's sync count, one for the failure mark, a line per rank's wake-up semaphore; the
+    magic number in its last 8 bytes."""
+    return -(-((2 * world_size + 1) * _LINE + 8) // 4096) * 4096
+
+
+def _sem_offset(world_size: int, rank: int) -> int:
+    """Where rank ``rank``'s wake-up semaphore starts in the region."""
+    return (world_size + 1 + rank) * _LINE
 
 
 def _map(path: str, size: int, header: int, create: bool) -> mmap.mmap | None:
@@ -389,6 +484,9 @@ def _map(path: str, size: int, header: int, create: bool) -> mmap.mmap | None:
     try:
         if create:
             os.ftruncate(fd, size)
+            # Reserve the pages now: a /dev/shm too small for them (a container's 64 MiB default) fails here, and
+            # the group stays on TCP, instead of a SIGBUS at the first touch of a page the tmpfs cannot supply.
+            os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size != size:
             return None
         mm = mmap.mmap(fd, size)
