@@ -194,6 +194,9 @@ def peer_leaves(comm, mode: str) -> dict:
         if mode == "shutdown":
             time.sleep(0.3)
             on.shutdown()
+        elif mode == "abort":  # what a live-mode survivor does to a group with a dead member
+            time.sleep(0.3)
+            on.abort("a member died")
         else:
             time.sleep(1.5)  # never calls: rank 0 must time out
         return {}
@@ -206,14 +209,14 @@ def peer_leaves(comm, mode: str) -> dict:
     return {"type": None}
 
 
-@pytest.mark.parametrize("mode", ["shutdown", "silent"])
+@pytest.mark.parametrize("mode", ["shutdown", "abort", "silent"])
 def test_a_peer_that_leaves_or_never_calls_fails_the_op(mode):
     """Catches a wait on a peer's sync count with no bound (a hang), a timeout raised as something other than
-    CommunicationTimeoutError or without op, group and rank, and a peer's shutdown that leaves the others waiting
-    out the whole 60 s timeout instead of failing at once."""
+    CommunicationTimeoutError or without op, group and rank, and a peer's shutdown or abort() that leaves the others
+    waiting out the whole 60 s timeout instead of failing at once (an abort that breaks only the TCP connections)."""
     r = run_ranks(peer_leaves, 2, "gloo", mode=mode)[0]
     assert r["op"] == "all_reduce" and r["rank"] == 0 and "group" in r["text"], r
-    if mode == "shutdown":
+    if mode in ("shutdown", "abort"):
         assert r["type"] == "CommunicationError" and r["s"] < 20, r
     else:
         assert r["type"] == CommunicationTimeoutError.__name__ and 0.9 < r["s"] < 20, r
@@ -243,7 +246,8 @@ def test_a_dead_peer_process_fails_the_op_at_once():
 
 def test_ranks_on_different_hosts_or_opted_out_stay_on_tcp(monkeypatch):
     """Catches a group that maps shared memory although a rank sits in another network namespace (the multi-host
-    tests simulate hosts that way) or opted out, and a region file left behind when the answer is no."""
+    tests simulate hosts that way), opted out or cannot reserve the region's pages (touching one later would be a
+    SIGBUS), and a region file left behind when the answer is no."""
     before = set(glob.glob(f"/dev/shm/gpudist-{os.getpid()}-*"))
 
     def elsewhere(mine: torch.Tensor) -> torch.Tensor:
@@ -254,6 +258,9 @@ def test_ranks_on_different_hosts_or_opted_out_stay_on_tcp(monkeypatch):
     assert S.SharedMemoryChannel.open(elsewhere, 0, 2, "g", 5.0) is None
     assert S.SharedMemoryChannel.open(lambda m: torch.stack([m, m]), 0, 2, "g", 5.0, requested=False) is None
     assert set(glob.glob(f"/dev/shm/gpudist-{os.getpid()}-*")) == before
+    with monkeypatch.context() as m:  # a /dev/shm too small for the region (a container's default 64 MiB)
+        m.setattr(S.os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        assert S.SharedMemoryChannel.open(lambda m: torch.stack([m, m]), 0, 2, "g", 5.0) is None
     monkeypatch.setenv(S.ENV, "0")
     assert not S.shm_requested(None) and S.shm_requested(True)
     monkeypatch.setenv(S.ENV, "1")
@@ -296,6 +303,30 @@ def test_a_peer_that_arrives_then_closes_does_not_fail_the_sync_point():
             channel._sync("all_reduce")
     finally:
         channel._worker.shutdown()
+
+
+def late_arrival(comm) -> float:
+    on, _ = both_transports(comm)
+    dozes, S._POLL_PID_EVERY = S._POLL_PID_EVERY, 30.0  # a waiter not posted would sleep 30 s
+    try:
+        if comm.rank == 1:
+            time.sleep(0.5)  # rank 0 is asleep on its semaphore by now
+        start = time.monotonic()
+        with on.unchecked():  # the signature check would wait on Gloo first
+            on.all_reduce(torch.ones(10))
+        return time.monotonic() - start
+    finally:
+        S._POLL_PID_EVERY = dozes
+        on.shutdown()
+
+
+def test_a_waiting_rank_is_woken_by_its_peers_arrival():
+    """Catches a lost wake-up: a waiter that sleeps on its semaphore until the sleep runs out (30 s here) instead of
+    being posted when its peer arrives. A zeroed sem_t is process-private, so a post from another process is lost
+    unless rank 0 initialized the semaphores as shared; a post taken back by the drain before its count was
+    visible would do the same."""
+    waited, _ = run_ranks(late_arrival, 2, "gloo")
+    assert waited < 10.0, f"rank 0 waited {waited:.1f} s for a peer 0.5 s late"
 
 
 def train_over_both(comm, state, strategy: str) -> dict:
