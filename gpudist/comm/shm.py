@@ -6,12 +6,12 @@ copies its data into its own slot, each reduces its 1/N slice of all slots, and 
 ``all_reduce``, ``reduce_scatter``, ``all_gather`` and ``broadcast`` go this way; point-to-point, ``all_to_all``,
 ``barrier`` and the signature check stay on Gloo.
 
-Region (one per group, :data:`REGION_BYTES_PER_RANK` x (N + 1) plus a 4 KiB header; 12 MiB + 4 KiB at N = 2): two
+Region (one per group, :data:`REGION_BYTES_PER_RANK` x (N + 1) plus a 4 KiB header; 6 MiB + 4 KiB at N = 2): two
 slot sets, each N slots of :data:`CHUNK_BYTES` and a result area of the same size. Rank 0 creates the file, reserves
 its pages (a ``/dev/shm`` too small for them fails here and the group stays on TCP, rather than a SIGBUS later), and
-every rank maps it, then rank 0 unlinks it at once, so nothing is left in ``/dev/shm`` whatever happens to the
-processes later. The region is transport memory, like Gloo's socket buffers: it is mapped when the group forms,
-before any model exists, and counted in RSS once touched.
+every rank maps it in whole, then rank 0 unlinks it at once, so nothing is left in ``/dev/shm`` whatever happens to
+the processes later. The region is transport memory, like Gloo's socket buffers: it is mapped when the group forms,
+before any model exists, and counted in every rank's RSS from then on.
 
 Synchronization: each rank owns one 64-byte line of the header holding how many sync points it has passed and one
 holding its wake-up semaphore (a process-shared POSIX semaphore: a futex). A sync point stores this rank's count,
@@ -66,12 +66,13 @@ machine it was measured on, a 26 MB fp32 all-reduce of 2 ranks takes 7 ms wall a
 training steps over it were 1.06-1.23x those over TCP on an idle machine (DDP, ZeRO-1, ZeRO-2; MLP and GPT), at
 parity within the rounds' spread with a third busy process on the 2 cores (``docs/results.md`` has the runs)."""
 
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20
 """Bytes of one slot: the most one rank contributes per chunk. Each chunk costs a sync point, a wait for the slowest
 rank, so tiny chunks lose (256 KiB ones made a 19 MiB all-reduce slower than Gloo's TCP on a loaded 2-core machine);
 large ones fall out of the cache between copy-in, reduction and copy-out. Measured on an idle 2-core machine, a 26 MB
 fp32 all-reduce / reduce-scatter / all-gather of 2 ranks (median of 22, wall ms): chunks of 512 KiB 7.8 / 6.8 / 6.1,
-1 MiB 6.7 / 5.3 / 6.7, 2 MiB 7.1 / 4.7 / 5.1 (with two sync points per chunk and one slot set: 7.0 / 6.5 / 6.1)."""
+1 MiB 6.7 / 5.3 / 6.7, 2 MiB 7.1 / 4.7 / 5.1 (with two sync points per chunk and one slot set of 2 MiB: 7.0 / 6.5 /
+6.1). 1 MiB keeps the region at the size one set of 2 MiB slots had: it is resident in every rank of every group."""
 
 REGION_BYTES_PER_RANK = 2 * CHUNK_BYTES
 
@@ -489,7 +490,9 @@ def _map(path: str, size: int, header: int, create: bool) -> mmap.mmap | None:
             os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size != size:
             return None
-        mm = mmap.mmap(fd, size)
+        # Mapped in now (MAP_POPULATE): transport memory is charged to the process when the group forms, not in
+        # the middle of the first step.
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except OSError:
         if create:
             os.unlink(path)
