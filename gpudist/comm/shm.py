@@ -103,7 +103,6 @@ def _semaphores():
 
 
 _SEM = _semaphores()
-_SEM_BYTES = 32  # sizeof(sem_t) on x86-64 glibc and musl
 
 
 def host_identity() -> tuple[int, int, int]:
