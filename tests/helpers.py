@@ -375,7 +375,8 @@ def pipeline_train(
     model = PipelineParallelModel(
         build(), config, num_stages=stages, micro_batches=micro, schedule=schedule, balance=balance
     )
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    params = list(model.parameters())  # a parameter-free stage gets no optimizer (torch refuses an empty list)
+    opt = torch.optim.Adam(params, lr=1e-2) if params else None
     losses = []
     dp, d = model.data_parallel_size, model.data_parallel_rank
     for step in range(steps):
@@ -383,6 +384,29 @@ def pipeline_train(
         n = x.shape[0] // dp
         losses.append(model.train_step(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n], loss_fn, opt))
     return model.gather_full_parameters(), losses, model.last_schedule["max_in_flight"], model.stage_blocks
+
+
+class PatternNet:
+    """A sequence of blocks spelled by a pattern: ``L`` a Linear(D, D), ``T`` a Tanh (no parameters), e.g. ``"LTLTL"``;
+    the weights come from a generator seeded by the pattern, not torch's global RNG (which in-memory ranks, threads
+    of one process, share), so every rank and the reference build the same model. A class so that it pickles for
+    Gloo ranks."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+
+    def __call__(self) -> nn.Sequential:
+        net = nn.Sequential(*[nn.Linear(D, D) if c == "L" else nn.Tanh() for c in self.pattern])
+        g = torch.Generator().manual_seed(sum(map(ord, self.pattern)))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / D**0.5)
+        return net
+
+
+def batch_of_24(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch that 3, 4, 6 and 8 micro-batches divide."""
+    return global_batch(step, n=24)
 
 
 def check_training(params: torch.Tensor, losses: list[float], want: tuple) -> None:

@@ -362,6 +362,59 @@ def test_exception_on_one_rank_fails_run_ranks_with_its_traceback(backend):
     assert time.monotonic() - start < NO_HANG
 
 
+def _raise_after_forming_subgroups(comm):
+    world = comm.new_group(list(range(comm.world_size)))
+    inner = world.new_group([2, 1, 0])  # a group of a group
+    if comm.rank == 0:
+        raise ValueError("optimizer got an empty parameter list")  # what a parameter-free pipeline stage's user saw
+    inner.all_reduce(torch.ones(2))  # waits for rank 0, which left
+
+
+@pytest.mark.faults
+def test_a_rank_that_raises_releases_the_others_waiting_in_subgroups():
+    """Catches the harness aborting only the world group: ranks waiting in a group new_group made (a pipeline's, a
+    data-parallel one) waited out the whole 60 s timeout, and then reported a timeout, not the root cause. Here the
+    others fail at once with the abort naming rank 0's error."""
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks(_raise_after_forming_subgroups, 3, "inmemory", timeout=60.0)
+    failures = info.value.failures
+    assert "empty parameter list" in failures[0]
+    for r in (1, 2):
+        assert "rank 0 aborted the group: ValueError: optimizer got an empty parameter list" in failures[r]
+        assert "CommunicationTimeoutError" not in failures[r]
+    assert time.monotonic() - start < NO_HANG
+
+
+def _backward_thread(comm):
+    x = torch.ones(3, requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(threading.get_ident()))
+    (x * 2).sum().backward()
+    return torch.autograd.is_multithreading_enabled(), seen == [threading.get_ident()], comm.device
+
+
+def test_run_ranks_gives_each_inmemory_rank_its_own_backward():
+    """On a CUDA device autograd runs the backward of every Python thread on one shared device thread, so in-memory
+    ranks deadlocked in DDP's first gradient hook on an H200 (a rank blocked in a collective there holds up the hooks
+    the others wait for). Catches the harness losing its protection: each rank thread must run with autograd's
+    multithreading off (its backward on its own thread), and a CUDA-device group must form under run_ranks (its
+    constructor refuses threads without the protection; nothing here touches a GPU)."""
+    for device in ("cpu", "cuda"):
+        for multithreaded, own_thread, where in run_ranks(_backward_thread, 2, "inmemory", device=device):
+            assert not multithreaded and own_thread and where.type == device
+
+
+def test_inmemory_on_a_cuda_device_refuses_the_shared_backward_thread():
+    """Catches a hand-made in-memory CUDA group (threads of the user's own) that would deadlock in its first backward:
+    the constructor names the cause and the fix instead; inside the setting, or at world size 1, it forms."""
+    with pytest.raises(ValueError, match=r"device='cuda'.*set_multithreading_enabled\(False\)"):
+        InMemoryCommunicationBackend(0, 2, group=f"cuda-{uuid.uuid4().hex}", device="cuda")
+    assert InMemoryCommunicationBackend(0, 1, group=f"cuda-{uuid.uuid4().hex}", device="cuda").world_size == 1
+    with torch.autograd.set_multithreading_enabled(False):
+        assert InMemoryCommunicationBackend(0, 2, group=f"cuda-{uuid.uuid4().hex}", device="cuda").rank == 0
+
+
 def test_inmemory_rejects_inconsistent_construction():
     """Two ranks claiming the same slot, or disagreeing on world size, are told so."""
     group = f"dup-{uuid.uuid4().hex}"

@@ -8,6 +8,11 @@ rank's input after that rank returned), and wakes the others, who copy their par
 Reductions of float16/bfloat16 accumulate in float32 and round once (Gloo rounds after every addition,
 so results may differ from Gloo's in the last bit).
 
+On a CUDA device, autograd runs backward work on one engine thread per device, shared by every Python thread of the
+process: a rank whose gradient hook blocks in a collective there would hold up the other ranks' backward, whose hooks
+issue the ops it waits for. So a rank of more than one must run its own backward, on its own thread
+(``torch.autograd.set_multithreading_enabled(False)`` in force where it is constructed); ``run_ranks`` does this.
+
 Point-to-point: the k-th ``recv`` from a rank matches that rank's k-th ``send`` to this rank, in posting
 order; as on Gloo, a send completes once the matching recv is posted. A shape/dtype mismatch raises
 :class:`CollectiveMismatchError` on both ranks, naming both sides.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +69,18 @@ class _GroupState:
         self.posted: dict[tuple[int, int], int] = {}
         self.joined: set[int] = set()
         self.broken: CommunicationError | None = None
+        self.children: weakref.WeakSet[_GroupState] = weakref.WeakSet()  # groups new_group made from this one
+
+    def fail(self, error: CommunicationError) -> None:
+        """Break this group and every group made from it (an abort must release a rank waiting in a sub-group too:
+        a pipeline's or a data-parallel group's); the first cause is kept."""
+        with self.cond:
+            if self.broken is None:
+                self.broken = error
+            self.cond.notify_all()
+            children = list(self.children)
+        for child in children:
+            child.fail(error)
 
 
 _REGISTRY: dict[str, _GroupState] = {}
@@ -129,7 +147,9 @@ class InMemoryCommunicationBackend(CommunicationBackend):
 
     Raises:
         ValueError: When ``world_size < 1``, ``rank`` is out of range or ``timeout`` is not positive, another
-            rank of the forming group passed another ``world_size``, or this rank already joined it.
+            rank of the forming group passed another ``world_size``, or this rank already joined it; or when
+            ``device`` is not the CPU, ``world_size > 1`` and this thread runs backward on autograd's shared device
+            thread (see the module doc: the ranks would deadlock in their first backward).
     """
 
     name = "inmemory"
@@ -146,6 +166,14 @@ class InMemoryCommunicationBackend(CommunicationBackend):
     ):
         super().__init__(rank, world_size, group, timeout)
         self._device = torch.device(device)
+        if self._device.type != "cpu" and world_size > 1 and torch.autograd.is_multithreading_enabled():
+            raise ValueError(
+                f"InMemoryCommunicationBackend(rank={rank}, world_size={world_size}, device={str(self._device)!r}): "
+                "the ranks are threads of one process, and autograd runs every thread's backward on one shared "
+                f"{self._device.type} device thread, where a rank waiting in a collective blocks the others' hooks "
+                "(a deadlock in the first backward); construct and use each rank inside "
+                "torch.autograd.set_multithreading_enabled(False), as gpudist.testing.run_ranks does"
+            )
         self._state = _state if _state is not None else _join(group, world_size, rank)
         self._seq = 0
 
@@ -255,12 +283,17 @@ class InMemoryCommunicationBackend(CommunicationBackend):
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
         name = f"{self.group}/{self._seq}[{','.join(map(str, ranks))}]"
         box: list[_GroupState] = []
-        self._collective(sig, None, lambda _: _GroupState(name, len(ranks)), box.append).wait()
+        self._collective(sig, None, lambda _: self._child_state(name, len(ranks)), box.append).wait()
         if self.rank not in ranks:
             return None
         return InMemoryCommunicationBackend(
             ranks.index(self.rank), len(ranks), name, self.timeout, self._device, _state=box[0]
         )
+
+    def _child_state(self, name: str, world_size: int) -> _GroupState:
+        child = _GroupState(name, world_size)
+        self._state.children.add(child)  # (under the group's condition: called by the last rank to arrive)
+        return child
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         return self._p2p(sig, tensor, self.rank, dst, "send")
@@ -307,15 +340,14 @@ class InMemoryCommunicationBackend(CommunicationBackend):
         return Work(wait, lambda: other in slot)
 
     def abort(self, reason: str) -> None:
-        """Fail the whole group now: every rank waiting in (or later entering) an op raises CommunicationError.
+        """Fail the whole group, and every group :meth:`new_group` made from it, now: every rank waiting in (or later
+        entering) an op of them raises CommunicationError.
 
         Args:
             reason: Why, quoted in the other ranks' errors.
         """
-        state = self._state
-        with state.cond:
-            if state.broken is None:
-                state.broken = CommunicationError(
-                    f"rank {self.rank} aborted the group: {reason}", op="abort", group=self.group, rank=self.rank
-                )
-            state.cond.notify_all()
+        self._state.fail(
+            CommunicationError(
+                f"rank {self.rank} aborted the group: {reason}", op="abort", group=self.group, rank=self.rank
+            )
+        )

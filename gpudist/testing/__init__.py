@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..comm import InMemoryCommunicationBackend
 from ..launch import RanksFailedError, shared_pool
 
@@ -41,7 +43,9 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(comm, **kwargs)`` on every rank of a ``world_size`` group; return the results in rank order.
 
-    ``backend="inmemory"`` runs the ranks as threads of this process (``device`` picks where tensors live);
+    ``backend="inmemory"`` runs the ranks as threads of this process (``device`` picks where tensors live), each
+    running its own backward (``torch.autograd.set_multithreading_enabled(False)``: on a CUDA device the ranks would
+    otherwise share autograd's device thread and deadlock in gradient hooks that communicate);
     ``backend="gloo"`` runs them in spawned processes that are kept and reused by later calls with the same
     ``world_size``/``timeout``/``validate`` (``fn`` and ``kwargs`` must then pickle: define ``fn`` at module
     level); each call starts with zeroed ``comm.stats``. ``backend="mpi"`` starts ``mpirun -np world_size`` for
@@ -92,8 +96,12 @@ def _run_threads(fn: Callable[..., Any], world_size: int, timeout: float, device
 
     def rank_main(rank: int) -> None:
         try:
-            comm = comms[rank] = InMemoryCommunicationBackend(rank, world_size, group, timeout, device)
-            results[rank] = fn(comm, **kwargs)
+            # Each rank runs its own backward on its own thread. With autograd's default, CUDA backward work of every
+            # thread runs on one shared device thread, where a rank blocked in a gradient hook's collective holds up
+            # the hooks of the ranks it waits for: DDP deadlocked on an H200 in its first backward (2026-11-28).
+            with torch.autograd.set_multithreading_enabled(False):
+                comm = comms[rank] = InMemoryCommunicationBackend(rank, world_size, group, timeout, device)
+                results[rank] = fn(comm, **kwargs)
         except BaseException as e:
             with lock:
                 failures[rank] = traceback.format_exc()

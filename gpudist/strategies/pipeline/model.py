@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,6 +97,9 @@ class PipelineParallelModel(ShardedModel):
     DualPipe-V ``2 p + 1``, alive until their W). Communication per step: each micro-batch's activation and its
     gradient across every stage boundary (``v`` times round the ring of ranks, interleaved, rank ``p - 1`` sending
     back to rank 0).
+
+    A stage may hold no parameters (a split that leaves it only activations, say): it still runs its part of every
+    step, and warns at construction, since a torch optimizer refuses its empty parameter list (build none there).
 
     Saving: :meth:`full_state_dict` and ``save_model("x.safetensors")`` give the full module on every rank
     (collective); checkpoint folders (``save_model("folder")``, :func:`gpudist.save_checkpoint`, with a plain
@@ -296,6 +300,14 @@ class PipelineParallelModel(ShardedModel):
             self.module = nn.ModuleList(chunk(virtual_stage(where, num_stages, stage, c)) for c in range(v))
         params = list(self.module.parameters())
         self._stage_params = params
+        if not params:
+            blocks_held = [self.stage_blocks[virtual_stage(where, num_stages, stage, c)] for c in range(v)]
+            warnings.warn(
+                f"{type(self).__name__}: stage {stage} holds no parameters (blocks {blocks_held} as [first, end)); "
+                "it trains nothing, and torch optimizers refuse an empty parameter list: on this rank build the "
+                "optimizer only when list(model.parameters()) is non-empty, and call train_step without one",
+                stacklevel=4,  # the user's PipelineParallelModel(...) line
+            )
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
         self._owned_names = set(self._stage_names[stage])
         self._buffers = [
