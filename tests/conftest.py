@@ -37,7 +37,8 @@ def device(request, kernel_impl):
         pytest.skip("needs CUDA (GPU tier)")
     if dev == "cpu" and kernel_impl == "triton" and not _triton.interpreter_active():
         pytest.skip("Triton kernels are compiled for CUDA in this process; the cuda cases test them")
-    return torch.device(dev)
+    # With its index: a tensor's device is cuda:0, never plain cuda, and torch.device("cuda") != "cuda:0".
+    return torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device(dev)
 
 
 def pytest_collection_modifyitems(config, items):

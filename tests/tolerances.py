@@ -39,8 +39,10 @@ def sum_rtol(n: int, dtype: torch.dtype = torch.float32, lam: float = LAMBDA) ->
     if n <= 1:
         return 0.0
     u = unit_roundoff(dtype)
-    worst = (n - 1) * u / (1 - (n - 1) * u)
-    return min(worst, lam * math.sqrt(n) * u)
+    probable = lam * math.sqrt(n) * u
+    if (n - 1) * u >= 1:  # gamma(n - 1) is a bound only while (n - 1) u < 1 (past 2^24 fp32 terms it turns negative)
+        return probable
+    return min((n - 1) * u / (1 - (n - 1) * u), probable)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,14 +81,18 @@ def reference_bound(ref32, ref64, factor: float = REFERENCE_FACTOR) -> float:
     return factor * max(own, floor)
 
 
-def assert_matches_reference(got, ref32, ref64, *, factor: float = REFERENCE_FACTOR, what: str = "values") -> None:
-    """``got`` (a float32 result of the strategy under test) is within :func:`reference_bound` of ``ref64``."""
+def assert_matches_reference(
+    got, ref32, ref64, *, factor: float = REFERENCE_FACTOR, what: str = "values", slack: float = 0.0
+) -> None:
+    """``got`` (a float32 result of the strategy under test) is within :func:`reference_bound` of ``ref64``, plus
+    ``slack``: a known, separately derived difference of the computation under test (e.g. its hyperparameters held
+    in float32, :func:`float32_hyper_slack`)."""
     g, r64 = _as64(got), _as64(ref64)
     if g.shape != r64.shape:
         raise AssertionError(f"{what}: shape {tuple(g.shape)} differs from the reference's {tuple(r64.shape)}")
     if not torch.isfinite(g).all():
         raise AssertionError(f"{what}: non-finite values {g[~torch.isfinite(g)][:5].tolist()}")
-    bound = reference_bound(ref32, r64, factor)
+    bound = reference_bound(ref32, r64, factor) + slack
     g, r64 = g.reshape(-1), r64.reshape(-1)
     err = (g - r64).abs()
     worst = int(err.argmax()) if err.numel() else 0
@@ -95,5 +101,28 @@ def assert_matches_reference(got, ref32, ref64, *, factor: float = REFERENCE_FAC
         raise AssertionError(
             f"{what}: max |got - float64 reference| = {float(err[worst]):.3g} at index {worst} (got "
             f"{float(g[worst]):.9g}, reference {float(r64[worst]):.9g}) exceeds {bound:.3g} = "
-            f"{factor:g} x the float32 reference's own error {own:.3g}"
+            f"{factor:g} x the float32 reference's own error {own:.3g}" + (f" + slack {slack:.3g}" if slack else "")
         )
+
+
+def as_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (as a kernel that takes its scalars in float32 holds it)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def float32_hyper_slack(run, exact: dict, names) -> list[float]:
+    """How far rounding the hyperparameters to float32 moves each result: ``max |run(rounded) - run(exact)|`` per
+    output, both runs in float64 (``run(hyper, dtype=...)`` returns a list of tensors).
+
+    A kernel that holds its scalars in float32, as torch's fused CUDA Adam does, computes a slightly different
+    problem: beta2 = 0.999 becomes 0.99900001287, so ``1 - beta2`` is 1.29e-5 too small and Adam's second moment
+    comes out 1.3e-5 low in relative terms (7.6e-7 absolute after 20 steps on an H200, 2026-11-28), far more than
+    float32 rounding of the computation itself. That shift is exact arithmetic on rounded inputs, so it is
+    measured in float64 and added to the rounding bound, not hidden in a looser factor.
+    """
+    rounded = {
+        k: (tuple(map(as_float32, v)) if isinstance(v, tuple) else as_float32(v)) if k in names else v
+        for k, v in exact.items()
+    }
+    a, b = run(exact, dtype=torch.float64), run(rounded, dtype=torch.float64)
+    return [float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)]
