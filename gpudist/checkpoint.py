@@ -27,15 +27,19 @@ vocabulary defined here (canonical pieces, :func:`written`, :class:`Reader`); a 
 optimizer are described here, parameter by parameter.
 
 Saving is atomic: files go to a temporary folder beside the target, the manifest is written last, and the folder
-is renamed into place. Loading reads and verifies every byte it needs (file checksums, shapes, names, coverage)
-into fresh tensors, agrees with the other ranks that all of them succeeded, and only then copies into the model
-and optimizer: a truncated, bit-flipped or mismatched checkpoint raises and changes nothing in memory.
+is renamed into place (over an existing one: the old folder is moved aside first, and a crash between the two
+renames is finished or rolled back by the next reader, under a lock the save holds while it renames). Loading reads
+and verifies every byte it needs (file checksums, shapes, names, coverage) into fresh tensors, agrees with the
+other ranks that all of them succeeded, and only then copies into the model and optimizer: a truncated, bit-flipped
+or mismatched checkpoint raises and changes nothing in memory.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import fcntl
 import hashlib
 import json
 import math
@@ -43,8 +47,9 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -85,6 +90,7 @@ __all__ = [
     "save_checkpoint",
     "saved_optimizer",
     "scalar_of",
+    "settle_interrupted",
     "snapshot_frame",
     "snapshot_state",
     "stage_optimizer",
@@ -713,8 +719,10 @@ class CheckpointWrite:
     Constructing it (collective) copies this rank's pieces to host memory and agrees on a staging folder; the files
     are then serialized, hashed and written, in a background thread when ``background=True``, while training goes
     on. :meth:`wait` (collective) joins the writer, and rank 0 writes the manifest and renames the folder into place
-    only if every rank's file was written: a crash at any point leaves the previous checkpoints as they were and at
-    most a hidden ``.NAME.tmp-*`` folder that is never read (:func:`remove_stale_staging` clears them).
+    only if every rank's file was written: a crash at any point leaves a loadable checkpoint under ``NAME`` (the new
+    one or the previous one; a crash between the two renames of an overwrite is settled by the next reader,
+    :func:`settle_interrupted`) and at most hidden ``.NAME.tmp-*``/``.NAME.old-*`` folders that are never read
+    (:func:`remove_stale_staging` clears them).
 
     Args:
         path: The checkpoint folder to write (replaced if it exists, once the new one is complete).
@@ -835,14 +843,16 @@ class CheckpointWrite:
         return self.path
 
     def _commit(self, infos: list[dict]) -> None:
-        """Rank 0: write the manifest into the staging folder, then move it into place."""
+        """Rank 0: write the manifest into the staging folder, then move it into place, under the folder's lock so
+        that no reader repairs (:func:`settle_interrupted`) between the two renames of a save that is alive."""
         body = _merged_body(self.body, infos)
-        atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
         old = self.path.with_name(f".{self.path.name}.old-{self.token}")
-        if self.path.exists():
-            os.replace(self.path, old)
-        os.replace(self.staging, self.path)
-        shutil.rmtree(old, ignore_errors=True)
+        with _root_lock(self.path.parent):
+            atomic_write_json(self.staging / MANIFEST, {"body": body, "sha256": _body_digest(body)})
+            if self.path.exists():
+                os.replace(self.path, old)
+            os.replace(self.staging, self.path)
+        _discard(old)
 
 
 def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list]]:
@@ -874,10 +884,10 @@ def _pack_runs(pieces: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
-    """Clear what interrupted saves left under ``root`` (hidden ``.NAME.tmp-*`` and ``.NAME.old-*`` folders), first
-    finishing a save that was interrupted between its two renames: when ``NAME`` itself is missing, its new folder
-    (if its manifest is complete) or else the previous one goes back to ``NAME``, so no crash loses the last
-    checkpoint. Call it only when no save is in progress (e.g. on rank 0 when a job starts).
+    """Clear what interrupted saves left under ``root`` (hidden ``.NAME.tmp-*`` and ``.NAME.old-*`` folders), after
+    :func:`settle_interrupted` put back what a save interrupted between its two renames left. Call it only when no
+    save is in progress (e.g. on rank 0 when a job starts): a save being written keeps its files in a ``.tmp``
+    folder until it commits.
 
     Args:
         root: The folder holding checkpoint folders (nothing happens if it does not exist).
@@ -886,46 +896,127 @@ def remove_stale_staging(root: str | os.PathLike) -> list[Path]:
         The folders it removed (not the ones it put back).
     """
     root = Path(root)
-    if not root.is_dir():
-        return []
-    hidden: list[tuple[Path, str, str]] = []  # (folder, the checkpoint name it belongs to, ".tmp-" or ".old-")
-    for child in sorted(root.iterdir()):
-        if child.name.startswith(".") and child.is_dir():
-            kind = next((k for k in (".tmp-", ".old-") if k in child.name), None)
-            if kind is not None:
-                hidden.append((child, child.name[1:].rsplit(kind, 1)[0], kind))
-    for wanted in (".tmp-", ".old-"):  # a complete new folder wins over the previous one
-        for child, name, kind in hidden:
-            if kind == wanted and not (root / name).exists() and _complete(child):
-                os.replace(child, root / name)
+    settle_interrupted(root)
     removed = []
-    for child, _, _ in hidden:
-        if child.exists():
-            shutil.rmtree(child, ignore_errors=True)
+    for folders in _hidden_folders(root).values():
+        for child, _ in folders:
+            _discard(child)
             removed.append(child)
     return removed
 
 
-def _complete(folder: Path) -> bool:
+@contextlib.contextmanager
+def _root_lock(root: Path, timeout: float = 60.0) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the folder ``root`` itself (no lock file is left beside the checkpoints), waiting
+    at most ``timeout`` seconds for it. A save holds it across its manifest write and two renames, a reader while it
+    settles an interrupted save; the kernel releases it when its holder dies."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
     try:
-        read_manifest(folder)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"the checkpoint folder {root} is still locked after {timeout:g}s: a save there holds it while "
+                        "it moves its folder into place (milliseconds); a process that hangs holding it must be ended"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _hidden_folders(root: Path) -> dict[str, list[tuple[Path, str]]]:
+    """Per checkpoint name, the hidden folders interrupted saves left under ``root``: ``(folder, ".tmp-" or
+    ".old-")`` (a save's staging folder, and the previous folder it moved aside)."""
+    hidden: dict[str, list[tuple[Path, str]]] = {}
+    if not root.is_dir():
+        return hidden
+    for child in sorted(root.iterdir()):
+        if child.name.startswith(".") and child.is_dir():
+            kind = next((k for k in (".tmp-", ".old-") if k in child.name), None)
+            if kind is not None:
+                hidden.setdefault(child.name[1:].rsplit(kind, 1)[0], []).append((child, kind))
+    return hidden
+
+
+def settle_interrupted(root: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Finish, or roll back, saves under ``root`` that were interrupted between their two renames (the previous
+    folder moved aside, the new one not yet in place), so that a crash there loses no checkpoint: for each checkpoint
+    name (or only ``name``) whose folder is missing while a complete hidden one is there, the newest complete one
+    (the highest step; the new folder before the previous one at the same step) goes back under the name. Nothing
+    is deleted, and nothing happens where every folder is in place. :func:`latest_checkpoint`,
+    :func:`complete_checkpoints` and :func:`load_checkpoint` call it, so a restart needs no helper call; it runs
+    under a lock on ``root`` that a save holds while it renames, so it never moves a live save's folders.
+
+    Args:
+        root: The folder holding checkpoint folders.
+        name: Only this checkpoint's folders (None: every name under ``root``).
+
+    Returns:
+        The checkpoint folders it put back.
+
+    Raises:
+        CheckpointError: When the lock stays held for a minute (a save that hangs between its renames).
+    """
+    root = Path(root)
+    interrupted = {
+        n: folders
+        for n, folders in _hidden_folders(root).items()
+        if (name is None or n == name) and not (root / n).exists()
+    }
+    restored: list[Path] = []
+    if not interrupted:
+        return restored
+    with _root_lock(root):
+        for n, folders in interrupted.items():
+            if (root / n).exists():  # a save (or another reader) put it in place meanwhile
+                continue
+            complete = [(_step_of(folder), kind == ".tmp-", folder) for folder, kind in folders]
+            complete = [c for c in complete if c[0] is not None]
+            if complete:
+                os.replace(max(complete)[2], root / n)
+                restored.append(root / n)
+    return restored
+
+
+def _discard(folder: Path) -> None:
+    """Remove a checkpoint folder that is not needed any more, its manifest first: a removal cut short leaves a
+    folder without a manifest, which nothing takes for a complete checkpoint."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _step_of(folder: Path) -> int | None:
+    """The step of the complete checkpoint ``folder`` (None: not complete)."""
+    try:
+        return read_manifest(folder)["step"]
     except CheckpointError:
-        return False
-    return True
+        return None
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """The checkpoint folders under ``root`` with a valid manifest, newest step first (hidden folders skipped).
+
+    A save interrupted between its two renames is finished or rolled back first (:func:`settle_interrupted`).
 
     Args:
         root: The folder holding checkpoint folders.
 
     Returns:
         Those folders; empty when there is none (or ``root`` does not exist).
+
+    Raises:
+        CheckpointError: When an interrupted save is to be settled and the folder's lock stays held for a minute.
     """
     root = Path(root)
     if not root.is_dir():
         return []
+    settle_interrupted(root)
     found = []
     for child in root.iterdir():
         if child.name.startswith(".") or not child.is_dir():
@@ -1026,7 +1117,8 @@ def _check_schema(body: dict, file: Path) -> None:
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint folder under ``root`` with the highest step.
 
-    Hidden folders (interrupted saves) and folders without a valid manifest are skipped.
+    Hidden folders (interrupted saves) and folders without a valid manifest are skipped, after a save interrupted
+    between its two renames was finished or rolled back (:func:`settle_interrupted`).
 
     Args:
         root: The folder holding checkpoint folders.
@@ -1134,6 +1226,9 @@ def load_checkpoint(
     """Load a folder from :func:`save_checkpoint` into ``model`` (and ``optimizer``), whatever strategy and world
     size wrote it (collective). Nothing in memory changes unless every rank read and verified all it needs.
 
+    A save of ``path`` interrupted between its two renames is finished or rolled back first
+    (:func:`settle_interrupted`).
+
     Args:
         path: A checkpoint folder.
         model: The gpudist ``ShardedModel`` or plain ``nn.Module`` to load into.
@@ -1151,6 +1246,8 @@ def load_checkpoint(
     path = Path(path)
 
     def source() -> tuple[dict, Reader]:
+        if not path.exists():  # an overwrite of it interrupted between its renames: finish or roll it back
+            settle_interrupted(path.parent, path.name)
         body = read_manifest(path)
         return body, Reader(path, body)
 

@@ -852,6 +852,17 @@ def _quiet():
         _host.quiet = before
 
 
+def _ours(filename: str) -> bool:
+    """Whether ``filename`` is this repository's code (not this file, nor a package installed in a virtual environment
+    that lives inside the checkout, as CI's does)."""
+    return (
+        filename.startswith(_ROOT)
+        and filename != __file__
+        and f"{os.sep}site-packages{os.sep}" not in filename
+        and f"{os.sep}dist-packages{os.sep}" not in filename
+    )
+
+
 def _site() -> str | None:
     """``path:line (function)`` of the innermost frame in this repository outside ``gpudist/comm`` (and this file)
     that led here, with the backend's frame after "via" when the sync is the backend's own (a validated op's
@@ -861,7 +872,7 @@ def _site() -> str | None:
         code = frame.f_code
         if code.co_name == "_get_value" and f"torch{os.sep}optim" in code.co_filename:
             return None
-        if code.co_filename.startswith(_ROOT) and code.co_filename != __file__:
+        if _ours(code.co_filename):
             where = f"{os.path.relpath(code.co_filename, _ROOT)}:{frame.f_lineno} ({code.co_name})"
             if not where.startswith(os.path.join("gpudist", "comm", "")):
                 return where if via is None else f"{where} via {via}"

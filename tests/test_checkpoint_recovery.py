@@ -1,10 +1,15 @@
 """A save that crashed between its two renames (the previous checkpoint moved aside, the new one not yet in place)
-loses nothing: the recovery that jobs run at start-up (``remove_stale_staging``) puts the newest complete folder
-back under the checkpoint's name, so ``latest_checkpoint`` finds it."""
+loses nothing: ``latest_checkpoint``, ``complete_checkpoints`` and ``load_checkpoint`` settle it themselves (the newest
+complete folder goes back under the checkpoint's name, under the lock a save holds while it renames), so a restart
+with plain calls resumes; ``remove_stale_staging`` then clears the hidden leftovers."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+import threading
 
 import pytest
 import torch
@@ -21,7 +26,7 @@ from gpudist import (
     read_manifest,
     save_checkpoint,
 )
-from gpudist.checkpoint import remove_stale_staging
+from gpudist.checkpoint import _root_lock, remove_stale_staging
 from gpudist.testing import run_ranks
 
 pytestmark = pytest.mark.faults
@@ -44,26 +49,125 @@ def _crash_between_renames(root, new_complete: bool):
     return path
 
 
-def test_a_complete_new_folder_is_put_in_place(tmp_path):
-    """Catches recovery deleting the new checkpoint whose manifest was written, and the previous one with it: before,
-    both hidden folders were removed and the job restarted from scratch."""
+def _hidden(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.is_dir())
+
+
+def test_a_complete_new_folder_is_put_in_place_by_latest_checkpoint(tmp_path):
+    """Catches a restart that finds nothing after a crash between the renames (before, latest_checkpoint returned
+    None until someone called remove_stale_staging, which only the elastic path did: the job restarted from scratch),
+    and a recovery that deletes the new checkpoint whose manifest was written."""
     path = _crash_between_renames(tmp_path, new_complete=True)
-    assert latest_checkpoint(tmp_path) is None  # what a restart saw before recovery
-    removed = remove_stale_staging(tmp_path)
     assert latest_checkpoint(tmp_path) == path and read_manifest(path)["step"] == 2
-    assert removed == [tmp_path / ".ckpt.old-abc"]
+    assert _hidden(tmp_path) == [".ckpt.old-abc"]  # nothing deleted: the previous folder stays until cleared
     target = _model(0)
     load_checkpoint(path, target)
     assert torch.equal(target.weight, _model(2).weight)
+    assert remove_stale_staging(tmp_path) == [tmp_path / ".ckpt.old-abc"] and _hidden(tmp_path) == []
 
 
 def test_the_previous_folder_comes_back_when_the_new_one_is_incomplete(tmp_path):
-    """Catches recovery deleting the only complete copy (the previous checkpoint moved aside) when the new one never
-    got its manifest."""
+    """Catches a load that fails (or a recovery that deletes the only complete copy, the previous checkpoint moved
+    aside) when the new one never got its manifest: load_checkpoint itself rolls the overwrite back."""
     path = _crash_between_renames(tmp_path, new_complete=False)
-    removed = remove_stale_staging(tmp_path)
+    target = _model(0)
+    info = load_checkpoint(path, target)
+    assert info.step == 1 and torch.equal(target.weight, _model(1).weight)
+    assert _hidden(tmp_path) == [".ckpt.tmp-def"]
+    assert remove_stale_staging(tmp_path) == [tmp_path / ".ckpt.tmp-def"]
     assert latest_checkpoint(tmp_path) == path and read_manifest(path)["step"] == 1
-    assert removed == [tmp_path / ".ckpt.tmp-def"]
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import torch
+import gpudist.checkpoint as ck
+root = sys.argv[1]
+torch.manual_seed(1)
+ck.save_checkpoint(root + "/ckpt", torch.nn.Linear(3, 2), step=1)
+renames = []
+real = os.replace
+def replace(src, dst):
+    real(src, dst)
+    if os.path.isdir(dst):  # the save's folder renames (not its file writes, which rename too)
+        renames.append(dst)
+    if len(renames) == int(sys.argv[2]):  # SIGKILL right after this folder rename
+        os.kill(os.getpid(), signal.SIGKILL)
+ck.os.replace = replace
+torch.manual_seed(2)
+ck.save_checkpoint(root + "/ckpt", torch.nn.Linear(3, 2), step=2)
+"""
+
+
+@pytest.mark.parametrize("renames", [1, 2], ids=["after-moving-the-old-aside", "after-both"])
+def test_a_process_killed_between_the_renames_of_an_overwrite_loses_nothing(tmp_path, renames):
+    """A real process SIGKILLed while overwriting its checkpoint, after the first rename (the previous folder moved
+    aside, the new one complete in staging) and after both: a plain latest_checkpoint + load_checkpoint resumes
+    from the new checkpoint (step 2), and the lock the dead saver held does not block the reader (the kernel
+    releases it). Catches a restart that starts from scratch or waits for a lock nobody holds."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_SAVE), str(tmp_path), str(renames)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == -9, proc.stderr  # killed where the test said, not failed before
+    expected_hidden = [n for n in _hidden(tmp_path) if ".old-" in n]
+    assert len(expected_hidden) == 1  # the previous folder was moved aside in both cases
+    found = latest_checkpoint(tmp_path)
+    assert found == tmp_path / "ckpt"
+    target = _model(0)
+    assert load_checkpoint(found, target).step == 2 and torch.equal(target.weight, _model(2).weight)
+
+
+def test_a_reader_does_not_move_the_folders_of_a_save_that_is_renaming(tmp_path):
+    """While a save holds the lock between its two renames (the previous folder aside, the new one about to move),
+    a reader waits for it instead of putting the previous folder back, which would make the save's second rename
+    fail and lose the new checkpoint. Catches the settling done without the lock."""
+    path = _crash_between_renames(tmp_path, new_complete=True)
+    found: list = []
+    with _root_lock(tmp_path):  # this thread is the save, between its renames
+        reader = threading.Thread(target=lambda: found.append(latest_checkpoint(tmp_path)))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not path.exists(), "the reader settled while the save held the lock"
+        os.replace(tmp_path / ".ckpt.tmp-def", path)  # the save's second rename
+    reader.join(30)
+    assert found == [path] and read_manifest(path)["step"] == 2
+    assert _hidden(tmp_path) == [".ckpt.old-abc"]
+
+
+def test_an_overwrite_keeps_the_folder_complete_and_leaves_nothing_behind(tmp_path):
+    """An overwrite that completes: the new checkpoint in place and nothing else beside it (no hidden folder, no lock
+    file). Catches the previous folder left behind."""
+    save_checkpoint(tmp_path / "ckpt", _model(1), step=1)
+    save_checkpoint(tmp_path / "ckpt", _model(2), step=2)
+    assert read_manifest(tmp_path / "ckpt")["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_lock_held_too_long_fails_with_a_clear_error(tmp_path, monkeypatch):
+    """Every wait is bounded: a reader that must settle an interrupted save but cannot get the lock raises a
+    CheckpointError naming the locked folder, instead of waiting forever."""
+    import gpudist.checkpoint as ck
+
+    _crash_between_renames(tmp_path, new_complete=True)
+    real = ck._root_lock
+    monkeypatch.setattr(ck, "_root_lock", lambda root: real(root, timeout=0.2))
+    with real(tmp_path):
+        outcome: list = []
+
+        def read():
+            try:
+                latest_checkpoint(tmp_path)
+            except CheckpointError as e:
+                outcome.append(str(e))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(30)
+    assert outcome and f"the checkpoint folder {tmp_path} is still locked after 0.2s" in outcome[0]
 
 
 def _save_then_load_with(comm, root: str, fail: str):
