@@ -63,6 +63,7 @@ def test_pytest_tier_gate_fails_the_session_on_a_slower_kernel(tmp_path, monkeyp
     """End to end through the pytest-benchmark tier: catches ``--gate-write``/``--gate`` not wired to the session's
     exit status, ratios not reaching pytest's stash, and pytest-benchmark no longer taking the replayed per-round
     times (its private timer attribute). The tier runs in this process so that the slowed kernel is the one timed."""
+    pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed (the test extra has it)")
     args = [
         str(REPO / "benchmarks" / "test_kernels.py"),
         "-k",
