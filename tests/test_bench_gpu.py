@@ -6,10 +6,12 @@ numbers themselves) is the command's job on a GPU runner (docs/gpu.md)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,11 +63,11 @@ def test_python_m_benchmarks_gpu_is_the_same_command(tmp_path, monkeypatch, caps
 def test_check_names_what_a_part_lacks():
     """Catches a plan that says a part is ready while the runner lacks what it needs: here no repository (the tests
     and strategies parts read tests/ and benchmarks/) and a kernel op that does not exist."""
-    plan = G.check_plan(G.GPUSettings(repo=None, kernel_ops=("adam", "no_such_op"), parts=("tests", "kernels")))
-    assert any("repository root" in p for p in plan["tests"]["problems"])
+    plan = G.check_plan(G.GPUSettings(repo=None, kernel_ops=("adam", "no_such_op"), parts=("tests-nccl", "kernels")))
+    assert any("repository root" in p for p in plan["tests-nccl"]["problems"])
     assert any("no_such_op" in p for p in plan["kernels"]["problems"])
-    ready = G.check_plan(G.GPUSettings(repo=str(REPO), parts=("tests", "kernels")))
-    assert ready["tests"]["problems"] == [] and ready["kernels"]["problems"] == []
+    ready = G.check_plan(G.GPUSettings(repo=str(REPO), parts=("tests-nccl", "kernels")))
+    assert ready["tests-nccl"]["problems"] == [] and ready["kernels"]["problems"] == []
 
 
 def test_bus_bandwidth_uses_the_nccl_tests_factors():
@@ -208,3 +210,85 @@ def test_junit_counts(tmp_path):
     }
     assert counts["failed_tests"] == ["tests.test_gpu::test_b", "tests.test_gpu::test_c"]
     assert counts["skip_reasons"] == {"NCCL 2.27 refuses": 2}
+
+
+HANGING_TIER = '''"""A stand-in part of the GPU tier: the middle test hangs in a collective one rank never calls."""
+import pytest
+import torch
+
+from tests.fakenccl import FakeNccl, run_nccl
+
+pytestmark = pytest.mark.gpu
+
+
+def test_before():
+    pass
+
+
+def _one_rank_never_calls(comm):
+    if comm.rank == 0:
+        comm.all_reduce(torch.ones(4, device=comm.device))
+        torch.ones(1, device=comm.device).tolist()  # waits for the all-reduce: 600 s on this simulated NCCL
+
+
+def test_hangs():
+    run_nccl(_one_rank_never_calls, 2, FakeNccl(timeout=600))
+
+
+def test_after():
+    pass
+'''
+
+
+def test_a_hanging_test_costs_only_its_own_timeout_and_later_parts_run(tmp_path):
+    """On the simulated NCCL, a test of a part waits in an all-reduce that one rank never calls (600 s): it fails at
+    its own pytest-timeout (3 s here), the tests after it in the part still run and pass, the part reports its
+    counts, and the next part runs. Catches the 2026-11-28 run on an H200, where the tier's first test deadlocked
+    and the 264 tests after it never ran in the time the GPU was lent."""
+    tier = tmp_path / "test_tier.py"
+    tier.write_text(HANGING_TIER)
+    settings = G.GPUSettings(
+        parts=("tests-nccl", "kernels"), tests={"tests-nccl": (str(tier),)}, test_timeout=3, repo=str(REPO)
+    )
+    results = G.run_parts(settings, {"tests-nccl": G.PARTS["tests-nccl"], "kernels": _works})
+    tests = results["tests-nccl"]
+    assert tests["status"] == "ok" and not tests["timed_out"], tests
+    assert (tests["passed"], tests["failed"], tests["errors"]) == (2, 1, 0), tests["output_tail"]
+    assert len(tests["failed_tests"]) == 1 and tests["failed_tests"][0].endswith("::test_hangs")
+    assert tests["seconds"] < 100, "the hang cost more than its own timeout (the collective waits 600 s)"
+    assert results["kernels"]["status"] == "ok" and results["kernels"]["value"] == 42
+
+
+def _slow(settings):
+    time.sleep(1.0)
+    return {"limit": settings.timeouts["kernels"]}
+
+
+def test_the_budget_bounds_the_whole_run():
+    """Catches a run that can outlast a short GPU slot: each part's limit is cut to what is left of ``budget`` (less
+    the reserve it keeps to report), and a part with too little left is skipped with the reason, not started."""
+    settings = G.GPUSettings(parts=("kernels", "collectives"), budget=G.MIN_PART_SECONDS + 0.5)
+    results = G.run_parts(settings, {"kernels": _slow, "collectives": _works}, isolate=False)
+    assert results["kernels"]["status"] == "ok"
+    assert results["kernels"]["limit"] == pytest.approx(G.MIN_PART_SECONDS + 0.5 - G.PART_RESERVE, abs=0.1)
+    assert results["collectives"]["status"] == "skipped"
+    assert "out of the time budget" in results["collectives"]["reason"]
+
+
+def test_parts_run_correctness_first_and_quick_measures_less():
+    """Catches the default order drifting from the issue's (kernel tests, NCCL ops, the real-GPU host-sync test, the
+    strategies, then the benchmarks), ``--parts tests`` not standing for the four test parts, and ``--quick`` not
+    shrinking the measurements (an option given explicitly still wins)."""
+    assert G.GPUSettings().parts[:4] == ("tests-kernels", "tests-nccl", "tests-host-sync", "tests-strategies")
+    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "strategies", "gate")
+    parser = argparse.ArgumentParser()
+    G.add_arguments(parser)
+    full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))
+    assert full.parts == (*G.TEST_PARTS, "kernels") and full.kernel_elements == (1 << 24, 1 << 26)
+    quick = G.settings_from(parser.parse_args(["--quick", "--rounds", "4"]))
+    assert quick.kernel_elements == (1 << 24,) and quick.rounds == 4 and quick.steps < full.steps
+    assert sum(quick.collective_bytes) < sum(full.collective_bytes)
+    # Together the test parts are the whole GPU tier: every test file of it, and -k selections that cover test_gpu.py.
+    selected = " ".join(a for args in G.TEST_PARTS.values() for a in args)
+    assert "tests/test_kernels.py" in selected and "tests/test_kernels_compression.py" in selected
+    assert "not (nccl_world_one_every_op or compressed_collectives or no_host_sync)" in selected

@@ -1,11 +1,17 @@
 """One command for a GPU runner: ``gpudist bench gpu`` (or ``python -m benchmarks.gpu``, run from the repository root)
 runs the GPU test tier and measures every GPU number in one go, into one JSON file with the machine, the versions and
-the date beside the numbers.
+the date beside the numbers. It is made for a short slot (a GPU lent for about 15 minutes, its start included):
+correctness first and cheapest first, every part and every test bounded, the whole run within ``--budget`` seconds
+(default 450: under 8 minutes), the JSON rewritten after every part and one summary table at the end.
 
-Parts, in this order, each in its own spawned process, so that a crash, a sticky CUDA error or a hang in one is
-recorded as that part's error (with its traceback or exit code) and the parts after it still run:
+Parts, in this order, each in its own process (a pytest subprocess, or a spawned one), so that a crash, a sticky
+CUDA error or a hang in one is recorded as that part's error and the parts after it still run:
 
-- ``tests``: ``pytest -m gpu tests/`` as a subprocess; its pass/fail/skip counts and the failing test ids.
+- ``tests-kernels``: the Triton kernels' ``cuda`` test cases (tests/test_kernels.py, test_kernels_compression.py).
+- ``tests-nccl``: every NCCL op at world size 1 and the compressed collectives on CUDA (tests/test_gpu.py).
+- ``tests-host-sync``: the no-host-sync test of every data-parallel strategy on the real GPU.
+- ``tests-strategies``: the rest of the GPU tier: every strategy on CUDA (in-memory ranks at world 2 and 4, NCCL
+  at world 1, several NCCL ranks where NCCL allows them on one GPU).
 - ``kernels``: each gpudist kernel (pack, unpack, Adam, SGD, squared norm, int8/1-bit quantize, int8 dequantize,
   top-k) at each size, timed with CUDA events after warm-up (median of rounds); its GB/s (bytes it must read plus
   write) as a fraction of ``dst.copy_(src)`` measured in the same process at the same size.
@@ -16,12 +22,19 @@ recorded as that part's error (with its traceback or exit code) and the parts af
   ``static_graph=True``, fused AdamW) and FSDP2 (``fully_shard`` per unit and the root, fused AdamW) on the models of
   ``benchmarks/workloads.py``, gpudist over its NCCL backend and torch over its own NCCL process group, every GPU
   one rank.
+- ``gate``: the pytest-benchmark tier's CUDA cases against ``benchmarks/baselines/<device kind>.json``
+  (benchmarks/gate.py); a device kind without a baseline is measured and reported, not gated.
+
+``--parts tests`` stands for the four test parts. Each test runs under pytest-timeout (``--test-timeout``, where
+pytest-timeout is installed), so a hanging test costs its own timeout; a part past its time limit gets SIGINT
+(pytest still writes its report) and then SIGKILL. ``--quick`` measures fewer sizes and rounds.
 
 Exit codes (what a CI runner acts on; the JSON is written in every case but a usage error):
 
 - 0: every part ran and the GPU tests passed; also when there is no CUDA device at all, so that a CPU job which
   runs the command stays green (the JSON and the output say ``skipped`` and why).
-- 1: a part failed or the GPU test tier had failures; the other parts' numbers are in the JSON all the same.
+- 1: a part failed, ran out of the budget, or the GPU test tier had failures; the other parts' numbers are in the
+  JSON all the same.
 - 2: usage error (bad option).
 - 3: no CUDA device and ``--require-gpu`` was given: a GPU runner that lost its GPU must not pass as a skip.
 
@@ -34,9 +47,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import multiprocessing as mp
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +84,7 @@ __all__ = [
     "EXIT_PART_FAILED",
     "NO_CUDA",
     "PARTS",
+    "TEST_PARTS",
     "GPUSettings",
     "bandwidth_GBps",
     "bus_bandwidth",
@@ -118,8 +135,24 @@ def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> tupl
 class GPUSettings:
     """What ``gpudist bench gpu`` runs; every part gets it (it crosses into the part's process, so it pickles)."""
 
-    parts: tuple[str, ...] = ("tests", "kernels", "collectives", "strategies")
-    """The parts to run, in order."""
+    parts: tuple[str, ...] = (
+        "tests-kernels",
+        "tests-nccl",
+        "tests-host-sync",
+        "tests-strategies",
+        "kernels",
+        "collectives",
+        "strategies",
+        "gate",
+    )
+    """The parts to run, in order: correctness first, cheapest first."""
+    tests: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(TEST_PARTS))
+    """pytest's arguments (files, ``-k``) for each test part, run with ``-m gpu`` from the repository root."""
+    test_timeout: float = 60.0
+    """Seconds one test may take (pytest-timeout): a hang costs this, not the part."""
+    budget: float = 450.0
+    """Seconds for the whole run: each part's limit is cut to what is left, and a part with less than
+    ``MIN_PART_SECONDS`` left is skipped (a short GPU slot must not end before the JSON is written)."""
     kernel_elements: tuple[int, ...] = (1 << 24, 1 << 26)
     """Elements per kernel op (fp32): 16M and 64M, both well past the L2 cache (50 MiB on H100)."""
     kernel_ops: tuple[str, ...] | None = None
@@ -140,9 +173,20 @@ class GPUSettings:
     world_size: int | None = None
     """Ranks for collectives and strategies; None: ``torch.cuda.device_count()``."""
     timeouts: dict[str, float] = field(
-        default_factory=lambda: {"tests": 3600.0, "kernels": 1200.0, "collectives": 900.0, "strategies": 1200.0}
+        default_factory=lambda: {
+            "tests-kernels": 180.0,
+            "tests-nccl": 90.0,
+            "tests-host-sync": 90.0,
+            "tests-strategies": 180.0,
+            "kernels": 150.0,
+            "collectives": 90.0,
+            "strategies": 150.0,
+            "gate": 120.0,
+        }
     )
-    """Seconds each part may take before its process is killed and the part recorded as timed out."""
+    """Seconds each part may take before its process is stopped and the part recorded as timed out (measured on an
+    H200, 2026-11-28: the whole GPU tier 41 s, kernels 25 s, collectives 13 s, strategies 20 s, the benchmark tier
+    16 s; each limit leaves room for Triton's first compiles)."""
     repo: str | None = None
     """The repository root (holding ``tests/`` and ``benchmarks/``); None: found from the working directory."""
 
@@ -210,11 +254,25 @@ def junit_counts(path: str | os.PathLike) -> dict:
     }
 
 
-def _run_streaming(cmd: list[str], cwd: Path, timeout: float, tail_lines: int = 200) -> tuple[int | None, str]:
-    """Run ``cmd``, echoing its output as it comes (a runner's log shows progress); (return code or None when it
-    was killed at ``timeout``, the last ``tail_lines`` lines)."""
+def _run_streaming(
+    cmd: list[str], cwd: Path, timeout: float, tail_lines: int = 200, grace: float = 15.0
+) -> tuple[int | None, str]:
+    """Run ``cmd``, echoing its output as it comes (a runner's log shows progress); (return code, or None when it was
+    stopped at ``timeout``: SIGINT first, so pytest still writes its report, SIGKILL ``grace`` seconds later; the
+    last ``tail_lines`` lines)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killer = threading.Timer(timeout, proc.kill)
+    stopped = threading.Event()
+
+    def stop() -> None:
+        stopped.set()
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    killer = threading.Timer(timeout, stop)
     killer.start()
     tail: deque[str] = deque(maxlen=tail_lines)
     try:
@@ -223,27 +281,56 @@ def _run_streaming(cmd: list[str], cwd: Path, timeout: float, tail_lines: int = 
             tail.append(line)
         proc.wait()
     finally:
-        timed_out = not killer.is_alive()
         killer.cancel()
-    return (None if timed_out else proc.returncode), "".join(tail)
+    return (None if stopped.is_set() else proc.returncode), "".join(tail)
 
 
-def tests_part(settings: GPUSettings) -> dict:
-    """``pytest -m gpu tests/`` in the repository; its counts from the JUnit report."""
+TEST_PARTS: dict[str, tuple[str, ...]] = {
+    "tests-kernels": ("tests/test_kernels.py", "tests/test_kernels_compression.py"),
+    "tests-nccl": ("tests/test_gpu.py", "-k", "nccl_world_one_every_op or compressed_collectives"),
+    "tests-host-sync": ("tests/test_gpu.py", "-k", "no_host_sync"),
+    "tests-strategies": (
+        "tests/test_gpu.py",
+        "-k",
+        "not (nccl_world_one_every_op or compressed_collectives or no_host_sync)",
+    ),
+}
+"""pytest's arguments for each part of the GPU test tier (each run with ``-m gpu``); together the whole tier."""
+
+MIN_PART_SECONDS = 20.0
+"""A part with less time than this left in the budget is skipped: it could not start CUDA and finish anything."""
+PART_RESERVE = 10.0
+"""Seconds between a part's own time limit (pytest stopped, ranks timed out) and the kill of its process: the part
+still reports what it has."""
+
+
+def pytest_part(settings: GPUSettings, name: str) -> dict:
+    """One part of the GPU test tier: pytest in the repository with ``-m gpu`` and the part's arguments, each test
+    under pytest-timeout; its counts from the JUnit report (written even when the part is stopped: SIGINT first)."""
     import tempfile
 
     repo = _repo(settings)
+    limit = settings.timeouts[name]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider"]
-        code, tail = _run_streaming([*cmd, f"--junitxml={report}"], repo, settings.timeouts["tests"] - 30)
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *settings.tests[name], "-q", "-p", "no:cacheprovider"]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            cmd.append(f"--timeout={settings.test_timeout:g}")
+        code, tail = _run_streaming([*cmd, f"--junitxml={report}"], repo, max(1.0, limit - 5), grace=5)
         counts = junit_counts(report) if report.is_file() else None
-    if code is None:
-        raise RuntimeError(f"pytest -m gpu did not finish within {settings.timeouts['tests'] - 30:.0f}s:\n{tail}")
     if counts is None:
-        raise RuntimeError(f"pytest exited with {code} and wrote no report:\n{tail}")
+        raise RuntimeError(
+            f"pytest {'was stopped at the part limit' if code is None else f'exited with {code}'} and wrote no "
+            f"report:\n{tail}"
+        )
     # pytest exits 5 when nothing was collected: a runner where the marker selects nothing has tested nothing.
-    return {"command": " ".join(cmd), "returncode": code, **counts, "output_tail": tail[-6000:]}
+    return {
+        "command": " ".join(cmd),
+        "returncode": code,
+        "timed_out": code is None,
+        **counts,
+        "output_tail": tail[-6000:],
+    }
 
 
 # -- part: kernel bandwidth ---------------------------------------------------------------------------------------
@@ -353,7 +440,7 @@ def collectives_part(settings: GPUSettings) -> dict:
 
     _cupy_nccl()  # missing: one clear line here rather than the same traceback from every rank
     world = _world(settings)
-    timeout = settings.timeouts["collectives"] - 60
+    timeout = settings.timeouts["collectives"]
     rows = spawn(
         on_nccl,
         world,
@@ -515,7 +602,7 @@ def strategies_part(settings: GPUSettings) -> dict:
 
     _repo(settings)
     world = _world(settings)
-    timeout = settings.timeouts["strategies"] - 60
+    timeout = settings.timeouts["strategies"]
     rows = spawn(on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
     return {
         "world_size": world,
@@ -533,12 +620,52 @@ def strategies_part(settings: GPUSettings) -> dict:
     }
 
 
+# -- part: the benchmark gate ----------------------------------------------------------------------------------------
+
+
+def gate_part(settings: GPUSettings) -> dict:
+    """The pytest-benchmark tier's CUDA cases (``benchmarks/``, each gpudist kernel against its torch peer), gated
+    against this device kind's stored baseline when there is one (a regression fails the part), else measured only
+    (``--gate-write`` into a scratch folder: the ratios are reported, nothing in the repository changes)."""
+    import json
+    import tempfile
+
+    repo = _repo(settings)
+    from benchmarks import gate
+
+    kind = gate.device_kind(torch.device("cuda"))
+    gated = (gate.BASELINES / f"{kind}.json").is_file()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "pytest", "benchmarks/", "--benchmark-only", "-k", "cuda", "-q"]
+        cmd += ["-p", "no:cacheprovider", f"--benchmark-json={out}"]
+        cmd += ["--gate"] if gated else ["--gate-write", f"--gate-baselines={tmp}"]
+        code, tail = _run_streaming(cmd, repo, max(1.0, settings.timeouts["gate"] - 5), grace=5)
+        records = gate.records_from_json(json.loads(out.read_text())) if out.is_file() else []
+    if code is None or not records:
+        raise RuntimeError(
+            f"the benchmark tier {'was stopped at the part limit' if code is None else 'measured nothing'}:\n{tail}"
+        )
+    return {
+        "command": " ".join(cmd),
+        "device_kind": kind,
+        "gated": gated,
+        "returncode": code,
+        "passed": code == 0,
+        "ratios": {r["key"]: round(r["ratio"], 3) for r in records},
+        "output_tail": tail[-3000:],
+    }
+
+
 PARTS: dict[str, Callable[[GPUSettings], dict]] = {
-    "tests": tests_part,
+    **{name: functools.partial(pytest_part, name=name) for name in TEST_PARTS},
     "kernels": kernels_part,
     "collectives": collectives_part,
     "strategies": strategies_part,
+    "gate": gate_part,
 }
+PART_GROUPS = {"tests": tuple(TEST_PARTS)}
+"""Names that stand for several parts in ``--parts``."""
 
 
 # -- running the parts ------------------------------------------------------------------------------------------------
@@ -556,11 +683,11 @@ def _part_child(fn: Callable, settings: GPUSettings, conn) -> None:
     conn.close()
 
 
-def _isolated(fn: Callable, settings: GPUSettings, timeout: float) -> tuple[str, object]:
+def _isolated(fn: Callable, settings: GPUSettings, timeout: float, name: str) -> tuple[str, object]:
     """``fn(settings)`` in a spawned process: ("ok", result) or ("error", traceback / how the process ended)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_part_child, args=(fn, settings, child), name=f"gpudist-bench-{fn.__name__}")
+    proc = ctx.Process(target=_part_child, args=(fn, settings, child), name=f"gpudist-bench-{name}")
     proc.start()
     child.close()
     try:
@@ -593,22 +720,30 @@ def run_parts(
     the results so far after each part (``run_gpu`` rewrites the JSON, so a killed run keeps what it measured)."""
     parts = PARTS if parts is None else parts
     results = {}
+    deadline = time.monotonic() + settings.budget
     for name in settings.parts:
-        print(f"# --- {name} ---", flush=True)
+        left = deadline - time.monotonic()
+        limit = min(settings.timeouts.get(name, 600.0), left)
         start = time.perf_counter()
-        if isolate:
-            status, value = _isolated(parts[name], settings, settings.timeouts.get(name, 1200.0))
+        if limit < MIN_PART_SECONDS:
+            status, value = (
+                "skipped",
+                f"out of the time budget (--budget {settings.budget:g}s; {max(left, 0):.0f}s left)",
+            )
         else:
-            try:
-                status, value = "ok", parts[name](settings)
-            except Exception as e:
-                status, value = "error", _error_text(e)
+            print(f"# --- {name} (at most {limit:.0f}s) ---", flush=True)
+            # The part's own work stops PART_RESERVE seconds before its process is killed, so it can still report.
+            inner = dataclasses.replace(settings, timeouts={**settings.timeouts, name: limit - PART_RESERVE})
+            if isolate:
+                status, value = _isolated(parts[name], inner, limit, name)
+            else:
+                try:
+                    status, value = "ok", parts[name](inner)
+                except Exception as e:
+                    status, value = "error", _error_text(e)
         seconds = round(time.perf_counter() - start, 1)
-        results[name] = (
-            {"status": "ok", "seconds": seconds, **value}
-            if status == "ok"
-            else {"status": "error", "seconds": seconds, "error": value}
-        )
+        key = {"ok": None, "error": "error", "skipped": "reason"}[status]
+        results[name] = {"status": status, "seconds": seconds, **(value if key is None else {key: value})}
         print(_safely(_part_table, name, results[name]), flush=True)
         if on_result is not None:
             on_result(results)
@@ -622,7 +757,6 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
     """Per part: whether it would run here and what it needs that is missing (imports, the repository, CUDA).
     Imports only; nothing touches a GPU."""
     import importlib
-    import importlib.util
 
     def need(problems: list[str], what: str, check: Callable[[], object]) -> None:
         try:
@@ -658,10 +792,19 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
         if not dist.is_nccl_available():
             raise RuntimeError(f"torch {torch.__version__} is built without NCCL")
 
-    checks: dict[str, list[tuple[str, Callable[[], object]]]] = {
-        "tests": [
+    def pytest_checks(name: str) -> list[tuple[str, Callable[[], object]]]:
+        files = [a for a in settings.tests.get(name, ()) if a.endswith(".py")]
+        return [
             ("pytest", lambda: importlib.import_module("pytest")),
-            ("tests/test_gpu.py", repo_file("tests/test_gpu.py")),
+            ("pytest-timeout", lambda: importlib.import_module("pytest_timeout")),
+            *((f, repo_file(f)) for f in files),
+        ]
+
+    checks: dict[str, list[tuple[str, Callable[[], object]]]] = {
+        **{name: pytest_checks(name) for name in TEST_PARTS},
+        "gate": [
+            ("pytest-benchmark", lambda: importlib.import_module("pytest_benchmark")),
+            ("benchmarks/test_kernels.py", repo_file("benchmarks/test_kernels.py")),
         ],
         "kernels": [
             ("gpudist.kernels", lambda: importlib.import_module("gpudist.kernels")),
@@ -781,9 +924,11 @@ def run_gpu(
         doc["status"] = "running"
         doc["parts"] = run_parts(settings, on_result=lambda so_far: atomic_write_json(path, {**doc, "parts": so_far}))
         failed = [p for p, r in doc["parts"].items() if r["status"] != "ok"]
-        tests = doc["parts"].get("tests", {})
-        if tests.get("status") == "ok" and (tests["failed"] or tests["errors"] or tests["returncode"] != 0):
-            failed.append("tests (failures)")
+        for name, r in doc["parts"].items():
+            if name in TEST_PARTS and r["status"] == "ok" and (r["failed"] or r["errors"] or r["returncode"] != 0):
+                failed.append(f"{name} (failures)")
+        if doc["parts"].get("gate", {}).get("passed") is False:
+            failed.append("gate (a ratio fell below its baseline)")
         doc.update(status="failed" if failed else "ok", failed_parts=failed)
         code = EXIT_PART_FAILED if failed else EXIT_OK
     written = atomic_write_json(path, doc)
@@ -809,8 +954,13 @@ def _part_summary(name: str, r: dict) -> str:
         return r["reason"]
     if r["status"] == "error":
         return "ERROR: " + (r["error"].strip().splitlines() or [""])[-1][:100]
-    if name == "tests":
-        return f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+    if name in TEST_PARTS:
+        stopped = "; stopped at its time limit" if r.get("timed_out") else ""
+        return f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped{stopped}"
+    if name == "gate":
+        ratios = r["ratios"].values()
+        verdict = ("passed" if r["passed"] else "FAILED") if r["gated"] else f"no baseline for {r['device_kind']}"
+        return f"{len(r['ratios'])} cases, gpudist/peer {min(ratios):.2f}-{max(ratios):.2f}; gate {verdict}"
     if name == "kernels":
         good = [row for row in r["rows"] if row.get("good") is not None]
         errs = sum("error" in row for row in r["rows"])
@@ -851,8 +1001,10 @@ def _part_table(name: str, r: dict) -> str:
     if r["status"] != "ok":
         return f"# {name}: {r['status']}\n{r.get('error') or r.get('reason')}"
     lines = [f"# {name}: {_part_summary(name, r)} ({r['seconds']:.0f}s)"]
-    if name == "tests":
+    if name in TEST_PARTS:
         lines += [f"  FAILED {t}" for t in r["failed_tests"]]
+    elif name == "gate":
+        lines += [f"  {ratio:6.2f}  {key}" for key, ratio in r["ratios"].items()]
     elif name == "kernels":
         lines.append(f"{'op':>28} {'elements':>10} {'us':>9} {'GB/s':>8} {'of copy':>8} {'vs torch':>8}")
         for row in r["rows"]:
@@ -901,10 +1053,12 @@ def format_summary(doc: dict) -> str:
     lines = [
         f"# gpudist bench gpu: {where}; torch {v['torch']}, CUDA {v['cuda']}, triton {v['triton']}, cupy {v['cupy']}, "
         f"NCCL {v['nccl_cupy']} (torch's {v['nccl_torch']}); {doc['date']}",
-        f"{'part':<12} {'status':<8} {'seconds':>8}  summary",
+        f"{'part':<17} {'status':<8} {'seconds':>8}  summary",
     ]
     for name, r in doc["parts"].items():
-        lines.append(f"{name:<12} {r['status']:<8} {r.get('seconds', 0):>8.1f}  {_part_summary(name, r)}")
+        lines.append(f"{name:<17} {r['status']:<8} {r.get('seconds', 0):>8.1f}  {_safely(_part_summary, name, r)}")
+    total = sum(r.get("seconds", 0) for r in doc["parts"].values())
+    lines.append(f"{'total':<17} {'':<8} {total:>8.1f}  (budget {doc['settings']['budget']:g}s)")
     for name, p in (doc.get("plan") or {}).items():
         lines += [f"# plan: {name} would need {problem}" for problem in p["problems"]]
     return "\n".join(lines)
@@ -919,7 +1073,18 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GPUSettings()
-    parser.add_argument("--parts", default=",".join(d.parts), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument(
+        "--parts",
+        default=",".join(d.parts),
+        help=f"comma-separated subset of {', '.join(PARTS)} ('tests': the four test parts)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds: " + QUICK_HELP)
+    parser.add_argument(
+        "--budget", type=float, default=d.budget, help="seconds for the whole run (default %(default)s)"
+    )
+    parser.add_argument(
+        "--test-timeout", type=float, default=d.test_timeout, help="seconds one test may take (default %(default)s)"
+    )
     parser.add_argument(
         "--out", default=None, help="JSON file or folder (default benchmarks/results/gpu_<device>.json)"
     )
@@ -927,36 +1092,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--check", action="store_true", help="print which parts would run and what they lack; run nothing"
     )
     parser.add_argument("--require-gpu", action="store_true", help=f"exit {EXIT_NO_GPU} instead of 0 without CUDA")
-    parser.add_argument("--elements", default="16M,64M", help="kernel sizes in elements (default 16M,64M)")
+    parser.add_argument("--elements", default=None, help="kernel sizes in elements (default 16M,64M)")
     parser.add_argument("--kernel-ops", default=None, help="subset of the kernel ops (default all)")
-    parser.add_argument("--bytes", default="64K,1M,16M,256M", help="collective sizes in bytes")
-    parser.add_argument("--workloads", default=",".join(d.workloads), help="benchmarks/workloads.py models")
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="interleaved rounds; the median is reported")
-    parser.add_argument("--steps", type=int, default=d.steps, help="training steps per variant per round")
+    parser.add_argument("--bytes", default=None, help="collective sizes in bytes (default 64K,1M,16M,256M)")
+    parser.add_argument("--workloads", default=None, help=f"benchmarks/workloads.py models (default {d.workloads})")
+    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {d.rounds})")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps per round (default {d.steps})")
     parser.add_argument("--world-size", type=int, default=None, help="ranks (default: every visible GPU)")
     parser.add_argument("--repo", default=None, help="the repository root (default: found from the working dir)")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every part's time limit")
 
 
+QUICK = {"elements": "16M", "bytes": "1M,64M", "workloads": "mlp,gpt", "rounds": 3, "steps": 3}
+"""What ``--quick`` measures (an option given explicitly wins)."""
+QUICK_HELP = ", ".join(f"{k} {v}" for k, v in QUICK.items())
+
+
 def settings_from(args: argparse.Namespace) -> GPUSettings:
-    parts = tuple(p for p in args.parts.split(",") if p)
+    parts: list[str] = []
+    for p in (p for p in args.parts.split(",") if p):
+        parts += PART_GROUPS.get(p, (p,))
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; available: {', '.join(PARTS)}")
-    if args.rounds < 1 or args.steps < 1 or (args.world_size is not None and args.world_size < 1):
-        raise ValueError(f"--rounds ({args.rounds}), --steps ({args.steps}) and --world-size must be >= 1")
-    repo = Path(args.repo).resolve() if args.repo else find_repo()
+        raise ValueError(f"unknown part(s) {unknown}; available: {', '.join([*PARTS, *PART_GROUPS])}")
     defaults = GPUSettings()
+    full = {
+        "elements": "16M,64M",
+        "bytes": "64K,1M,16M,256M",
+        "workloads": ",".join(defaults.workloads),
+        "rounds": defaults.rounds,
+        "steps": defaults.steps,
+    }
+    chosen = {k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else full)[k] for k in full}
+    world = args.world_size
+    if chosen["rounds"] < 1 or chosen["steps"] < 1 or (world is not None and world < 1):
+        raise ValueError(f"--rounds ({chosen['rounds']}), --steps ({chosen['steps']}) and --world-size must be >= 1")
+    if args.budget <= 0 or args.test_timeout <= 0:
+        raise ValueError(f"--budget ({args.budget}) and --test-timeout ({args.test_timeout}) must be > 0")
+    repo = Path(args.repo).resolve() if args.repo else find_repo()
     return GPUSettings(
-        parts=parts,
-        kernel_elements=_sizes(args.elements),
+        parts=tuple(dict.fromkeys(parts)),
+        kernel_elements=_sizes(chosen["elements"]),
         kernel_ops=tuple(args.kernel_ops.split(",")) if args.kernel_ops else None,
-        collective_bytes=_sizes(args.bytes),
-        workloads=tuple(args.workloads.split(",")),
-        rounds=args.rounds,
-        steps=args.steps,
-        world_size=args.world_size,
+        collective_bytes=_sizes(chosen["bytes"]),
+        workloads=tuple(chosen["workloads"].split(",")),
+        rounds=chosen["rounds"],
+        steps=chosen["steps"],
+        world_size=world,
         timeouts={k: v * args.timeout_scale for k, v in defaults.timeouts.items()},
+        test_timeout=args.test_timeout,
+        budget=args.budget,
         repo=str(repo) if repo else None,
     )
 
@@ -978,7 +1163,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         for name, p in plan.items():
             state = "would run" if p["would_run"] else f"would skip ({p['reason']})"
             lack = "; ".join(p["problems"]) or "imports resolve"
-            print(f"{name:<12} {state}: {lack}")
+            print(f"{name:<17} {state}: {lack}")
         return EXIT_OK if not any(p["problems"] for p in plan.values()) else EXIT_PART_FAILED
     _, _, code = run_gpu(settings, args.out, args.require_gpu)
     return code
