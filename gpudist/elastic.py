@@ -166,7 +166,7 @@ class ElasticOptimizer(DataParallelWrapper):
             warnings.warn(
                 "several torchrun agents share the rendezvous store: with torch 2.11-2.13 the agents wait "
                 "forever when a node joins. Launch them with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                "(see the README's elastic section)",
+                "(docs/strategies.md, Elastic training)",
                 RuntimeWarning,
                 stacklevel=2,
             )

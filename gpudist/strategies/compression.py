@@ -224,7 +224,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
     ``mu * m + g_local`` (plus weight decay), the compressed all-reduce averages it with error feedback, and the
     average becomes everyone's momentum buffer and the update. Uncompressed it is exactly momentum SGD. Sign
     (1-bit) compression needs it: the momentum changes slowly, so the residual stays small, while compressing
-    raw gradients with error feedback piles large entries into the residual (measured in the README).
+    raw gradients with error feedback piles large entries into the residual (docs/results.md, Convergence).
 
     Residuals (worker and server) and PowerSGD's warm-start ``Q`` are part of :meth:`state_dict` and of gpudist
     checkpoints, saved per rank (``Q``: one copy, the same on every rank) and resharded when loaded at another
