@@ -310,12 +310,14 @@ def test_async_with_staleness_zero_and_elastic_resume_train_like_ddp(tmp_path):
 
 
 def test_async_with_stale_gradients_converges_on_the_example_task(tmp_path):
-    """`--strategy async --max-staleness 2` on 3 ranks trains TinyLM (60 steps) to a held-out loss within 5% of
-    DDP's (measured: 3.21 vs 3.15), with identical parameters on every rank after finish(). Catches stale
-    gradients that are applied with the wrong scale or to the wrong version, or workers left with diverging
-    parameters. The 5% is a bound on the training outcome, not on rounding: which stale version each gradient
-    meets depends on thread timing (host speed and load), so the async run itself differs between runs and hosts;
-    the margin (1.9% measured) absorbs that."""
+    """`--strategy async --max-staleness 2` on 3 ranks trains TinyLM (60 steps) to a held-out loss within 10% of
+    DDP's (3.15), with identical parameters on every rank after finish() and no gradient applied staler than the
+    bound. Catches stale gradients that are applied with the wrong scale or to the wrong version, or workers
+    left with diverging parameters. The 10% is a bound on the training outcome, not on rounding: which stale version
+    each gradient meets depends on thread timing (host speed and load), so the async run itself differs between runs
+    and hosts. Measured async / DDP on a 2-core AMD EPYC VM (2026-11-28): 1.000-1.040 idle (6 runs), 1.020-1.028
+    beside one busy loop (5 runs), 1.052 during a concurrent test run, which failed the 5% this test used to
+    allow."""
 
     def run(name, **kw):
         cfg = train.TrainConfig(
@@ -326,8 +328,10 @@ def test_async_with_stale_gradients_converges_on_the_example_task(tmp_path):
 
     ddp, asynchronous = run("ddp"), run("async", strategy="async", max_staleness=2)
     assert asynchronous["initial_loss"] - asynchronous["val_loss"] > 0.5
-    assert asynchronous["val_loss"] < ddp["val_loss"] * 1.05
+    assert asynchronous["val_loss"] < ddp["val_loss"] * 1.10
     assert asynchronous["replicas_identical"]
+    stats = asynchronous["metadata"]["async"]
+    assert stats["max_staleness_seen"] <= 2, stats  # a staler gradient must be dropped, never applied
 
 
 @pytest.mark.slow  # three worker start-ups and a death to detect: ~25 s alone
