@@ -138,6 +138,14 @@ class GradientBucket:
     ``gpudist.strategies.zero.BucketPartition``)."""
     in_flight: tuple[torch.Tensor, torch.Tensor] | None = None
     """ZeRO-2: (sent, received) buffers of a reduce-scatter in progress."""
+    views: list[torch.Tensor] | None = None
+    """DDP with gradient views: ``grads``' views shaped like ``params`` (what each ``param.grad`` is)."""
+    arrival_scale: float | None = None
+    """DDP with gradient views: what a gradient is multiplied by as it reaches its view (the 1/N of the average), or
+    None (decided when the buckets are built and when a comm hook is registered)."""
+    reduce: Any = None
+    """DDP: the bucket's all-reduce, planned with its reduction (a :class:`gpudist.comm.PlannedCollective`), or None
+    where the bucket goes another way (a comm hook, a hierarchical all-reduce)."""
 
     @property
     def numel(self) -> int:

@@ -7,7 +7,7 @@ otherwise; ``GPUDIST_KERNELS=triton|torch`` forces either (see :mod:`gpudist.ker
 Knows nothing of communication or ``nn.Module``s.
 """
 
-from .bucket import pack, unpack
+from .bucket import PackPlan, pack, unpack
 from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import squared_norm
@@ -25,6 +25,7 @@ from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
     "FlatLayout",
+    "PackPlan",
     "TopKResult",
     "adam_step",
     "check_block_size",

@@ -387,13 +387,23 @@ def test_zero_grad_both_modes(set_to_none, pair):
 def reductions_used(comm, state, views, set_to_none):
     """Train 3 steps (the last after a no_sync micro-batch) recording the reduction of every gradient all-reduce."""
     ops = []
-    real = comm.all_reduce
+    real, plan = comm.all_reduce, comm.plan_all_reduce
 
     def spy(tensor, op="sum", **kwargs):
         ops.append(gpudist.ReductionOperation.parse(op).name)
         return real(tensor, op, **kwargs)
 
-    comm.all_reduce = spy
+    class Spied:  # a bucket's all-reduce, planned when it is built: its op, at every start
+        def __init__(self, tensor, op="sum"):
+            self.planned, self.name = plan(tensor, op), gpudist.ReductionOperation.parse(op).name
+
+        def start(self):
+            ops.append(self.name)
+            return self.planned.start()
+
+    spy_plan = Spied
+
+    comm.all_reduce, comm.plan_all_reduce = spy, spy_plan
     config = ShardingConfiguration(comm, gradient_as_bucket_view=views, bucket_cap_mb=0.0002)
     model = DDPModel(fresh_net(state), config)
     opt = DDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)

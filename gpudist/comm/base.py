@@ -31,6 +31,7 @@ __all__ = [
     "CommunicationError",
     "CommunicationTimeoutError",
     "OpStats",
+    "PlannedCollective",
     "ReductionOperation",
     "Work",
     "shard_range",
@@ -120,6 +121,12 @@ def split_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
+def _share(numel: int, world_size: int, rank: int) -> int:
+    """``split_sizes(numel, world_size)[rank]`` without the list (checked on every collective)."""
+    base, extra = divmod(numel, world_size)
+    return base + (rank < extra)
+
+
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, end)`` of ``rank``'s range of a flat buffer of ``numel`` elements (see :func:`split_sizes`).
 
@@ -167,7 +174,9 @@ class CommStats:
 
     def record(self, op: str, nbytes: int) -> None:
         with self._lock:
-            entry = self.ops.setdefault(op, OpStats())
+            entry = self.ops.get(op)
+            if entry is None:
+                entry = self.ops[op] = OpStats()
             entry.calls += 1
             entry.bytes += nbytes
 
@@ -250,6 +259,39 @@ class Work:
         return bool(self._done_fn()) if self._done_fn is not None else False
 
 
+class PlannedCollective:
+    """One collective on fixed buffers, checked when it was planned (``CommunicationBackend.plan_*``): :meth:`start`
+    issues it and returns its :class:`Work`. What the backend's public op does on every call beyond the transport's
+    own (argument checks, a signature, the unchecked context) happened once; what remains is the failure state, the
+    byte counters and the transport's call."""
+
+    __slots__ = ("_backend", "_launch", "_nbytes", "_op")
+
+    def __init__(self, backend: CommunicationBackend, op: str, nbytes: int, launch: Callable[[], Work]):
+        self._backend, self._op, self._nbytes, self._launch = backend, op, nbytes, launch
+
+    def start(self) -> Work:
+        """Issue the collective (asynchronously, as ``async_op=True``).
+
+        Returns:
+            Its :class:`Work`; ``wait()`` raises what the op's ``wait`` would.
+
+        Raises:
+            CommunicationError: When the group is unusable after an earlier failure, or the transport failed.
+        """
+        backend, op = self._backend, self._op
+        if backend._broken is not None:
+            backend._raise_if_broken(op)
+        backend.stats.record(op, self._nbytes)
+        try:
+            work = self._launch()
+        except CommunicationError as e:
+            raise backend._mark_broken(e) from None
+        except RuntimeError as e:
+            raise backend._mark_broken(backend._translate(e, op)) from e
+        return Work(lambda: backend._wait(work, op), work.is_completed)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Call signatures: what every rank must agree on
 
@@ -278,25 +320,46 @@ _MAX_DIMS = 8
 SIGNATURE_LEN = 5 + _MAX_DIMS + 1  # op, dtype, reduction, root, ndim, dims..., extra
 
 
-@dataclass(frozen=True)
 class Signature:
     """What every rank of a group must agree on for one op: name, dtype, shape, reduction and root/peer.
 
     ``extra`` carries op-specific agreement data (a hash of the rank list for ``new_group``). Encoded as
-    ``SIGNATURE_LEN`` int64 values so transports can exchange it in one small collective.
+    ``SIGNATURE_LEN`` int64 values so transports can exchange it in one small collective. ``ndim``: only in a decoded
+    signature whose shape had more than ``_MAX_DIMS`` dimensions, how many (``shape`` then holds the first
+    ``_MAX_DIMS - 1``), -1 otherwise; ``tail``: with ``ndim``, the hash ``encode`` folded the remaining dimensions into.
+
+    Built for every op, so a plain class with slots (a frozen dataclass's ``__init__`` costs the host ~5x more per
+    call); treat it as immutable.
     """
 
-    op: str
-    dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = ()
-    reduction: ReductionOperation | None = None
-    root: int = -1
-    extra: int = 0
-    ndim: int = -1
-    """Only in a decoded signature whose shape had more than ``_MAX_DIMS`` dimensions: how many (``shape`` then
-    holds the first ``_MAX_DIMS - 1``); -1 otherwise."""
-    tail: int = 0
-    """With ``ndim``: the hash ``encode`` folded the remaining dimensions into."""
+    __slots__ = ("dtype", "extra", "ndim", "op", "reduction", "root", "shape", "tail")
+
+    def __init__(
+        self,
+        op: str,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] = (),
+        reduction: ReductionOperation | None = None,
+        root: int = -1,
+        extra: int = 0,
+        ndim: int = -1,
+        tail: int = 0,
+    ):
+        self.op, self.dtype, self.shape, self.reduction = op, dtype, shape, reduction
+        self.root, self.extra, self.ndim, self.tail = root, extra, ndim, tail
+
+    def _key(self) -> tuple:
+        return (self.op, self.dtype, self.shape, self.reduction, self.root, self.extra, self.ndim, self.tail)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Signature) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        fields = ("op", "dtype", "shape", "reduction", "root", "extra", "ndim", "tail")
+        return f"Signature({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
 
     def encode(self) -> list[int]:
         if self.ndim > len(self.shape):  # a decoded folded signature encodes back to what it was decoded from
@@ -551,6 +614,46 @@ class CommunicationBackend(ABC):
         nbytes = tensor.numel() * tensor.element_size()
         return self._run(sig, nbytes, async_op, lambda: self._all_reduce(sig, tensor, op))
 
+    def plan_all_reduce(
+        self, tensor: torch.Tensor, op: ReductionOperation | str = ReductionOperation.SUM
+    ) -> PlannedCollective:
+        """An all-reduce of ``tensor`` (in place, as :meth:`all_reduce`) checked now and issued later, as often as
+        needed, by :meth:`PlannedCollective.start`: for a buffer that every step reduces (a gradient bucket), whose
+        shape agrees on every rank by construction. A start does no argument check, builds nothing and skips the
+        cross-rank signature check (as inside :meth:`unchecked`): the transport's call and its bookkeeping only.
+
+        Args:
+            tensor: A contiguous tensor on the backend's device, reduced in place at every start; it must keep its
+                storage for the plan's life.
+            op: The reduction, as for :meth:`all_reduce`.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError, ValueError: As :meth:`all_reduce`, now rather than at a start.
+        """
+        op = ReductionOperation.parse(op)
+        self._check_tensor("all_reduce", tensor)
+        self._check_reduction("all_reduce", op, tensor.dtype)
+        sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
+        return PlannedCollective(
+            self, "all_reduce", tensor.numel() * tensor.element_size(), self._launch_all_reduce(sig, tensor, op)
+        )
+
+    def _launch_all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Callable[[], Work]:
+        """What :meth:`plan_all_reduce` calls at each start, without the cross-rank signature check (agreed when
+        planned); transports with a leaner call override it."""
+
+        def launch() -> Work:
+            previous, self.validate = self.validate, False
+            try:
+                return self._all_reduce(sig, tensor, op)
+            finally:
+                self.validate = previous
+
+        return launch
+
     def reduce_scatter(
         self,
         inp: torch.Tensor,
@@ -591,7 +694,7 @@ class CommunicationBackend(ABC):
         op = ReductionOperation.parse(op)
         self._check_pair("reduce_scatter", inp, out)
         self._check_reduction("reduce_scatter", op, inp.dtype)
-        expected = split_sizes(inp.numel(), self.world_size)[self.rank]
+        expected = _share(inp.numel(), self.world_size, self.rank)
         if out.numel() != expected:
             raise ValueError(
                 f"reduce_scatter: out has {out.numel()} elements but rank {self.rank}'s share of {inp.numel()} "
@@ -624,7 +727,7 @@ class CommunicationBackend(ABC):
             CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
         """
         self._check_pair("all_gather", inp, out)
-        expected = split_sizes(out.numel(), self.world_size)[self.rank]
+        expected = _share(out.numel(), self.world_size, self.rank)
         if inp.numel() != expected:
             raise ValueError(
                 f"all_gather: inp has {inp.numel()} elements but rank {self.rank}'s share of out ({out.numel()} "
@@ -897,18 +1000,27 @@ class CommunicationBackend(ABC):
         self, sig: Signature, nbytes: int, async_op: bool, start: Callable[[], Work], stat_name: str | None = None
     ) -> Work | None:
         op = stat_name or sig.op
-        self._raise_if_broken(op)
+        if self._broken is not None:
+            self._raise_if_broken(op)
         self.stats.record(op, nbytes)
-        with self._failures(op):
+        try:  # as _failures, inline: every collective passes here (a generator context manager costs ~1 us)
             work = start()
+        except CommunicationError as e:
+            raise self._mark_broken(e) from None
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, op)) from e
         if async_op:
             return Work(lambda: self._wait(work, op), work.is_completed)
         self._wait(work, op)
         return None
 
     def _wait(self, work: Work, op: str) -> None:
-        with self._failures(op):
+        try:  # as _failures, inline
             work.wait()
+        except CommunicationError as e:
+            raise self._mark_broken(e) from None
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, op)) from e
 
     @contextlib.contextmanager
     def _failures(self, op: str) -> Iterator[None]:

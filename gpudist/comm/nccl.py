@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import threading
 import time
 import weakref
@@ -55,6 +56,7 @@ from .base import (
     CommunicationBackend,
     CommunicationError,
     CommunicationTimeoutError,
+    PlannedCollective,
     ReductionOperation,
     Signature,
     Work,
@@ -186,6 +188,39 @@ class _InFlight:
 
     def __init__(self, event, op: str, deadline: float):
         self.event, self.op, self.deadline = event, op, deadline
+
+
+class _PlannedAllReduce(PlannedCollective):
+    """A planned NCCL all-reduce: one call into NCCL and the event bookkeeping per start."""
+
+    __slots__ = ("_call", "_held", "_scale", "_tensor")
+
+    def __init__(self, backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation, checked):
+        super().__init__(backend, "all_reduce", checked._nbytes, checked._launch)
+        nccl_op, self._scale = backend._reduce_op(op)
+        self._call = (
+            tensor.data_ptr(),
+            tensor.data_ptr(),
+            tensor.numel(),
+            backend._dtype(tensor, "all_reduce"),
+            nccl_op,
+        )
+        self._tensor, self._held = tensor, (tensor,)
+
+    def start(self) -> Work:
+        backend = self._backend
+        if backend._broken is not None:
+            backend._raise_if_broken("all_reduce")
+        backend.stats.record("all_reduce", self._nbytes)
+        rt = backend._rt
+        try:
+            backend._comm.allReduce(*self._call, rt.stream())
+            if self._scale is not None:
+                with rt.on_comm():
+                    self._tensor.mul_(self._scale)
+        except RuntimeError as e:
+            raise backend._mark_broken(backend._translate(e, "all_reduce")) from e
+        return backend._enqueued("all_reduce", self._held)
 
 
 def _shutdown_at_exit(ref: weakref.ref) -> None:
@@ -478,20 +513,28 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _enqueued(self, op: str, tensors=(), then=None) -> Work:
         """Record an event after the op just enqueued and hand it to the watchdog; keep ``tensors`` alive for the
-        communication stream. The Work makes the current stream wait on the event."""
-        self._rt.hold(tensors)
-        event = self._rt.record()
+        communication stream. The Work makes the current stream wait on the event; its errors are already
+        CommunicationErrors naming op, group and rank (a planned op returns it as it is)."""
+        rt = self._rt
+        rt.hold(tensors)
+        event = rt.record()
+        entry = _InFlight(event, op, time.monotonic() + self.timeout)
         with self._lock:
-            self._inflight.append(_InFlight(event, op, time.monotonic() + self.timeout))
+            self._inflight.append(entry)
+        return Work(functools.partial(self._finish, op, event, then), event.query)
 
-        def wait() -> None:
+    def _finish(self, op: str, event, then) -> None:
+        """The wait of an op's Work: the current stream waits for its event (no host sync)."""
+        if self._broken is not None:
             self._raise_if_broken(op)
+        try:
             self._rt.wait(event)
-            self._raise_if_broken(op)  # aborted while pending: the kernel was released with its output unfinished
-            if then is not None:
-                then()
-
-        return Work(wait, event.query)
+        except RuntimeError as e:
+            raise self._mark_broken(self._translate(e, op)) from e
+        if self._broken is not None:  # aborted while pending: the kernel was released with its output unfinished
+            self._raise_if_broken(op)
+        if then is not None:
+            then()
 
     def _watch(self) -> None:
         """Watchdog: abort the communicator when an op outlives the timeout or NCCL reports an async error.
@@ -611,6 +654,12 @@ class NCCLCommunicationBackend(CommunicationBackend):
             with self._rt.on_comm():
                 tensor.mul_(scale)
         return self._enqueued("all_reduce", (tensor,))
+
+    def plan_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation | str = ReductionOperation.SUM):
+        """As :meth:`CommunicationBackend.plan_all_reduce`, with pointer, count, dtype and op codes bound once and the
+        event's Work returned as it is (its errors are CommunicationErrors already)."""
+        plan = super().plan_all_reduce(tensor, op)
+        return _PlannedAllReduce(self, tensor, ReductionOperation.parse(op), plan)
 
     def _reduce_scatter(
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False

@@ -116,6 +116,8 @@ class DDPModel(ShardedModel):
         self._next_bucket = 0
         self._pending: list[tuple[GradientBucket, object]] = []
         self._callback_queued = False
+        self._overlap = True  # whether this backward launches buckets as they fill (set when its first grad arrives)
+        self._plan_arrival()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         self._pieces: dict[int, torch.Tensor] = {}
         if self._topology is not None:
@@ -141,10 +143,30 @@ class DDPModel(ShardedModel):
         grads = FlatBuffer.empty_like(params) if storage is None else FlatBuffer(FlatLayout.of(params), storage)
         wire_dtype = self.config.communication_dtype or grads.data.dtype
         wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
+        bucket = GradientBucket(index, params, names, grads, wire)
         if self._views:
-            for p, view in zip(params, grads.views(), strict=True):
+            bucket.views = grads.views()
+            for p, view in zip(params, bucket.views, strict=True):
                 p.grad = view
-        return GradientBucket(index, params, names, grads, wire)
+        return bucket
+
+    def _plan_arrival(self) -> None:
+        """Decide, per bucket, what a gradient is multiplied by as it reaches its view (:meth:`_ready_scale`) and plan
+        its all-reduce (checked now, issued every step with no per-call checks): once when the buckets are built and
+        again when a comm hook is registered, not per gradient or per step."""
+        flat = self._topology is None and self._comm_hook is None
+        for bucket in self._buckets:
+            bucket.arrival_scale = self._ready_scale(bucket)
+            planned = flat and bucket.wire is not None  # (ZeRO-2's buckets reduce-scatter fresh send buffers)
+            bucket.reduce = self.comm.plan_all_reduce(bucket.wire, self._reduction(bucket)) if planned else None
+
+    def _reduction(self, bucket: GradientBucket) -> ReductionOperation:
+        """SUM when the 1/N of the average rode on a pass the bucket made anyway (the pack into it, the copy of a
+        fresh gradient into its view, the cast to a low-precision wire); AVERAGE only for views on a transport that
+        averages for free (ncclAvg)."""
+        lowp = bucket.wire is not bucket.grads.data
+        scaled = not self._views or lowp or bucket.arrival_scale is not None or self.world_size == 1
+        return ReductionOperation.SUM if scaled else ReductionOperation.AVERAGE
 
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -239,6 +261,7 @@ class DDPModel(ShardedModel):
                 "build one optimizer that communicates per model"
             )
         self._comm_hook = hook
+        self._plan_arrival()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -284,7 +307,7 @@ class DDPModel(ShardedModel):
         )
 
     def _view(self, bucket: GradientBucket, j: int) -> torch.Tensor:
-        return bucket.grads.views()[j]
+        return bucket.views[j]
 
     def _ready_scale(self, bucket: GradientBucket) -> float | None:
         """The 1/N of the average, applied to a gradient as it reaches its bucket view (folded into the copy when
@@ -296,21 +319,26 @@ class DDPModel(ShardedModel):
         return None if self.comm.averages_in_transport else 1.0 / n
 
     def _into_bucket(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
-        """Views: make ``param.grad`` its bucket view, holding the gradient (times the ready scale, if any)."""
-        view, scale = self._view(bucket, j), self._ready_scale(bucket)
-        if param.grad is None:
+        """Views: make ``param.grad`` its bucket view, holding the gradient (times the arrival scale, if any).
+
+        On the hot path of every backward (once per parameter, inside autograd's engine), so it reads ``param.grad``
+        once and decides nothing that was decided when the buckets were built."""
+        view, scale, grad = bucket.views[j], bucket.arrival_scale, param.grad
+        if grad is view:  # accumulated in place (zero_grad(set_to_none=False), no_sync)
+            if scale is not None:
+                view.mul_(scale)  # one scaling pass
+            return
+        if grad is None:
             view.zero_()
-        elif param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+        elif grad.data_ptr() != view.data_ptr():
             # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in, scaled in the
             # same pass (as torch DDP's mul_out into its bucket).
             if scale is None:
-                view.copy_(param.grad)
+                view.copy_(grad)
             else:
-                torch.mul(param.grad, scale, out=view)
-            param.grad = view
-            return
+                torch.mul(grad, scale, out=view)
         elif scale is not None:
-            view.mul_(scale)  # accumulated in place (zero_grad(set_to_none=False), no_sync): one scaling pass
+            view.mul_(scale)  # the view's storage under another tensor object: accumulated in place
         param.grad = view
 
     def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
@@ -319,15 +347,18 @@ class DDPModel(ShardedModel):
             self._into_bucket(bucket, j, param)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Autograd's post-accumulate hook of every parameter (the hot path: once per parameter per backward)."""
         if not self._sync:
             return
         bucket, j = self._slot[id(param)]
         self._arrived(bucket, j, param)
-        if not self._callback_queued:
+        if not self._callback_queued:  # the first gradient of this backward: decide what holds for all of it
             self._callback_queued = True
+            self._overlap = self.config.overlap_communication and not self._reduces_at_end
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        bucket.ready.add(j)
-        if self.config.overlap_communication and not self._reduces_at_end:
+        ready = bucket.ready
+        ready.add(j)
+        if self._overlap and len(ready) == len(bucket.params):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -358,20 +389,16 @@ class DDPModel(ShardedModel):
             return
         if lowp:
             kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
-        scaled_on_arrival = not self._views or lowp or self._ready_scale(bucket) is not None or n == 1
-        op = ReductionOperation.SUM if scaled_on_arrival else ReductionOperation.AVERAGE
+        if bucket.reduce is not None:  # planned when the buckets were built (layouts agree by construction)
+            self._pending.append((bucket, bucket.reduce.start()))
+            return
         # Hierarchical: start the cross-node all-reduce of each earlier bucket whose reduce-scatter finished, in bucket
         # order (a group's collectives must be issued in the same order on every rank, whatever finishes first); the
         # all-gathers inside the node wait for the end of backward, after every bucket's reduce-scatter was issued.
         for _, earlier in self._pending:
             if isinstance(earlier, _Chain) and not earlier.advance(through=1):
                 break
-        if self._topology is not None:
-            work = self._hierarchical_all_reduce(bucket, op)
-        else:
-            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-                work = self.comm.all_reduce(bucket.wire, op, async_op=True)
-        self._pending.append((bucket, work))
+        self._pending.append((bucket, self._hierarchical_all_reduce(bucket, self._reduction(bucket))))
 
     def _hooked_hierarchical_all_reduce(self, bucket: GradientBucket) -> Work:
         """Average inside the node (a reduce-scatter, dense), let the hook average this rank's piece across nodes

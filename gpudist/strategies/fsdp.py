@@ -438,7 +438,9 @@ class ZeRO3Model(ShardedModel):
         empty = torch.empty(0, dtype=group.dtype, device=group.device)
         for owners in group.places:
             for mod, attr in owners:
-                setattr(mod, attr, empty)
+                # A plain attribute (the parameter left mod._parameters at wrap time): written into the instance
+                # dict directly, as nn.Module.__setattr__ would after ~10 us of checks per tensor per unit and pass.
+                mod.__dict__[attr] = empty
 
     def _install(self, group: _Group) -> None:
         full = self._gathered(group)
@@ -447,8 +449,9 @@ class ZeRO3Model(ShardedModel):
             group.used = True
         views = full[: group.total].split(group.numels)  # the padding at the end is no parameter's
         for view, owners, shape in zip(views, group.places, group.shapes, strict=True):
+            view = view.view(shape)
             for mod, attr in owners:
-                setattr(mod, attr, view.view(shape))
+                mod.__dict__[attr] = view  # as in _release
 
     def _before_root(self) -> None:
         """The wrapped module's forward starts (from :meth:`forward`, or called directly, e.g. by ``generate()``)."""

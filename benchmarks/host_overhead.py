@@ -1,0 +1,331 @@
+"""Host time, measured like memory: what gpudist's glue costs the host per call and per parameter, beside torch's.
+
+    python -m benchmarks.host_overhead [--sections calls,backward] [--rounds 7] [--out FILE]
+
+On a GPU the host's time is most of a step's for models up to a few hundred million parameters (the H200 run of
+2026-11-28: docs/results.md#on-a-gpu), so it is measured here where it can be isolated, on the CPU, with the work
+itself made negligible (tiny tensors), interleaved round by round with the torch call that does the same job:
+
+- ``calls``: host microseconds per call, issued back to back. ``pack``/``unpack`` of 1, 30 and 300 tensors of 4
+  elements (against ``torch.cat(out=)`` + ``mul_``, and ``_foreach_copy_`` into views) and the same through a
+  :class:`gpudist.kernels.PackPlan` built once; ``adam_step`` on a 1,024-element shard (against
+  ``torch._fused_adamw_``); one collective through gpudist's NCCL backend built over the simulated NCCL of
+  tests/fakenccl.py, then given a no-op communicator and a no-op CUDA seam (stream hand-off, events), so only the
+  backend's own Python remains: unchecked, async and planned (``plan_all_reduce``), against the same no-op call
+  made directly.
+- ``backward``: Python time inside backward per parameter: a model of 300 tiny parameters (150 Linear(8, 8)) at
+  world size 1 over Gloo in this process, each wrapper's backward time minus the plain module's, over the parameter
+  count; torch DDP (bucket view, static graph), ZeroRedundancyOptimizer and FSDP2 (each Linear a unit, as gpudist's
+  FSDP here) beside, every optimizer AdamW(fused=True). Medians of interleaved rounds.
+
+The host-bound step against the peers over two Gloo processes on TCP is the strategy benchmarks' job, on the
+``gpt-host`` workload (292 tiny tensors): ``GPUDIST_SHM=0 python -m benchmarks.ddp --workload gpt-host --phases 10``
+and ``GPUDIST_SHM=0 python -m benchmarks.zero --workload gpt-host --phases 10``.
+Results: ``benchmarks/results/host_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpudist.bench import environment
+from gpudist.fileio import atomic_write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    """Host microseconds per call of ``fn``, issued ``calls`` times back to back after a warm-up."""
+    for _ in range(min(50, calls)):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, dict]:
+    """Each variant's measurement, ``rounds`` times in rotating order; median, min and max."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            samples[name].append(variants[name]())
+    return {n: {"median": statistics.median(s), "min": min(s), "max": max(s)} for n, s in samples.items()}
+
+
+# -- calls -----------------------------------------------------------------------------------------------------------
+
+
+def _pack_variants(n: int, calls: int) -> dict[str, Callable[[], float]]:
+    from gpudist import kernels as K
+
+    tensors = [torch.randn(4) for _ in range(n)]
+    out = torch.empty(4 * n)
+    views = list(out.split(4))
+    plan = K.PackPlan(tensors, out)
+    return {
+        f"pack_{n}": lambda: per_call_us(lambda: K.pack(tensors, out, 0.5), calls),
+        f"pack_{n}_plan": lambda: per_call_us(lambda: plan.pack(0.5), calls),
+        f"pack_{n}_torch_cat_mul": lambda: per_call_us(lambda: torch.cat(tensors, out=out).mul_(0.5), calls),
+        f"unpack_{n}": lambda: per_call_us(lambda: K.unpack(out, tensors, 0.5), calls),
+        f"unpack_{n}_plan": lambda: per_call_us(lambda: plan.unpack(0.5), calls),
+        f"unpack_{n}_torch_foreach": lambda: per_call_us(
+            lambda: (torch._foreach_copy_(tensors, views), torch._foreach_mul_(tensors, 0.5)), calls
+        ),
+    }
+
+
+def _adam_variants(calls: int) -> dict[str, Callable[[], float]]:
+    from gpudist import kernels as K
+
+    p, g, m, v = (torch.randn(1024) for _ in range(4))
+    v.abs_()
+    step = torch.tensor(1.0)
+
+    def torch_fused() -> None:
+        torch._fused_adamw_(
+            [p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+            amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    return {
+        "adam_step": lambda: per_call_us(
+            lambda: K.adam_step(p, g, m, v, step=1, lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True), calls
+        ),
+        "adam_step_torch_fused_adamw": lambda: per_call_us(torch_fused, calls),
+    }
+
+
+class _NullCommunicator:
+    """Stands in for the NCCL communicator once the backend is built: every call returns at once, so what is timed
+    is the backend's own Python (the simulated NCCL's call, a matching of ranks across threads, costs ~60 us)."""
+
+    def __getattr__(self, name: str):
+        return _null
+
+
+def _null(*args) -> None:
+    return None
+
+
+class _DoneEvent:
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+class _NullRuntime:
+    """Stands in for the backend's CUDA seam (stream hand-off, events, holding tensors): nothing to do, so the
+    measured time is gpudist's frontend alone. On a GPU the hand-off costs what it costs for any caller; the raw
+    baseline here makes no hand-off either."""
+
+    _event = _DoneEvent()
+
+    def stream(self) -> int:
+        return 0
+
+    def hold(self, tensors) -> None:
+        pass
+
+    def record(self) -> _DoneEvent:
+        return self._event
+
+    def wait(self, event) -> None:
+        pass
+
+    def on_comm(self):
+        return contextlib.nullcontext()
+
+
+def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
+    x = torch.ones(256)
+    saved = comm._comm, comm._rt
+    comm._comm, comm._rt = raw, _ = _NullCommunicator(), _NullRuntime()
+    lib = comm._lib
+    planned = comm.plan_all_reduce(x)
+
+    def unchecked() -> None:
+        with comm.unchecked():
+            comm.all_reduce(x)
+
+    try:
+        return interleaved(
+            {
+                "all_reduce_raw": lambda: per_call_us(
+                    lambda: raw.allReduce(x.data_ptr(), x.data_ptr(), 256, lib.NCCL_FLOAT32, lib.NCCL_SUM, 0), calls
+                ),
+                "all_reduce_unchecked": lambda: per_call_us(unchecked, calls),
+                "all_reduce_async": lambda: per_call_us(lambda: comm.all_reduce(x, async_op=True).wait(), calls),
+                "all_reduce_planned": lambda: per_call_us(lambda: planned.start().wait(), calls),
+            },
+            rounds,
+        )
+    finally:
+        comm._comm, comm._rt = saved  # shutdown needs the real ones
+
+
+def calls_section(rounds: int, calls: int) -> dict:
+    rows = {}
+    for n in (1, 30, 300):
+        rows.update(interleaved(_pack_variants(n, max(50, calls // max(1, n // 30))), rounds))
+    rows.update(interleaved(_adam_variants(calls), rounds))
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from tests.fakenccl import FakeNccl, run_nccl  # the simulated NCCL: CUDA and NCCL cost ~0
+
+    rows.update(run_nccl(_collective_rows, 1, FakeNccl(), calls=calls, rounds=rounds)[0])
+    return rows
+
+
+# -- backward --------------------------------------------------------------------------------------------------------
+
+LAYERS = 150
+
+
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(LAYERS)])
+
+
+def _phases(model: nn.Module, opt, x: torch.Tensor) -> Callable[[], dict[str, float]]:
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        loss = model(x).square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad()
+        t4 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "zero_grad": t4 - t3}
+
+    return step
+
+
+def backward_section(rounds: int, steps: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gpudist
+    from gpudist.comm import GlooCommunicationBackend
+    from gpudist.strategies import DATA_PARALLEL_PAIRS
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = GlooCommunicationBackend()
+        x = torch.randn(4, 8)
+        built = {}
+        plain = _tiny()
+        built["plain"] = (plain, adamw(plain.parameters()))
+        ddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True)
+        built["torch_ddp"] = (ddp, adamw(ddp.parameters()))
+        zddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True)
+        zopt = ZeroRedundancyOptimizer(
+            zddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, fused=True, parameters_as_bucket_view=True
+        )
+        built["torch_zero"] = (zddp, zopt)
+        fsdp2 = _tiny()
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        for layer in fsdp2:  # the same units as gpudist's FSDPModel below: each Linear, then the root
+            fully_shard(layer, mesh=mesh)
+        fully_shard(fsdp2, mesh=mesh)
+        built["torch_fsdp2"] = (fsdp2, adamw(fsdp2.parameters()))
+        for strategy in ("ddp", "zero1", "zero2", "fsdp"):
+            config = gpudist.ShardingConfiguration(comm)
+            model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+            wrap = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}
+            model = model_cls(_tiny(), config, **wrap)
+            built[f"gpudist_{strategy}"] = (model, opt_cls(adamw(model.parameters()), config))
+        phases = {name: _phases(model, opt, x) for name, (model, opt) in built.items()}
+
+        def median_phases(fn: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
+            def run() -> dict[str, float]:
+                samples = [fn() for _ in range(steps)]
+                return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+            return run
+
+        for fn in phases.values():  # warm-up: buckets built, kernels and allocations settled
+            for _ in range(3):
+                fn()
+        samples: dict[str, list[dict[str, float]]] = {name: [] for name in phases}
+        names = list(phases)
+        for r in range(rounds):
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]
+                samples[name].append(median_phases(phases[name])())
+    finally:
+        dist.destroy_process_group()
+    table = {name: {k: statistics.median(s[k] for s in rows) * 1e6 for k in rows[0]} for name, rows in samples.items()}
+    tensors = 2 * LAYERS
+    for row in table.values():
+        row["backward_extra_us_per_param"] = (row["backward"] - table["plain"]["backward"]) / tensors
+        row["step_total_us"] = sum(row[k] for k in ("forward", "backward", "step", "zero_grad"))
+    return {"model": f"{LAYERS} x Linear(8, 8): {tensors} parameters", "world_size": 1, "us": table}
+
+
+# -- command -----------------------------------------------------------------------------------------------------------
+
+
+def format_report(doc: dict) -> str:
+    lines = [f"# host overhead, {doc['environment']['cpu']}, torch {doc['environment']['torch']}, {doc['date']}"]
+    if "calls" in doc:
+        lines.append(f"{'call':<34} {'us/call (median)':>16} {'min':>8} {'max':>8}")
+        for name, r in doc["calls"].items():
+            lines.append(f"{name:<34} {r['median']:>16.1f} {r['min']:>8.1f} {r['max']:>8.1f}")
+    if "backward" in doc:
+        b = doc["backward"]
+        lines.append(f"# per step, {b['model']}, world size {b['world_size']} (us, medians of interleaved rounds)")
+        lines.append(
+            f"{'variant':<16} {'forward':>9} {'backward':>9} {'step':>9} {'zero':>7} {'total':>9} {'bwd/param':>10}"
+        )
+        for name, r in b["us"].items():
+            lines.append(
+                f"{name:<16} {r['forward']:>9.0f} {r['backward']:>9.0f} {r['step']:>9.0f} {r['zero_grad']:>7.0f} "
+                f"{r['step_total_us']:>9.0f} {r['backward_extra_us_per_param']:>10.2f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="calls,backward", help="comma-separated: calls, backward")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median reported)")
+    parser.add_argument("--calls", type=int, default=1000, help="calls per measurement (calls section)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round (backward section)")
+    parser.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # host work, not parallel kernels: one thread, as a rank sharing its cores would have
+    env = environment()
+    doc: dict = {"benchmark": "host_overhead", "date": env["date"], "environment": env, "settings": vars(args)}
+    sections = args.sections.split(",")
+    if "calls" in sections:
+        doc["calls"] = calls_section(args.rounds, args.calls)
+    if "backward" in sections:
+        doc["backward"] = backward_section(args.rounds, args.steps)
+    print(format_report(doc))
+    print(f"# wrote {atomic_write_json(args.out, doc)}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
