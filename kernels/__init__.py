@@ -11,7 +11,7 @@ from .bucket import PackPlan, pack, unpack
 from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import squared_norm
-from .optim import adam_step, sgd_step
+from .optim import AdamStep, SGDStep, adam_step, sgd_step
 from .quantize import (
     check_block_size,
     dequantize_1bit,
@@ -24,8 +24,10 @@ from .quantize import (
 from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
+    "AdamStep",
     "FlatLayout",
     "PackPlan",
+    "SGDStep",
     "TopKResult",
     "adam_step",
     "check_block_size",

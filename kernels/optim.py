@@ -33,6 +33,8 @@ from .dispatch import use_triton
 from .norm import squared_norm
 
 __all__ = [
+    "AdamStep",
+    "SGDStep",
     "adam_step",
     "adam_step_reference",
     "adam_step_triton",
@@ -679,3 +681,189 @@ def sgd_step(
         check_finite=check_finite,
         param_out=param_out,
     )
+
+
+# -- planned steps: the buffers checked once, a call only launches -------------------------------------------------
+
+
+def _flag(found_inf: torch.Tensor | None) -> torch.Tensor | None:
+    """``found_inf`` as torch's fused kernels take it (a 0-dim float32 tensor): as it is when it already is."""
+    if found_inf is None or (found_inf.dim() == 0 and found_inf.dtype == torch.float32):
+        return found_inf
+    return found_inf.reshape(()).float()
+
+
+class AdamStep:
+    """:func:`adam_step` on fixed buffers (a ZeRO shard's piece): what the function checks and decides on every call
+    is checked and decided once, here; a call launches one kernel (Triton), or torch's fused Adam (CPU), and
+    allocates nothing, reads nothing back and returns nothing: the skip flag (``found_inf``) and the gradient scale
+    are device tensors the caller owns. ``adam_step`` on a 1,024-element shard cost the host 65-79 us per call on
+    the 2-core CPU machine against 6 us for ``torch._fused_adamw_`` (``benchmarks/host_overhead.py``), mostly in
+    those checks and the skip flag's own ops.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: As :func:`adam_step`; they must keep their storage for the plan's life.
+        param_out: As :func:`adam_step`.
+
+    Raises:
+        TypeError, ValueError: As :func:`adam_step`, for the buffers.
+    """
+
+    def __init__(self, param, grad, exp_avg, exp_avg_sq, *, param_out: torch.Tensor | None = None):
+        _check_buffers(param, {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out})
+        self.buffers, self.param_out = (param, grad, exp_avg, exp_avg_sq), param_out
+        self._triton = use_triton(param)
+        self._fused = not self._triton and _same_dtype(param, exp_avg, exp_avg_sq)
+        self._step = torch.zeros((), dtype=torch.float32, device=param.device)  # torch's fused Adam reads it here
+
+    def __call__(
+        self,
+        *,
+        step: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        maximize: bool = False,
+        grad_scale: float = 1.0,
+        grad_scale_tensor: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """One step, as :func:`adam_step` with ``check_finite=False`` (no hyperparameter is checked here)."""
+        param, grad, exp_avg, exp_avg_sq = self.buffers
+        n = param.numel()
+        if self._triton:
+            if not n:
+                return
+            s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+            _adam_kernel[(triton.cdiv(n, BLOCK),)](
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                self.param_out if self.param_out is not None else param,
+                grad_scale_tensor if grad_scale_tensor is not None else param,
+                found_inf if found_inf is not None else param,
+                n,
+                float(grad_scale),
+                weight_decay,
+                s["decay"],
+                s["beta1_weight"],
+                beta2,
+                s["one_minus_beta2"],
+                s["neg_step_size"],
+                s["bias_correction2_sqrt"],
+                eps,
+                DECOUPLED=decoupled_weight_decay,
+                HAS_WEIGHT_DECAY=weight_decay != 0,
+                MAXIMIZE=maximize,
+                HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+                HAS_SKIP=found_inf is not None,
+                HAS_OUT=self.param_out is not None,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+            )
+            return
+        hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+        if not self._fused:  # buffers of mixed dtypes: the function's path
+            adam_step(
+                param, grad, exp_avg, exp_avg_sq, step=step, **hyper, decoupled_weight_decay=decoupled_weight_decay,
+                maximize=maximize, grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf,
+                check_finite=False, param_out=self.param_out,
+            )  # fmt: skip
+            return
+        scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
+        g = _scaled_grad(grad, grad_scale, grad_scale_tensor, False, param.dtype) if scaled else grad
+        self._step.fill_(float(step))
+        fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        fused(
+            [param], [g], [exp_avg], [exp_avg_sq], [], [self._step], **hyper, amsgrad=False, maximize=maximize,
+            found_inf=_flag(found_inf),
+        )  # fmt: skip
+        if self.param_out is not None:
+            self.param_out.copy_(param)
+
+
+class SGDStep:
+    """:func:`sgd_step` on fixed buffers, as :class:`AdamStep` is to :func:`adam_step`.
+
+    Args:
+        param, grad, momentum_buffer: As :func:`sgd_step` (``momentum_buffer`` None for plain SGD); they must keep
+            their storage for the plan's life.
+        param_out: As :func:`sgd_step`.
+
+    Raises:
+        TypeError, ValueError: As :func:`sgd_step`, for the buffers.
+    """
+
+    def __init__(self, param, grad, momentum_buffer=None, *, param_out: torch.Tensor | None = None):
+        _check_buffers(param, {"grad": grad, "momentum_buffer": momentum_buffer, "param_out": param_out})
+        self.buffers, self.param_out = (param, grad, momentum_buffer), param_out
+        self._triton = use_triton(param)
+        self._fused = not self._triton and _same_dtype(param, momentum_buffer)
+
+    def __call__(
+        self,
+        *,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        first_step: bool = False,
+        grad_scale: float = 1.0,
+        grad_scale_tensor: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
+        """One step, as :func:`sgd_step` with ``check_finite=False`` (no hyperparameter is checked here)."""
+        param, grad, buf = self.buffers
+        if momentum != 0 and buf is None:
+            raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
+        n = param.numel()
+        if self._triton:
+            if not n:
+                return
+            _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+                param,
+                grad,
+                buf if buf is not None else param,
+                self.param_out if self.param_out is not None else param,
+                grad_scale_tensor if grad_scale_tensor is not None else param,
+                found_inf if found_inf is not None else param,
+                n,
+                float(grad_scale),
+                weight_decay,
+                momentum,
+                1 - dampening,
+                -lr,
+                HAS_WEIGHT_DECAY=weight_decay != 0,
+                HAS_MOMENTUM=momentum != 0,
+                FIRST=first_step,
+                NESTEROV=nesterov,
+                MAXIMIZE=maximize,
+                HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+                HAS_SKIP=found_inf is not None,
+                HAS_OUT=self.param_out is not None,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+            )
+            return
+        hyper = {"lr": lr, "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+        if not self._fused:
+            sgd_step(
+                param, grad, buf, **hyper, weight_decay=weight_decay, maximize=maximize, first_step=first_step,
+                grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=False,
+                param_out=self.param_out,
+            )  # fmt: skip
+            return
+        scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
+        g = _scaled_grad(grad, grad_scale, grad_scale_tensor, False, param.dtype) if scaled else grad
+        torch._fused_sgd_(
+            [param], [g], [buf] if momentum != 0 else [], weight_decay=weight_decay, **hyper, maximize=maximize,
+            is_first_step=first_step, found_inf=_flag(found_inf),
+        )  # fmt: skip
+        if self.param_out is not None:
+            self.param_out.copy_(param)

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from gpudist import kernels as K
 from gpudist.kernels import dispatch
 from gpudist.kernels.bucket import pack, pack_reference, unpack
 from gpudist.kernels.layout import FlatLayout
@@ -285,6 +286,52 @@ def test_float32_hyperparameters_are_allowed_their_own_shift_and_no_more():
     slipped = run({**hyper, "betas": (0.9, 0.9991)}, dtype=torch.float32)  # 1 - beta2 off by 10%
     with pytest.raises(AssertionError, match="exceeds"):  # the parameters or the moments, by host
         _assert_like_torch(slipped, refs, ["param", "exp_avg", "exp_avg_sq"], slack)
+
+
+@pytest.mark.parametrize("case", ADAM_CASES)
+def test_planned_adam_step_equals_the_function(device, kernel_impl, case):
+    """AdamStep (the buffers checked once, a call only launches) against adam_step on copies of the same buffers, over
+    5 steps with a clip coefficient tensor, a bf16 parameter copy and a skipped step (found_inf set): bit for bit.
+    Catches the plan launching a different kernel variant, losing the skip flag or the scale tensor, a step count
+    that is not the one given (the torch path's step tensor is refilled, not re-made), or param_out not written."""
+    n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 4099
+    g = _gen(11)
+    start = [torch.randn(n, generator=g).to(device) for _ in range(2)]
+    grads = [torch.randn(n, generator=g).to(device) for _ in range(5)]
+    a = [start[0].clone(), torch.empty(n, device=device), start[1].clone().abs_(), start[1].clone().abs_()]
+    b = [t.clone() for t in a]
+    outs = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    planned = K.AdamStep(b[0], b[1], b[2], b[3], param_out=outs[1])
+    kw = _kernel_adam_kw({"weight_decay": 0.0, **case})
+    clip = torch.tensor([0.5], device=device)
+    for step, grad in enumerate(grads, 1):
+        skip = torch.tensor([1.0 if step == 3 else 0.0], device=device)
+        a[1].copy_(grad)
+        b[1].copy_(grad)
+        adam_step(*a, step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip, param_out=outs[0])
+        planned(step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip)
+    for x, y in zip([*a, outs[0]], [*b, outs[1]], strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_planned_sgd_step_equals_the_function(device, kernel_impl, momentum):
+    """SGDStep against sgd_step, as for Adam: plain and momentum SGD, the first step, a skipped step, bit for bit."""
+    n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 4099
+    g = _gen(12)
+    params = torch.randn(n, generator=g).to(device)
+    grads = [torch.randn(n, generator=g).to(device) for _ in range(4)]
+    a = [params.clone(), torch.empty(n, device=device), torch.zeros(n, device=device) if momentum else None]
+    b = [t.clone() if t is not None else None for t in a]
+    planned = K.SGDStep(*b)
+    for step, grad in enumerate(grads, 1):
+        skip = torch.tensor([1.0 if step == 2 else 0.0], device=device)
+        a[1].copy_(grad)
+        b[1].copy_(grad)
+        kw = {"lr": 1e-2, "momentum": momentum, "weight_decay": 0.01, "first_step": step == 1, "found_inf": skip}
+        sgd_step(*a, **kw)
+        planned(**kw)
+    assert torch.equal(a[0], b[0]) and (momentum == 0 or torch.equal(a[2], b[2]))
 
 
 SGD_CASES = [

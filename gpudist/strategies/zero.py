@@ -471,6 +471,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
             self._state = {"momentum_buffer": fp32_state()}
         self._inner: torch.optim.Optimizer | None = None
         self._comm_hook = None
+        self._plans: dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep] = {}
+        self._plans_key: tuple = ()
         self._verdict = _Verdict(None)
         """The last step's global gradient norm, on the device (and on its way to the host)."""
         self._unsettled: list[tuple[_Verdict, list[int]]] = []
@@ -762,6 +764,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _fused_step(self, scale: _Scale, window: tuple[int, int] | None = None) -> None:
         """One fused launch per contiguous owned piece, restricted to owned[window[0]:window[1]] if given."""
+        plans = self._step_plans()
         for g, pieces in self._by_group().items():
             h = self.param_groups[g]
             for lo, hi in pieces:
@@ -769,39 +772,51 @@ class _FlatShardOptimizer(ShardedOptimizer):
                     lo, hi = max(lo, window[0]), min(hi, window[1])
                     if lo >= hi:
                         continue
-                args = {
-                    "param": self._master_of(lo, hi),
-                    "grad": self._grad[lo:hi],
-                    "grad_scale_tensor": scale.clip,
-                    "found_inf": scale.found_inf,
-                    "check_finite": False,
-                    "maximize": h.get("maximize", False),
+                plan = plans.get((lo, hi))
+                if plan is None:
+                    plan = plans[(lo, hi)] = self._step_plan(lo, hi)
+                common = {
                     "lr": h["lr"],
                     "weight_decay": h.get("weight_decay", 0.0),
+                    "maximize": h.get("maximize", False),
+                    "grad_scale_tensor": scale.clip,
+                    "found_inf": scale.found_inf,
                 }
                 if self._kind == "sgd":
-                    buf = self._state.get("momentum_buffer")
-                    kernels.sgd_step(
-                        momentum_buffer=None if buf is None else buf[lo:hi],
+                    plan(
                         momentum=h["momentum"],
                         dampening=h["dampening"],
                         nesterov=h["nesterov"],
                         first_step=self._steps[g] == 1,
-                        **args,
+                        **common,
                     )
                 else:
                     beta1, beta2 = h["betas"]
-                    state = self._state
-                    kernels.adam_step(
-                        exp_avg=state["exp_avg"][lo:hi],
-                        exp_avg_sq=state["exp_avg_sq"][lo:hi],
+                    plan(
                         step=self._steps[g],
                         beta1=beta1,
                         beta2=beta2,
                         eps=h["eps"],
                         decoupled_weight_decay=self._kind == "adamw",
-                        **args,
+                        **common,
                     )
+
+    def _step_plans(self) -> dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep]:
+        """The fused step's plans by owned range (built on first use, checked once), kept while the buffers they
+        slice keep their memory: the owned gradients (whose tensor may be a fresh view of the same memory each
+        step), the master or flat parameters and the state."""
+        owners = (self._grad, self._master if self._master is not None else self._flat.data, *self._state.values())
+        key = tuple((t.data_ptr(), t.numel(), t.dtype) for t in owners)
+        if key != self._plans_key:
+            self._plans, self._plans_key = {}, key
+        return self._plans
+
+    def _step_plan(self, lo: int, hi: int) -> kernels.AdamStep | kernels.SGDStep:
+        param, grad, state = self._master_of(lo, hi), self._grad[lo:hi], self._state
+        if self._kind == "sgd":
+            buf = state.get("momentum_buffer")
+            return kernels.SGDStep(param, grad, None if buf is None else buf[lo:hi])
+        return kernels.AdamStep(param, grad, state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi])
 
     def _by_group(self) -> dict[int, list[tuple[int, int]]]:
         merged: dict[int, list[tuple[int, int]]] = {}
