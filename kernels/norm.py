@@ -13,7 +13,14 @@ import torch
 from ._triton import tl, triton
 from .dispatch import use_triton
 
-__all__ = ["squared_norm", "squared_norm_reference", "squared_norm_triton"]
+__all__ = [
+    "clip_scalars",
+    "clip_scalars_reference",
+    "clip_scalars_triton",
+    "squared_norm",
+    "squared_norm_reference",
+    "squared_norm_triton",
+]
 
 # One partial sum per 8192 elements: 64M elements give 8192 partials, whose sum torch finishes in
 # a single small reduction. Partials plus a fixed-order second stage keep the result
@@ -70,3 +77,68 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"squared_norm takes a float buffer, got {x.dtype}")
     return (squared_norm_triton if use_triton(x) else squared_norm_reference)(x)
+
+
+# -- the step's scalars from the global squared norm ---------------------------------------------------------------
+
+CLIP_EPS = 1e-6
+"""Added to the norm before dividing (torch.nn.utils.clip_grad_norm_'s constant)."""
+
+
+@triton.jit
+def _clip_scalars_kernel(total_ptr, norm_ptr, flags_ptr, max_norm, HAS_CLIP: tl.constexpr, EPS: tl.constexpr):
+    norm = tl.sqrt(tl.load(total_ptr).to(tl.float64))
+    tl.store(norm_ptr, norm)
+    finite = norm - norm == 0  # NaN and Inf give NaN here
+    tl.store(flags_ptr, tl.where(finite, 0.0, 1.0).to(tl.float32))
+    if HAS_CLIP:
+        tl.store(flags_ptr + 1, tl.minimum(max_norm / (norm + EPS), 1.0).to(tl.float32))
+
+
+def clip_scalars_triton(total: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor, max_norm: float | None) -> None:
+    """Triton launcher of :func:`clip_scalars`."""
+    _clip_scalars_kernel[(1,)](
+        total, norm, flags, float(max_norm or 0.0), HAS_CLIP=max_norm is not None, EPS=CLIP_EPS, num_warps=1
+    )
+
+
+def clip_scalars_reference(
+    total: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor, max_norm: float | None
+) -> None:
+    """torch reference of :func:`clip_scalars` (float64 arithmetic, as torch.nn.utils.clip_grad_norm_ in float64)."""
+    torch.sqrt(total.reshape(1).double(), out=norm.view(1))
+    flags[0] = (~torch.isfinite(norm.view(1))).float()[0]
+    if max_norm is not None:
+        flags[1] = (max_norm / (norm.view(1) + CLIP_EPS)).clamp_(max=1.0).float()[0]
+
+
+def clip_scalars(total: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor, max_norm: float | None = None) -> None:
+    """The step's scalars from the global squared gradient norm, in one launch and with no host sync: ``norm`` gets
+    its square root (float64), ``flags[0]`` 1.0 if that is not finite (every rank then skips the step) else 0.0, and
+    with ``max_norm`` ``flags[1]`` the clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (float32), as
+    torch.nn.utils.clip_grad_norm_ computes it. What a ZeRO step ran as six small ops.
+
+    Args:
+        total: The squared norm, one element (float32 or float64).
+        norm: One float64 element, written.
+        flags: Two float32 elements (one without ``max_norm``), written; ``flags[0:1]`` and ``flags[1:2]`` are what
+            the fused steps take as ``found_inf`` and ``grad_scale_tensor``.
+        max_norm: The clipping threshold (> 0), or None: no clipping coefficient.
+
+    Raises:
+        ValueError: When a buffer has the wrong size, dtype or device, or ``max_norm`` is not positive.
+    """
+    if total.numel() != 1 or norm.numel() != 1 or norm.dtype != torch.float64:
+        raise ValueError(
+            f"clip_scalars takes a 1-element total and a 1-element float64 norm, got {tuple(total.shape)} and "
+            f"{tuple(norm.shape)} {norm.dtype}"
+        )
+    if flags.dtype != torch.float32 or flags.numel() < (2 if max_norm is not None else 1):
+        raise ValueError(
+            f"clip_scalars: flags must be float32 with room for 2 values, got {flags.numel()} {flags.dtype}"
+        )
+    if len({total.device, norm.device, flags.device}) != 1:
+        raise ValueError(f"clip_scalars: total, norm and flags on {total.device}, {norm.device}, {flags.device}")
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0")
+    (clip_scalars_triton if use_triton(norm) else clip_scalars_reference)(total, norm, flags, max_norm)

@@ -192,6 +192,30 @@ def test_squared_norm_nonfinite(device, kernel_impl):
     assert math.isnan(squared_norm(x).item())
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter: inf - inf
+@pytest.mark.parametrize("max_norm", [None, 1.0, 0.25])
+def test_clip_scalars_follow_clip_grad_norm(device, kernel_impl, max_norm):
+    """The norm, the skip flag and the clipping coefficient of a ZeRO step in one launch: the norm as sqrt in float64,
+    the coefficient as torch.nn.utils.clip_grad_norm_ computes it (1 below the threshold), the flag set for NaN and
+    Inf. Catches a coefficient that is not clamped at 1, a flag that misses NaN (NaN compares false both ways), the
+    epsilon forgotten, and the coefficient slot written without clipping."""
+    for total in (4.0, 0.0, 1e-12, 0.0625, 1e30, float("inf"), float("nan")):
+        norm = torch.empty(1, dtype=torch.float64, device=device)
+        flags = torch.full((2,), -7.0, device=device)
+        K.clip_scalars(torch.tensor([total], dtype=torch.float64, device=device), norm, flags, max_norm)
+        expected = math.sqrt(total)
+        finite = math.isfinite(expected)
+        assert flags[0].item() == (0.0 if finite else 1.0)
+        if finite:
+            assert norm.item() == expected
+            clip = -7.0 if max_norm is None else min(1.0, max_norm / (expected + 1e-6))
+            assert flags[1].item() == pytest.approx(clip, rel=unit_roundoff(torch.float32))  # float32 rounding
+        else:
+            assert not math.isfinite(norm.item())
+    with pytest.raises(ValueError, match="max_norm=0"):
+        K.clip_scalars(torch.ones(1, device=device), norm, flags, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------- optimizer steps
 
 ADAM_CASES = [

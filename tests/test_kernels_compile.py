@@ -103,6 +103,10 @@ def _drive_every_op() -> None:
         K.unpack(flat, tensors, scale=2.0)
     for dtype in (f32, bf16):
         K.squared_norm(_randn(N, dtype))
+    for max_norm in (None, 1.0):  # a ZeRO step's scalars, with and without clipping
+        K.clip_scalars(
+            torch.tensor([4.0], dtype=torch.float64), torch.empty(1, dtype=torch.float64), torch.empty(2), max_norm
+        )
     adam = [
         {},
         {"weight_decay": 0.1},

@@ -361,19 +361,23 @@ class _Scale:
 
 class _Verdict:
     """A step's global gradient norm: the device tensor, copied to the host without blocking (pinned memory and an
-    event on CUDA), so that reading it once the copy is done does not stall the device's queue."""
+    event on CUDA, from ``slots``), so that reading it once the copy is done does not stall the device's queue. The
+    slot goes back to ``slots`` once read, so a steady state allocates no pinned memory and creates no event."""
 
-    def __init__(self, norm: torch.Tensor | None):
+    def __init__(self, norm: torch.Tensor | None, slots: list | None = None):
         self._host, self._event, self._value, self._stepped = None, None, math.nan, norm is not None
+        self._slots = slots
         if norm is None:
             return
         if norm.is_cuda:
-            self._host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+            if slots:
+                self._host, self._event = slots.pop()
+            else:
+                self._host, self._event = torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
             self._host.copy_(norm.reshape(1), non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = norm.reshape(1).double()
+            self._host = norm.reshape(1).double().clone()  # the norm's buffer is the next step's too
 
     def ready(self) -> bool:
         """Whether the norm is on the host (so reading it does not wait)."""
@@ -386,11 +390,32 @@ class _Verdict:
                 self._event.synchronize()
             # Host memory (pinned on CUDA, the tensor itself on the CPU): a plain read, no device copy or dispatch.
             self._value = ctypes.c_double.from_address(self._host.data_ptr()).value
+            if self._event is not None and self._slots is not None and len(self._slots) < _VERDICT_SLOTS:
+                self._slots.append((self._host, self._event))
             self._host, self._event = None, None
         return self._value
 
     def skipped(self) -> bool:
         return self._stepped and not math.isfinite(self.value())
+
+
+class _StepScalars:
+    """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (and its planned
+    all-reduce), the norm, the skip flag and the clipping coefficient (0-dim views, as the fused steps take them),
+    and the verdicts' pinned slots."""
+
+    def __init__(self, comm, device: torch.device):
+        self.total = torch.zeros(1, dtype=torch.float64, device=device)
+        self.norm = torch.zeros(1, dtype=torch.float64, device=device)
+        self.flags = torch.zeros(2, dtype=torch.float32, device=device)
+        self.found_inf, self.clip = self.flags[0], self.flags[1]
+        self.all_reduce = comm.plan_all_reduce(self.total, ReductionOperation.SUM)
+        self.slots: list = []
+
+
+_VERDICT_SLOTS = 4
+"""Pinned buffers and events kept for the verdicts of steps the host has not read yet (more while the device lags
+further behind: allocated then, dropped when read)."""
 
 
 @dataclass(frozen=True)
@@ -473,6 +498,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._comm_hook = None
         self._plans: dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep] = {}
         self._plans_key: tuple = ()
+        self._scalars: _StepScalars | None = None
         self._verdict = _Verdict(None)
         """The last step's global gradient norm, on the device (and on its way to the host)."""
         self._unsettled: list[tuple[_Verdict, list[int]]] = []
@@ -663,25 +689,31 @@ class _FlatShardOptimizer(ShardedOptimizer):
         # One all-reduce of the owned squared norms gives both the global norm (for clipping) and the non-finite
         # verdict every rank shares (a NaN anywhere makes every rank skip the step). Both stay on the device: the
         # fused kernels take the clip coefficient and the skip flag as tensors, so the step makes no host sync.
+        scalars = self._scalars_on(self._grad.device)
         if self.gradient_norm_fn is not None:
-            norm = self.gradient_norm_fn()
-            norm = torch.as_tensor(norm, dtype=torch.float64, device=self._grad.device).reshape(1)
+            total = torch.as_tensor(self.gradient_norm_fn(), dtype=torch.float64, device=self._grad.device)
+            scalars.total.copy_(total.reshape(1).square())
         else:
-            total = kernels.squared_norm(self._grad).reshape(1).double()
-            with self.comm.unchecked():  # one float64 on every rank, by construction: no per-step signature check
-                self.comm.all_reduce(total, ReductionOperation.SUM)
-            norm = total.sqrt_()
-        self._verdict = _Verdict(norm)
-        found_inf = (~torch.isfinite(norm)).float()
-        scale = None
-        if self.config.max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s rule
-            scale = (self.config.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0).float()
+            scalars.total.copy_(kernels.squared_norm(self._grad).reshape(1))
+            scalars.all_reduce.start().wait()  # one float64 on every rank (planned once: no per-step check)
+        # The norm, the skip flag and the clipping coefficient in one launch, into buffers kept from step to step.
+        max_norm = self.config.max_grad_norm
+        kernels.clip_scalars(scalars.total, scalars.norm, scalars.flags, max_norm)
+        self._verdict = _Verdict(scalars.norm, scalars.slots)
+        found_inf, scale = scalars.found_inf, scalars.clip if max_norm is not None else None
         if self._kind is None:  # torch's own step over views cannot take a device flag: decide on the host
             if self.last_step_skipped:
                 return loss
             found_inf = None
         self._update_and_gather(_Scale(scale, found_inf))
         return loss
+
+    def _scalars_on(self, device: torch.device) -> _StepScalars:
+        """The step's scalar buffers on ``device`` (made on the first step, and again if the gradients moved)."""
+        scalars = self._scalars
+        if scalars is None or scalars.total.device != device:
+            scalars = self._scalars = _StepScalars(self.comm, device)
+        return scalars
 
     @property
     def last_grad_norm(self) -> float:
