@@ -8,11 +8,11 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
 
 - ``calls``: host microseconds per call, issued back to back. ``pack``/``unpack`` of 1, 30 and 300 tensors of 4
   elements (against ``torch.cat(out=)`` + ``mul_``, and ``_foreach_copy_`` into views) and the same through a
-  :class:`gpudist.kernels.PackPlan` built once; ``adam_step`` on a 1,024-element shard (against
-  ``torch._fused_adamw_``); one collective through gpudist's NCCL backend built over the simulated NCCL of
-  tests/fakenccl.py, then given a no-op communicator and a no-op CUDA seam (stream hand-off, events), so only the
-  backend's own Python remains: unchecked, async and planned (``plan_all_reduce``), against the same no-op call
-  made directly.
+  :class:`gpudist.kernels.PackPlan` built once; ``adam_step`` on a 1,024-element shard, and through a
+  :class:`gpudist.kernels.AdamStep` built once (against ``torch._fused_adamw_``); one collective through gpudist's
+  NCCL backend built over the simulated NCCL of tests/fakenccl.py, then given a no-op communicator and a no-op CUDA
+  seam (stream hand-off, events), so only the backend's own Python remains: unchecked, async and planned
+  (``plan_all_reduce``), against the same no-op call made directly.
 - ``backward``: Python time inside backward per parameter: a model of 300 tiny parameters (150 Linear(8, 8)) at
   world size 1 over Gloo in this process, each wrapper's backward time minus the plain module's, over the parameter
   count; torch DDP (bucket view, static graph), ZeroRedundancyOptimizer and FSDP2 (each Linear a unit, as gpudist's
@@ -73,17 +73,19 @@ def _pack_variants(n: int, calls: int) -> dict[str, Callable[[], float]]:
     tensors = [torch.randn(4) for _ in range(n)]
     out = torch.empty(4 * n)
     views = list(out.split(4))
-    plan = K.PackPlan(tensors, out)
-    return {
+    rows = {
         f"pack_{n}": lambda: per_call_us(lambda: K.pack(tensors, out, 0.5), calls),
-        f"pack_{n}_plan": lambda: per_call_us(lambda: plan.pack(0.5), calls),
         f"pack_{n}_torch_cat_mul": lambda: per_call_us(lambda: torch.cat(tensors, out=out).mul_(0.5), calls),
         f"unpack_{n}": lambda: per_call_us(lambda: K.unpack(out, tensors, 0.5), calls),
-        f"unpack_{n}_plan": lambda: per_call_us(lambda: plan.unpack(0.5), calls),
         f"unpack_{n}_torch_foreach": lambda: per_call_us(
             lambda: (torch._foreach_copy_(tensors, views), torch._foreach_mul_(tensors, 0.5)), calls
         ),
     }
+    if hasattr(K, "PackPlan"):  # (absent from gpudist before 2026-11-28: the script also times older checkouts)
+        plan = K.PackPlan(tensors, out)
+        rows[f"pack_{n}_plan"] = lambda: per_call_us(lambda: plan.pack(0.5), calls)
+        rows[f"unpack_{n}_plan"] = lambda: per_call_us(lambda: plan.unpack(0.5), calls)
+    return rows
 
 
 def _adam_variants(calls: int) -> dict[str, Callable[[], float]]:
@@ -99,12 +101,18 @@ def _adam_variants(calls: int) -> dict[str, Callable[[], float]]:
             amsgrad=False, maximize=False,
         )  # fmt: skip
 
-    return {
+    rows = {
         "adam_step": lambda: per_call_us(
             lambda: K.adam_step(p, g, m, v, step=1, lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True), calls
         ),
         "adam_step_torch_fused_adamw": lambda: per_call_us(torch_fused, calls),
     }
+    if hasattr(K, "AdamStep"):
+        plan = K.AdamStep(p, g, m, v)
+        rows["adam_step_plan"] = lambda: per_call_us(
+            lambda: plan(g, step=1, lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True), calls
+        )
+    return rows
 
 
 class _NullCommunicator:
@@ -153,24 +161,23 @@ def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
     saved = comm._comm, comm._rt
     comm._comm, comm._rt = raw, _ = _NullCommunicator(), _NullRuntime()
     lib = comm._lib
-    planned = comm.plan_all_reduce(x)
+    planned = comm.plan_all_reduce(x) if hasattr(comm, "plan_all_reduce") else None
 
     def unchecked() -> None:
         with comm.unchecked():
             comm.all_reduce(x)
 
+    rows = {
+        "all_reduce_raw": lambda: per_call_us(
+            lambda: raw.allReduce(x.data_ptr(), x.data_ptr(), 256, lib.NCCL_FLOAT32, lib.NCCL_SUM, 0), calls
+        ),
+        "all_reduce_unchecked": lambda: per_call_us(unchecked, calls),
+        "all_reduce_async": lambda: per_call_us(lambda: comm.all_reduce(x, async_op=True).wait(), calls),
+    }
+    if planned is not None:
+        rows["all_reduce_planned"] = lambda: per_call_us(lambda: planned.start().wait(), calls)
     try:
-        return interleaved(
-            {
-                "all_reduce_raw": lambda: per_call_us(
-                    lambda: raw.allReduce(x.data_ptr(), x.data_ptr(), 256, lib.NCCL_FLOAT32, lib.NCCL_SUM, 0), calls
-                ),
-                "all_reduce_unchecked": lambda: per_call_us(unchecked, calls),
-                "all_reduce_async": lambda: per_call_us(lambda: comm.all_reduce(x, async_op=True).wait(), calls),
-                "all_reduce_planned": lambda: per_call_us(lambda: planned.start().wait(), calls),
-            },
-            rounds,
-        )
+        return interleaved(rows, rounds)
     finally:
         comm._comm, comm._rt = saved  # shutdown needs the real ones
 

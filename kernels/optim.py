@@ -701,8 +701,13 @@ class AdamStep:
     the 2-core CPU machine against 6 us for ``torch._fused_adamw_`` (``benchmarks/host_overhead.py``), mostly in
     those checks and the skip flag's own ops.
 
+    The gradient comes with each call, unchecked (a slice of the caller's gradient buffer, like ``grad`` here):
+    ZeRO-3 frees its gradients at ``zero_grad``, and a plan holding them would keep them alive.
+
     Args:
-        param, grad, exp_avg, exp_avg_sq: As :func:`adam_step`; they must keep their storage for the plan's life.
+        param, exp_avg, exp_avg_sq: As :func:`adam_step`; they must keep their storage for the plan's life.
+        grad: A gradient of the kind every call passes (same shape, device; its dtype may differ from ``param``'s),
+            checked here and not kept.
         param_out: As :func:`adam_step`.
 
     Raises:
@@ -711,13 +716,14 @@ class AdamStep:
 
     def __init__(self, param, grad, exp_avg, exp_avg_sq, *, param_out: torch.Tensor | None = None):
         _check_buffers(param, {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out})
-        self.buffers, self.param_out = (param, grad, exp_avg, exp_avg_sq), param_out
+        self.buffers, self.param_out = (param, exp_avg, exp_avg_sq), param_out
         self._triton = use_triton(param)
         self._fused = not self._triton and _same_dtype(param, exp_avg, exp_avg_sq)
         self._step = torch.zeros((), dtype=torch.float32, device=param.device)  # torch's fused Adam reads it here
 
     def __call__(
         self,
+        grad: torch.Tensor,
         *,
         step: int,
         lr: float,
@@ -731,8 +737,8 @@ class AdamStep:
         grad_scale_tensor: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """One step, as :func:`adam_step` with ``check_finite=False`` (no hyperparameter is checked here)."""
-        param, grad, exp_avg, exp_avg_sq = self.buffers
+        """One step with ``grad``, as :func:`adam_step` with ``check_finite=False`` (nothing is checked here)."""
+        param, exp_avg, exp_avg_sq = self.buffers
         n = param.numel()
         if self._triton:
             if not n:
@@ -790,8 +796,9 @@ class SGDStep:
     """:func:`sgd_step` on fixed buffers, as :class:`AdamStep` is to :func:`adam_step`.
 
     Args:
-        param, grad, momentum_buffer: As :func:`sgd_step` (``momentum_buffer`` None for plain SGD); they must keep
-            their storage for the plan's life.
+        param, momentum_buffer: As :func:`sgd_step` (``momentum_buffer`` None for plain SGD); they must keep their
+            storage for the plan's life.
+        grad: A gradient of the kind every call passes, checked here and not kept (as :class:`AdamStep`).
         param_out: As :func:`sgd_step`.
 
     Raises:
@@ -800,12 +807,13 @@ class SGDStep:
 
     def __init__(self, param, grad, momentum_buffer=None, *, param_out: torch.Tensor | None = None):
         _check_buffers(param, {"grad": grad, "momentum_buffer": momentum_buffer, "param_out": param_out})
-        self.buffers, self.param_out = (param, grad, momentum_buffer), param_out
+        self.buffers, self.param_out = (param, momentum_buffer), param_out
         self._triton = use_triton(param)
         self._fused = not self._triton and _same_dtype(param, momentum_buffer)
 
     def __call__(
         self,
+        grad: torch.Tensor,
         *,
         lr: float,
         momentum: float = 0.0,
@@ -818,8 +826,8 @@ class SGDStep:
         grad_scale_tensor: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """One step, as :func:`sgd_step` with ``check_finite=False`` (no hyperparameter is checked here)."""
-        param, grad, buf = self.buffers
+        """One step with ``grad``, as :func:`sgd_step` with ``check_finite=False`` (nothing is checked here)."""
+        param, buf = self.buffers
         if momentum != 0 and buf is None:
             raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
         n = param.numel()

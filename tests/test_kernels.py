@@ -333,7 +333,7 @@ def test_planned_adam_step_equals_the_function(device, kernel_impl, case):
         a[1].copy_(grad)
         b[1].copy_(grad)
         adam_step(*a, step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip, param_out=outs[0])
-        planned(step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip)
+        planned(b[1], step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip)
     for x, y in zip([*a, outs[0]], [*b, outs[1]], strict=True):
         assert torch.equal(x, y)
 
@@ -354,7 +354,7 @@ def test_planned_sgd_step_equals_the_function(device, kernel_impl, momentum):
         b[1].copy_(grad)
         kw = {"lr": 1e-2, "momentum": momentum, "weight_decay": 0.01, "first_step": step == 1, "found_inf": skip}
         sgd_step(*a, **kw)
-        planned(**kw)
+        planned(b[1], **kw)
     assert torch.equal(a[0], b[0]) and (momentum == 0 or torch.equal(a[2], b[2]))
 
 

@@ -814,8 +814,10 @@ class _FlatShardOptimizer(ShardedOptimizer):
                     "grad_scale_tensor": scale.clip,
                     "found_inf": scale.found_inf,
                 }
+                grad = self._grad[lo:hi]
                 if self._kind == "sgd":
                     plan(
+                        grad,
                         momentum=h["momentum"],
                         dampening=h["dampening"],
                         nesterov=h["nesterov"],
@@ -825,6 +827,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 else:
                     beta1, beta2 = h["betas"]
                     plan(
+                        grad,
                         step=self._steps[g],
                         beta1=beta1,
                         beta2=beta2,
@@ -835,9 +838,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
 
     def _step_plans(self) -> dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep]:
         """The fused step's plans by owned range (built on first use, checked once), kept while the buffers they
-        slice keep their memory: the owned gradients (whose tensor may be a fresh view of the same memory each
-        step), the master or flat parameters and the state."""
-        owners = (self._grad, self._master if self._master is not None else self._flat.data, *self._state.values())
+        slice keep their memory: the master or flat parameters and the state (the gradients come with each call:
+        ZeRO-3 frees them at zero_grad, and plans must not keep them alive)."""
+        owners = (self._master if self._master is not None else self._flat.data, *self._state.values())
         key = tuple((t.data_ptr(), t.numel(), t.dtype) for t in owners)
         if key != self._plans_key:
             self._plans, self._plans_key = {}, key
