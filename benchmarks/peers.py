@@ -46,7 +46,7 @@ from . import workloads as W
 
 LR = 1e-4
 RESULTS = Path(__file__).resolve().parent / "results"
-BATCH = {"mlp": 32, "gpt": 2, "gpt-deep": 2}
+BATCH = {"mlp": 32, "gpt": 2, "gpt-deep": 2, "gpt-host": 2}
 """Samples per rank per step (GPT: sequences of 128 tokens)."""
 TARGET = 1.05
 """gpudist must step at least this much faster than each best-configured peer (median over rounds)."""

@@ -7,7 +7,9 @@
   parameters in 76 tensors; ``gpt-deep`` (24 layers of width 192) has 12.2M in 292 tensors, where per-tensor
   overheads dominate. ``gpt-small`` (4 layers of width 128, a vocabulary of 4096, sequences of 64) has 1.3M: the
   strategy steps of the pytest-benchmark tier (``benchmarks/test_strategies.py``), sized so that the tier runs in
-  minutes.
+  minutes. ``gpt-host`` (24 layers of width 32, a vocabulary of 256, sequences of 16) has 0.3M parameters in the same
+  292 tensors: its compute is negligible, so a step's time is the libraries' own host work
+  (``benchmarks/host_overhead.py``).
 
 ``make(name, **overrides)`` builds one (seeded, so every rank and every variant starts from the same values) and
 ``batch(name, size, generator)`` gives its inputs and targets; ``loss(name, model, inputs, targets)`` the training
@@ -90,6 +92,7 @@ WORKLOADS = {
     "gpt": {"layers": 6, "width": 384, "heads": 6},
     "gpt-deep": {"layers": 24, "width": 192, "heads": 6},
     "gpt-small": {"layers": 4, "width": 128, "heads": 4, "vocab": 4096, "seq": 64},
+    "gpt-host": {"layers": 24, "width": 32, "heads": 2, "vocab": 256, "positions": 64, "seq": 16},
 }
 
 

@@ -143,6 +143,8 @@ class GradientBucket:
     arrival_scale: float | None = None
     """DDP with gradient views: what a gradient is multiplied by as it reaches its view (the 1/N of the average), or
     None (decided when the buckets are built and when a comm hook is registered)."""
+    fresh: list[int] = field(default_factory=list)
+    """DDP with gradient views: slots whose fresh gradient (not in its view yet) is copied in at the bucket's launch."""
     reduce: Any = None
     """DDP: the bucket's all-reduce, planned with its reduction (a :class:`gpudist.comm.PlannedCollective`), or None
     where the bucket goes another way (a comm hook, a hierarchical all-reduce)."""

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import gpudist
 from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
+from gpudist.strategies import ddp as ddp_module
 from gpudist.testing import run_ranks
 
 from .backends import mpi_world
@@ -421,15 +422,25 @@ def reductions_used(comm, state, views, set_to_none):
     return flat(model.module), ops
 
 
+@pytest.mark.parametrize(
+    ("tensors", "batched"), [("large", False), ("small", False), ("small", True)], ids=["large", "small", "batched"]
+)
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("views", [True, False])
-def test_gradients_are_averaged_in_a_pass_made_anyway(views, set_to_none):
-    """On a transport without free averaging (Gloo, MPI, in-memory: AVERAGE is SUM and then a division pass), the
-    1/N rides on the copy of each gradient into its bucket (fresh gradients), or on one scaling pass where backward
-    accumulated into the bucket view in place, and the wire is SUMmed. Catches an AVERAGE on the wire (a second pass
-    over P), and a 1/N applied twice or not at all on either path (the SGD parameters would differ)."""
+def test_gradients_are_averaged_where_it_costs_least(views, set_to_none, tensors, batched, monkeypatch):
+    """On a transport without free averaging (Gloo, MPI, in-memory: AVERAGE is SUM and then a division pass), a
+    bucket of large tensors has the 1/N ride on the copy of each gradient into its bucket (fresh gradients), or on
+    one scaling pass where backward accumulated into the bucket view in place, and its wire is SUMmed; a bucket of
+    small tensors (``_SCALED_COPY_MIN_NUMEL``: the host's time per scaled copy costs more than the division pass)
+    copies plain and is all-reduced with AVERAGE; without views the pack scales, and the wire is SUMmed.
+    ``batched``: the fresh gradients of a bucket go into their views in one multi-tensor copy at its launch (what a
+    GPU does; forced here on CPU). Catches the wrong reduction for the bucket, a 1/N applied twice or not at all on
+    any path, and a gradient the batched copy misses (the SGD parameters would differ)."""
+    monkeypatch.setattr(ddp_module, "_SCALED_COPY_MIN_NUMEL", 0 if tensors == "large" else 10**9)
+    monkeypatch.setattr(ddp_module, "_BATCHED_COPY_DEVICES", {"cpu"} if batched else set())
     state = initial_state()
     results = run_ranks(reductions_used, 2, "inmemory", state=state, views=views, set_to_none=set_to_none)
+    expected_ops = {"AVERAGE"} if views and tensors == "small" else {"SUM"}
 
     def reference(dtype):
         net = fresh_net(state).to(dtype)
@@ -450,7 +461,7 @@ def test_gradients_are_averaged_in_a_pass_made_anyway(views, set_to_none):
 
     expected = reference_pair(reference)
     for params, ops in results:
-        assert ops and set(ops) == {"SUM"}, f"gradient all-reduces used {sorted(set(ops))}"
+        assert ops and set(ops) == expected_ops, f"gradient all-reduces used {sorted(set(ops))}"
         assert_matches_reference(params, *expected)
 
 

@@ -310,7 +310,7 @@ class PipelineParallelModel(ShardedModel):
             )
         self._local_names = {self._name_of[id(p)]: n for n, p in self.module.named_parameters()}
         self._owned_names = set(self._stage_names[stage])
-        self._buffers = [
+        self._stage_buffers = [
             (buffer_names[id(buf)], buf, buffer_stage[id(buf)] == stage)
             for buf in self.module.buffers()
             if id(buf) in buffer_names
@@ -633,7 +633,7 @@ class PipelineParallelModel(ShardedModel):
                 from.
         """
         mine = {name: self._full_value(name).cpu().clone() for name in self._stage_names[self.pipeline_parallel_rank]}
-        mine |= {name: buf.detach().cpu().clone() for name, buf, owned in self._buffers if owned}
+        mine |= {name: buf.detach().cpu().clone() for name, buf, owned in self._stage_buffers if owned}
         full: dict[str, torch.Tensor] = {}
         for payload in exchange_bytes(self.pipeline_group, st_save(mine)):
             full.update(st_load(payload))
@@ -657,7 +657,7 @@ class PipelineParallelModel(ShardedModel):
         """
         for name in self._local_names:
             self._write_full(name, state[name])
-        for name, buf, _ in self._buffers:
+        for name, buf, _ in self._stage_buffers:
             buf.copy_(state[name])
 
     # -- checkpoints (gpudist.checkpoint) ----------------------------------------------------------------------------
@@ -702,7 +702,7 @@ class PipelineParallelModel(ShardedModel):
             ``(name in the full module, tensor, whether this rank writes it)`` per buffer.
         """
         first = self.data_parallel_rank == 0 and self.tensor_parallel_rank == 0
-        return [(name, buf, owned and first) for name, buf, owned in self._buffers]
+        return [(name, buf, owned and first) for name, buf, owned in self._stage_buffers]
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()
