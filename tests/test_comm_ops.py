@@ -316,3 +316,37 @@ def test_reduce_scatter_in_place_and_on_scratch_input(backend):
             start, end = shard_range(numel, world, rank)
             want = [float(world * i + 100 * sum(range(world))) for i in range(start, end)]
             assert got == want, f"n={numel} in_place={in_place} scratch_input={scratch} on rank {rank}: {got}"
+
+
+def _planned_all_reduce(comm) -> dict:
+    with pytest.raises(ValueError, match="not contiguous"):  # checked when planned, before anything is sent
+        comm.plan_all_reduce(torch.ones(4, 4).t())
+    t = torch.full((5,), float(comm.rank + 1))
+    sums = comm.plan_all_reduce(t, "sum")
+    means = comm.plan_all_reduce(t, ReductionOperation.AVERAGE)
+    comm.stats.reset()
+    values = []
+    for plan in (sums, sums, means):
+        plan.start().wait()
+        values.append(t[0].item())
+    return {"values": values, "stats": comm.stats.as_dict()["ops"], "checks": comm.stats.check_calls}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_planned_all_reduce_is_the_all_reduce_without_per_call_checks(backend):
+    """comm.plan_all_reduce checks its arguments once; each start() is the same all-reduce (SUM of 1 and 2 is 3, then
+    6; the average of 6 on every rank is 6), counted in the byte counters, with no cross-rank signature check. Catches
+    a plan that reduces a stale copy, skips the counters, or runs the per-call check it exists to avoid."""
+    for r in run_ranks(_planned_all_reduce, 2, backend):
+        assert r["values"] == [3.0, 6.0, 6.0]
+        assert r["stats"] == {"all_reduce": {"calls": 3, "bytes": 3 * 5 * 4}}
+        assert r["checks"] == 0
+
+
+def test_a_planned_all_reduce_over_the_simulated_nccl():
+    """The NCCL plan binds the pointer, count and codes once: the same results and counters as above."""
+    from .fakenccl import FakeNccl, run_nccl
+
+    for r in run_nccl(_planned_all_reduce, 2, FakeNccl()):
+        assert r["values"] == [3.0, 6.0, 6.0]
+        assert r["stats"] == {"all_reduce": {"calls": 3, "bytes": 3 * 5 * 4}}

@@ -636,14 +636,12 @@ class CommunicationBackend(ABC):
         op = ReductionOperation.parse(op)
         self._check_tensor("all_reduce", tensor)
         self._check_reduction("all_reduce", op, tensor.dtype)
-        sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
-        return PlannedCollective(
-            self, "all_reduce", tensor.numel() * tensor.element_size(), self._launch_all_reduce(sig, tensor, op)
-        )
+        return self._planned_all_reduce(tensor, op)
 
-    def _launch_all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Callable[[], Work]:
-        """What :meth:`plan_all_reduce` calls at each start, without the cross-rank signature check (agreed when
-        planned); transports with a leaner call override it."""
+    def _planned_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation) -> PlannedCollective:
+        """The plan of a checked all-reduce: each start calls the transport's ``_all_reduce`` without the cross-rank
+        signature check (agreed when planned); transports with a leaner call override this."""
+        sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
 
         def launch() -> Work:
             previous, self.validate = self.validate, False
@@ -652,7 +650,7 @@ class CommunicationBackend(ABC):
             finally:
                 self.validate = previous
 
-        return launch
+        return PlannedCollective(self, "all_reduce", tensor.numel() * tensor.element_size(), launch)
 
     def reduce_scatter(
         self,

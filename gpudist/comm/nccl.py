@@ -195,8 +195,8 @@ class _PlannedAllReduce(PlannedCollective):
 
     __slots__ = ("_call", "_held", "_scale", "_tensor")
 
-    def __init__(self, backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation, checked):
-        super().__init__(backend, "all_reduce", checked._nbytes, checked._launch)
+    def __init__(self, backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation):
+        super().__init__(backend, "all_reduce", tensor.numel() * tensor.element_size(), None)
         nccl_op, self._scale = backend._reduce_op(op)
         self._call = (
             tensor.data_ptr(),
@@ -655,11 +655,10 @@ class NCCLCommunicationBackend(CommunicationBackend):
                 tensor.mul_(scale)
         return self._enqueued("all_reduce", (tensor,))
 
-    def plan_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation | str = ReductionOperation.SUM):
-        """As :meth:`CommunicationBackend.plan_all_reduce`, with pointer, count, dtype and op codes bound once and the
-        event's Work returned as it is (its errors are CommunicationErrors already)."""
-        plan = super().plan_all_reduce(tensor, op)
-        return _PlannedAllReduce(self, tensor, ReductionOperation.parse(op), plan)
+    def _planned_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation) -> PlannedCollective:
+        """Pointer, count, dtype and op codes bound once, and the event's Work returned as it is (its errors are
+        CommunicationErrors already)."""
+        return _PlannedAllReduce(self, tensor, op)
 
     def _reduce_scatter(
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
