@@ -196,7 +196,19 @@ def _raw_call(comm: CommunicationBackend, op: str, inp: torch.Tensor, out: torch
                 inp.data_ptr(), inp.data_ptr(), inp.numel(), lib.NCCL_FLOAT32, 0, stream()
             ),
         }
-        return calls.get(op)  # all_to_all: cupy.cuda.nccl has no call of its own (it is grouped send/recv)
+        call = calls.get(op)  # all_to_all: cupy.cuda.nccl has no call of its own (it is grouped send/recv)
+        if call is None:
+            return None
+        rt = comm._rt
+
+        def with_hand_back() -> None:
+            # The same stream semantics as a blocking gpudist op: the communication stream waited for the current one
+            # (stream()) before the call, and the current stream waits for an event after it (gpudist's Work.wait):
+            # without this return hand-off the baseline left out a cost gpudist's call pays.
+            call()
+            rt.wait(rt.record())
+
+        return with_hand_back
     return None
 
 
