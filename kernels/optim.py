@@ -211,37 +211,50 @@ def adam_step_triton(
 ):
     """Triton launcher of :func:`adam_step` (inputs already validated)."""
     skip = _skip_flag(grad, found_inf, check_finite)
-    n = param.numel()
-    if n:
-        s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
-        _adam_kernel[(triton.cdiv(n, BLOCK),)](
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            param_out if param_out is not None else param,
-            grad_scale_tensor if grad_scale_tensor is not None else param,
-            skip if skip is not None else param,
-            n,
-            float(grad_scale),
-            weight_decay,
-            s["decay"],
-            s["beta1_weight"],
-            beta2,
-            s["one_minus_beta2"],
-            s["neg_step_size"],
-            s["bias_correction2_sqrt"],
-            eps,
-            DECOUPLED=decoupled_weight_decay,
-            HAS_WEIGHT_DECAY=weight_decay != 0,
-            MAXIMIZE=maximize,
-            HAS_SCALE_TENSOR=grad_scale_tensor is not None,
-            HAS_SKIP=skip is not None,
-            HAS_OUT=param_out is not None,
-            BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
-        )
+    _adam_launch(
+        param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, step=step, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize, grad_scale=grad_scale,
+    )  # fmt: skip
     return _result(skip, param.device)
+
+
+def _adam_launch(
+    param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, *, step, lr, beta1, beta2, eps,
+    weight_decay, decoupled_weight_decay, maximize, grad_scale,
+):  # fmt: skip
+    """The Adam kernel's launch (:func:`adam_step_triton`'s and :class:`AdamStep`'s): nothing for an empty shard."""
+    n = param.numel()
+    if not n:
+        return
+    s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+    _adam_kernel[(triton.cdiv(n, BLOCK),)](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param_out if param_out is not None else param,
+        grad_scale_tensor if grad_scale_tensor is not None else param,
+        skip if skip is not None else param,
+        n,
+        float(grad_scale),
+        weight_decay,
+        s["decay"],
+        s["beta1_weight"],
+        beta2,
+        s["one_minus_beta2"],
+        s["neg_step_size"],
+        s["bias_correction2_sqrt"],
+        eps,
+        DECOUPLED=decoupled_weight_decay,
+        HAS_WEIGHT_DECAY=weight_decay != 0,
+        MAXIMIZE=maximize,
+        HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+        HAS_SKIP=skip is not None,
+        HAS_OUT=param_out is not None,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
 
 
 def _torch_step(body):
@@ -359,33 +372,46 @@ def sgd_step_triton(
 ):
     """Triton launcher of :func:`sgd_step` (inputs already validated)."""
     skip = _skip_flag(grad, found_inf, check_finite)
-    n = param.numel()
-    if n:
-        _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-            param,
-            grad,
-            momentum_buffer if momentum_buffer is not None else param,
-            param_out if param_out is not None else param,
-            grad_scale_tensor if grad_scale_tensor is not None else param,
-            skip if skip is not None else param,
-            n,
-            float(grad_scale),
-            weight_decay,
-            momentum,
-            1 - dampening,
-            -lr,
-            HAS_WEIGHT_DECAY=weight_decay != 0,
-            HAS_MOMENTUM=momentum != 0,
-            FIRST=first_step,
-            NESTEROV=nesterov,
-            MAXIMIZE=maximize,
-            HAS_SCALE_TENSOR=grad_scale_tensor is not None,
-            HAS_SKIP=skip is not None,
-            HAS_OUT=param_out is not None,
-            BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
-        )
+    _sgd_launch(
+        param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, lr=lr, momentum=momentum,
+        dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first_step=first_step,
+        grad_scale=grad_scale,
+    )  # fmt: skip
     return _result(skip, param.device)
+
+
+def _sgd_launch(
+    param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, *, lr, momentum, dampening, nesterov,
+    weight_decay, maximize, first_step, grad_scale,
+):  # fmt: skip
+    """The SGD kernel's launch (:func:`sgd_step_triton`'s and :class:`SGDStep`'s): nothing for an empty shard."""
+    n = param.numel()
+    if not n:
+        return
+    _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+        param,
+        grad,
+        momentum_buffer if momentum_buffer is not None else param,
+        param_out if param_out is not None else param,
+        grad_scale_tensor if grad_scale_tensor is not None else param,
+        skip if skip is not None else param,
+        n,
+        float(grad_scale),
+        weight_decay,
+        momentum,
+        1 - dampening,
+        -lr,
+        HAS_WEIGHT_DECAY=weight_decay != 0,
+        HAS_MOMENTUM=momentum != 0,
+        FIRST=first_step,
+        NESTEROV=nesterov,
+        MAXIMIZE=maximize,
+        HAS_SCALE_TENSOR=grad_scale_tensor is not None,
+        HAS_SKIP=skip is not None,
+        HAS_OUT=param_out is not None,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
 
 
 @_torch_step
@@ -739,38 +765,12 @@ class AdamStep:
     ) -> None:
         """One step with ``grad``, as :func:`adam_step` with ``check_finite=False`` (nothing is checked here)."""
         param, exp_avg, exp_avg_sq = self.buffers
-        n = param.numel()
         if self._triton:
-            if not n:
-                return
-            s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
-            _adam_kernel[(triton.cdiv(n, BLOCK),)](
-                param,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                self.param_out if self.param_out is not None else param,
-                grad_scale_tensor if grad_scale_tensor is not None else param,
-                found_inf if found_inf is not None else param,
-                n,
-                float(grad_scale),
-                weight_decay,
-                s["decay"],
-                s["beta1_weight"],
-                beta2,
-                s["one_minus_beta2"],
-                s["neg_step_size"],
-                s["bias_correction2_sqrt"],
-                eps,
-                DECOUPLED=decoupled_weight_decay,
-                HAS_WEIGHT_DECAY=weight_decay != 0,
-                MAXIMIZE=maximize,
-                HAS_SCALE_TENSOR=grad_scale_tensor is not None,
-                HAS_SKIP=found_inf is not None,
-                HAS_OUT=self.param_out is not None,
-                BLOCK=BLOCK,
-                num_warps=NUM_WARPS,
-            )
+            _adam_launch(
+                param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, step=step, lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
+            )  # fmt: skip
             return
         hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
         if not self._fused:  # buffers of mixed dtypes: the function's path
@@ -830,34 +830,12 @@ class SGDStep:
         param, buf = self.buffers
         if momentum != 0 and buf is None:
             raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
-        n = param.numel()
         if self._triton:
-            if not n:
-                return
-            _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-                param,
-                grad,
-                buf if buf is not None else param,
-                self.param_out if self.param_out is not None else param,
-                grad_scale_tensor if grad_scale_tensor is not None else param,
-                found_inf if found_inf is not None else param,
-                n,
-                float(grad_scale),
-                weight_decay,
-                momentum,
-                1 - dampening,
-                -lr,
-                HAS_WEIGHT_DECAY=weight_decay != 0,
-                HAS_MOMENTUM=momentum != 0,
-                FIRST=first_step,
-                NESTEROV=nesterov,
-                MAXIMIZE=maximize,
-                HAS_SCALE_TENSOR=grad_scale_tensor is not None,
-                HAS_SKIP=found_inf is not None,
-                HAS_OUT=self.param_out is not None,
-                BLOCK=BLOCK,
-                num_warps=NUM_WARPS,
-            )
+            _sgd_launch(
+                param, grad, buf, self.param_out, grad_scale_tensor, found_inf, lr=lr, momentum=momentum,
+                dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
+                first_step=first_step, grad_scale=grad_scale,
+            )  # fmt: skip
             return
         hyper = {"lr": lr, "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
         if not self._fused:
