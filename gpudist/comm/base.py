@@ -285,10 +285,8 @@ class PlannedCollective:
         backend.stats.record(op, self._nbytes)
         try:
             work = self._launch()
-        except CommunicationError as e:
-            raise backend._mark_broken(e) from None
         except RuntimeError as e:
-            raise backend._mark_broken(backend._translate(e, op)) from e
+            raise backend._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
         return Work(lambda: backend._wait(work, op), work.is_completed)
 
 
@@ -1003,10 +1001,8 @@ class CommunicationBackend(ABC):
         self.stats.record(op, nbytes)
         try:  # as _failures, inline: every collective passes here (a generator context manager costs ~1 us)
             work = start()
-        except CommunicationError as e:
-            raise self._mark_broken(e) from None
         except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, op)) from e
+            raise self._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
         if async_op:
             return Work(lambda: self._wait(work, op), work.is_completed)
         self._wait(work, op)
@@ -1015,20 +1011,21 @@ class CommunicationBackend(ABC):
     def _wait(self, work: Work, op: str) -> None:
         try:  # as _failures, inline
             work.wait()
-        except CommunicationError as e:
-            raise self._mark_broken(e) from None
         except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, op)) from e
+            raise self._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
+
+    def _failed(self, error: RuntimeError, op: str) -> CommunicationError:
+        """The CommunicationError a transport's ``error`` stands for (translated unless it is one already),
+        remembered where it leaves the group unusable."""
+        return self._mark_broken(error if isinstance(error, CommunicationError) else self._translate(error, op))
 
     @contextlib.contextmanager
     def _failures(self, op: str) -> Iterator[None]:
         """Turn transport exceptions into CommunicationError and remember failures that break the group."""
         try:
             yield
-        except CommunicationError as e:
-            raise self._mark_broken(e) from None
         except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, op)) from e
+            raise self._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
 
     def _check_tensor(self, op: str, tensor: torch.Tensor, what: str = "tensor") -> None:
         if not isinstance(tensor, torch.Tensor):

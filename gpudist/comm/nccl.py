@@ -212,14 +212,20 @@ class _PlannedAllReduce(PlannedCollective):
         if backend._broken is not None:
             backend._raise_if_broken("all_reduce")
         backend.stats.record("all_reduce", self._nbytes)
-        rt = backend._rt
         try:
-            backend._comm.allReduce(*self._call, rt.stream())
-            if self._scale is not None:
-                with rt.on_comm():
-                    self._tensor.mul_(self._scale)
+            return self.issue()
         except RuntimeError as e:
-            raise backend._mark_broken(backend._translate(e, "all_reduce")) from e
+            raise backend._failed(e, "all_reduce") from e
+
+    def issue(self) -> Work:
+        """The NCCL call on the communication stream, AVERAGE's scaling where NCCL has no ncclAvg, and the event
+        (also what the backend's unplanned all-reduce runs, after its checks)."""
+        backend = self._backend
+        rt = backend._rt
+        backend._comm.allReduce(*self._call, rt.stream())
+        if self._scale is not None:
+            with rt.on_comm():
+                self._tensor.mul_(self._scale)
         return backend._enqueued("all_reduce", self._held)
 
 
@@ -530,7 +536,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
         try:
             self._rt.wait(event)
         except RuntimeError as e:
-            raise self._mark_broken(self._translate(e, op)) from e
+            raise self._failed(e, op) from e
         if self._broken is not None:  # aborted while pending: the kernel was released with its output unfinished
             self._raise_if_broken(op)
         if then is not None:
@@ -641,19 +647,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         self._check(sig)
-        nccl_op, scale = self._reduce_op(op)
-        self._comm.allReduce(
-            tensor.data_ptr(),
-            tensor.data_ptr(),
-            tensor.numel(),
-            self._dtype(tensor, "all_reduce"),
-            nccl_op,
-            self._stream(),
-        )
-        if scale is not None:
-            with self._rt.on_comm():
-                tensor.mul_(scale)
-        return self._enqueued("all_reduce", (tensor,))
+        return _PlannedAllReduce(self, tensor, op).issue()
 
     def _planned_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation) -> PlannedCollective:
         """Pointer, count, dtype and op codes bound once, and the event's Work returned as it is (its errors are

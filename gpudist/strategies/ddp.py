@@ -165,8 +165,8 @@ class DDPModel(ShardedModel):
 
     def _reduction(self, bucket: GradientBucket) -> ReductionOperation:
         """SUM when the 1/N of the average rode on a pass the bucket made anyway (the pack into it, the copy of a
-        fresh gradient into its view, the cast to a low-precision wire); AVERAGE only for views on a transport that
-        averages for free (ncclAvg)."""
+        fresh gradient into its view, the cast to a low-precision wire); AVERAGE for views otherwise: on a transport
+        that averages for free (ncclAvg), and for a bucket of small tensors (:data:`_SCALED_COPY_MIN_NUMEL`)."""
         lowp = bucket.wire is not bucket.grads.data
         scaled = not self._views or lowp or bucket.arrival_scale is not None or self.world_size == 1
         return ReductionOperation.SUM if scaled else ReductionOperation.AVERAGE
@@ -393,9 +393,8 @@ class DDPModel(ShardedModel):
         n = self.world_size
         hooked, lowp = self._comm_hook is not None, bucket.wire is not bucket.grads.data
         # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, the copy of a
-        # fresh gradient into its view, the cast to a low-precision wire), and the wire is SUMmed: no backend pays a
-        # separate scaling pass. Only views on a transport that averages for free (ncclAvg) ask for AVERAGE. A comm
-        # hook averages by itself.
+        # fresh gradient into its view, the cast to a low-precision wire) and the wire is SUMmed, or the transport
+        # averages (_reduction says which, per bucket). A comm hook averages by itself.
         if not self._views:
             kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
         elif bucket.fresh:

@@ -196,13 +196,12 @@ class ZeRO2Model(DDPModel):
         )
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
         self._scale_first = self._wire_dtype == torch.float16  # N unscaled fp16 gradients could overflow their sum
-        self._layouts = {b.index: FlatLayout.of(b.params) for b in self._buckets}
         # Each gradient's slot in its bucket's send buffer, as as_strided's (size, stride, offset): one view op per
         # gradient in backward instead of a slice and a reshape (the hook runs inside autograd for every parameter).
         self._slots = {
             b.index: [
                 (p.shape, _contiguous_strides(p.shape), offset)
-                for p, offset in zip(b.params, self._layouts[b.index].offsets, strict=True)
+                for p, offset in zip(b.params, FlatLayout.of(b.params).offsets, strict=True)
             ]
             for b in self._buckets
         }
