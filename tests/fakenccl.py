@@ -515,6 +515,9 @@ class HostRuntime:
     def record(self):
         return _Never() if self.stuck else _Done()
 
+    def recycle(self, event) -> None:
+        pass  # its events hold no state
+
     def wait(self, event) -> None:
         pass
 
@@ -583,16 +586,27 @@ class _AsyncEvent:
 
     def __init__(self, runtime: AsyncRuntime, upto: int):
         self.runtime, self.upto = runtime, upto
+        self.free = False
+        """Given back to the runtime's pool (:meth:`AsyncRuntime.recycle`): reading it now is a bug."""
+
+    def _check_in_use(self, what: str) -> None:
+        if self.free:
+            raise NcclError(
+                f"fake CUDA: {what} of an event given back to the pool (its op completed and was waited for); a "
+                "later op may record it again, so whoever still reads it would wait for the wrong op"
+            )
 
     def query(self) -> bool:
         """Whether the work before the event has run. Asked on the rank's own thread (the host), it also lets that
         work start (the device runs what the host looks at); asked by the watchdog, it only looks."""
+        self._check_in_use("query")
         rt = self.runtime
         if threading.current_thread() is rt.owner:
             rt._release(self.upto)
         return rt._done >= self.upto or rt._error is not None
 
     def synchronize(self) -> None:
+        self._check_in_use("synchronize")
         _host_sync("event.synchronize")
         self.runtime._block(self.upto)
 
@@ -652,6 +666,9 @@ class AsyncRuntime:
         self.handle = next(_HANDLES)
         self.owner = threading.current_thread()
         self.joins = self.ops = self.fallbacks = 0
+        self.events_made = 0
+        """Events created (not taken from the pool of given-back ones)."""
+        self._free: list[_AsyncEvent] = []
         self.errors: list[BaseException] = []
         self.fake: FakeNccl | None = None
         self._cond = threading.Condition()
@@ -683,9 +700,21 @@ class AsyncRuntime:
 
     def record(self) -> _AsyncEvent:
         self._batch = []
+        if self._free:  # recorded again, as a pooled CUDA event is
+            event = self._free.pop()
+            event.free, event.upto = False, self._enqueued
+            return event
+        self.events_made += 1
         return _AsyncEvent(self, self._enqueued)
 
+    def recycle(self, event: _AsyncEvent) -> None:
+        if not event.query():
+            raise NcclError("fake CUDA: an event given back to the pool before its op completed")
+        event.free = True
+        self._free.append(event)
+
     def wait(self, event: _AsyncEvent) -> None:
+        event._check_in_use("wait")
         event.runtime._block(event.upto)
 
     def synchronize(self) -> None:

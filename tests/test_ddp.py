@@ -63,11 +63,16 @@ def train_torch_ddp(comm, state, steps=STEPS):
     return flat(net)
 
 
-PAIRS = {"ddp": (DDPModel, DDPOptimizer), "zero2": (ZeRO2Model, ZeRO2Optimizer)}
-"""DDP and ZeRO-2 share the gradient hooks; ZeRO-2 copies each gradient into its bucket's send buffer as it arrives."""
+PAIRS = {
+    "ddp": (DDPModel, DDPOptimizer),
+    "zero1": (gpudist.ZeRO1Model, gpudist.ZeRO1Optimizer),
+    "zero2": (ZeRO2Model, ZeRO2Optimizer),
+}
+"""DDP, ZeRO-1 and ZeRO-2 share one reducer; ZeRO-2 copies each gradient into its bucket's send buffer as it
+arrives."""
 
 
-def accumulate(comm, state, micro_batches=3, strategy="ddp"):
+def accumulate(comm, state, micro_batches=3, strategy="ddp", last="synced backward"):
     config = ShardingConfiguration(comm, bucket_cap_mb=0.0002)
     model_cls, opt_cls = PAIRS[strategy]
     model = model_cls(fresh_net(state), config)
@@ -80,7 +85,12 @@ def accumulate(comm, state, micro_batches=3, strategy="ddp"):
             (F.mse_loss(model(cx), cy) / micro_batches).backward()
     bytes_inside = comm.stats.total_bytes - bytes_inside
     cx, cy = chunks[-1]
-    (F.mse_loss(model(cx), cy) / micro_batches).backward()
+    if last == "synced backward":
+        (F.mse_loss(model(cx), cy) / micro_batches).backward()
+    else:  # every micro-batch under no_sync, then the average made explicitly
+        with model.no_sync():
+            (F.mse_loss(model(cx), cy) / micro_batches).backward()
+        model.synchronize_gradients()
     opt.step()
     return flat(model.module), bytes_inside
 
@@ -176,12 +186,15 @@ def test_ddp_optimizer_alone_averages_gradients():
         assert_matches_reference(r["params"], *expected)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_no_sync_accumulation_equals_one_big_batch(strategy):
+@pytest.mark.parametrize("last", ["synced backward", "synchronize_gradients"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_no_sync_accumulation_equals_one_big_batch(strategy, last):
     """Catches no_sync communicating anyway, or the final synced backward reducing only its own micro-batch (ZeRO-2:
-    copying only the last micro-batch's gradient into the send buffer)."""
+    copying only the last micro-batch's gradient into the send buffer); and ``synchronize_gradients()`` after the
+    last no_sync micro-batch not averaging what was accumulated (ZeRO-2 raised a KeyError there: its send buffers
+    were only ever filled by backward's hooks)."""
     state = initial_state()
-    results = run_ranks(accumulate, 2, "inmemory", state=state, strategy=strategy)
+    results = run_ranks(accumulate, 2, "inmemory", state=state, strategy=strategy, last=last)
     expected = reference_pair(single_process, state, torch.optim.SGD, steps=1, lr=0.1)
     for params, bytes_inside in results:
         assert bytes_inside == 0

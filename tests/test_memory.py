@@ -55,7 +55,10 @@ from gpudist import (
 )
 from gpudist.flat import broadcast_tensors
 from gpudist.memory import allocated_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, storage_census
+from gpudist.strategies.zero import ReduceScatterBuckets
 from gpudist.testing import run_ranks
+
+IN_FLIGHT = ReduceScatterBuckets.max_in_flight
 
 WIDTH, DEPTH, CLASSES, BATCH = 640, 4, 16, 8
 TOLERANCE = 0.02
@@ -406,8 +409,8 @@ def count_send_buffers_alive(comm, layers: int, width: int) -> dict:
     def spy(inp, out, *args, **kwargs):
         # Buffers whose op finished may still be in transit in Gloo's worker thread (see settled_census): give them
         # the same grace; a buffer the model holds stays alive however long this waits.
-        deadline = time.monotonic() + (SETTLE_SECONDS if max(alive, default=0) <= ZeRO2Model._IN_FLIGHT else 0)
-        while sum(ref() is not None for ref in sent) > ZeRO2Model._IN_FLIGHT and time.monotonic() < deadline:
+        deadline = time.monotonic() + (SETTLE_SECONDS if max(alive, default=0) <= IN_FLIGHT else 0)
+        while sum(ref() is not None for ref in sent) > IN_FLIGHT and time.monotonic() < deadline:
             time.sleep(0.005)
         alive.append(sum(ref() is not None for ref in sent))
         sent.append(weakref.ref(inp))
@@ -427,8 +430,8 @@ def test_zero2_holds_at_most_two_buckets_in_flight_during_backward(backend, worl
     holds its bucket's full-size send buffer, so at the last launch a full copy of the gradients was alive (P, where
     the formula allows P/N plus the working buckets), and on Gloo that memory freed at once went back to the OS and
     was faulted in again every step. With 8 one-layer buckets, at most 2 earlier send buffers may be alive when a
-    third is launched (ZeRO2Model._IN_FLIGHT); without the bound the last launch sees 7."""
+    third is launched (IN_FLIGHT); without the bound the last launch sees 7."""
     layers = 8
     for rank, r in enumerate(run_ranks(count_send_buffers_alive, world, backend, layers=layers, width=128)):
         assert r["buckets"] == r["launched"] == layers, (rank, r)
-        assert r["most_alive"] <= ZeRO2Model._IN_FLIGHT, f"rank {rank}: {r['most_alive']} send buffers alive at once"
+        assert r["most_alive"] <= IN_FLIGHT, f"rank {rank}: {r['most_alive']} send buffers alive at once"

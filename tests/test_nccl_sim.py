@@ -520,7 +520,8 @@ def test_cuda_runtime_issues_on_its_own_stream_after_the_current_one(monkeypatch
     """The real CUDA seam, with torch.cuda's stream and event objects stood in for: catches ops issued on torch's
     current stream (no overlap), a communication stream that does not wait for the current one (inputs read before
     they are written), completion events recorded on the wrong stream (Work.wait() would not wait for the op), a
-    wait that blocks the host instead of the current stream, and tensors not held for the communication stream."""
+    wait that blocks the host instead of the current stream, a ``record_stream`` per tensor coming back (the backend
+    keeps an op's tensors referenced instead), and an event given back to the pool that is not recorded again."""
     from gpudist.comm import nccl
 
     current, made = _Stream(1), []
@@ -538,7 +539,51 @@ def test_cuda_runtime_issues_on_its_own_stream_after_the_current_one(monkeypatch
     assert current.awaited == [event] and comm.awaited == []
     tensor = _Tensor()
     rt.hold([tensor])
-    assert tensor.held_for is comm
+    assert not hasattr(tensor, "held_for")
+    rt.recycle(event)
+    again = rt.record()
+    assert again is event and again.on is comm  # the pooled event, recorded again on the communication stream
+    assert rt.record() is not event  # the pool is empty again: a new one
+
+
+def _steady_events(comm, steps: int = 3) -> dict:
+    """DDP steps over the simulated device; after each, the watchdog's look at the ops in flight (as its thread does
+    every 50 ms) and the tensors the backend still keeps for ops."""
+    import weakref
+
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
+    model = gpudist.DDPModel(gpu_net(comm.device), config)
+    opt = gpudist.DDPOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    made, kept = [], []
+    for step in range(steps):
+        x, y = gpu_batch(step, comm.device, comm.rank, comm.world_size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert comm._poll() is None
+        made.append(comm._rt.events_made)
+        kept.append(sum(e.tensors is not None for e in comm._inflight))
+    scratch = torch.ones(8, device=comm.device)
+    work = comm.all_reduce(scratch, async_op=True)
+    ref = weakref.ref(scratch)
+    del scratch
+    held_until_wait = ref() is not None
+    work.wait()
+    comm._poll()
+    return {"made": made, "kept": kept, "held_until_wait": held_until_wait, "freed": ref() is None}
+
+
+def test_steady_steps_reuse_events_and_let_tensors_go_once_waited():
+    """Catches a CUDA event created (and destroyed) per collective in a steady-state step (host microseconds per op,
+    what the event pool saves), an event given back while an op or a Work could still read it (the simulation
+    raises on any read of a pooled event), tensors dropped before the op was waited for (their memory could be
+    reused while NCCL reads it) and tensors kept after it (memory held past its op)."""
+    results = run_nccl(_steady_events, 2, FakeNccl(), runtime=AsyncRuntime)
+    for r in results:
+        first, *rest = r["made"]
+        assert first > 0 and all(m == first for m in rest), r["made"]
+        assert r["kept"] == [0, 0, 0]
+        assert r["held_until_wait"] and r["freed"]
 
 
 @pytest.mark.parametrize("strategy", list(GPU_PAIRS))

@@ -2,10 +2,14 @@
 
 Every op runs on the backend's own *communication stream*, with the tensors' ``data_ptr()``: that stream first waits
 for everything enqueued so far on torch's current stream (the op's inputs are made there), so compute enqueued after
-the op runs beside it. The tensors are ``record_stream``-ed on the communication stream, so torch's caching allocator
-never hands their memory out while the op still uses it. ``async_op=True`` returns a :class:`Work` whose ``wait()``
-makes the *current stream* wait on a CUDA event recorded after the op (the host does not block); a blocking op does
-the same before it returns, so code after it sees its result in stream order. Only ``barrier()`` blocks the host.
+the op runs beside it. The op's tensors stay referenced by its in-flight entry until the current stream waited for
+the op (``Work.wait()``) or the op completed, so torch's caching allocator never hands their memory out while the op
+still uses it (as ``record_stream`` would, without a host call per tensor; as torch's
+``TORCH_NCCL_AVOID_RECORD_STREAMS``, memory freed after ``wait()`` is reused in the order of the stream that
+waited). ``async_op=True`` returns a :class:`Work` whose ``wait()`` makes the *current stream* wait on a CUDA event
+recorded after the op (the host does not block); a blocking op does the same before it returns, so code after it
+sees its result in stream order. Only ``barrier()`` blocks the host. Events come from a pool: an op's event goes
+back once the op completed and its Work was waited for, so a steady-state step creates no CUDA event.
 
 The unique id travels through torch's ``TCPStore`` (:meth:`NCCLCommunicationBackend.create`, from ``MASTER_ADDR``
 and ``MASTER_PORT``) or through any bootstrap backend (:meth:`NCCLCommunicationBackend.from_bootstrap`, e.g. the
@@ -19,7 +23,8 @@ Gloo or MPI backend of the same processes).
   for the reduce-scatter) and send SUM; only DDP's gradient views on an fp32 wire, which have no such pass, ask
   for AVERAGE.
 - dtypes: fp32, fp64, fp16, int64, int32, int8, uint8, and bf16 where CuPy exposes ``NCCL_BFLOAT16``.
-- Timeouts: a watchdog thread polls the CUDA event of every op in flight; one that has not completed after
+- Timeouts: every 50 ms a watchdog thread retires the completed ops from the oldest on (one stream completes them
+  in issue order, so it queries the oldest op's event, not every op's); one that has not completed after
   ``timeout`` seconds (or ``ncclCommGetAsyncError`` reporting an error) makes it abort the communicator
   (``ncclCommAbort``, which releases kernels stuck waiting for a dead peer) and mark the backend broken: the
   next op or ``wait()`` raises :class:`CommunicationTimeoutError` naming op, group and rank, instead of hanging.
@@ -41,6 +46,7 @@ Gloo or MPI backend of the same processes).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import functools
@@ -142,6 +148,8 @@ class _CudaRuntime:
         index = device.index if isinstance(device, torch.device) else device
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else int(index))
         self._comm_stream: torch.cuda.Stream | None = None
+        self._free: list[torch.cuda.Event] = []
+        """Events whose op completed and was waited for, recorded again by later ops (:meth:`record`)."""
 
     def _comm(self) -> torch.cuda.Stream:
         if self._comm_stream is None:
@@ -159,15 +167,23 @@ class _CudaRuntime:
         return torch.cuda.stream(self._comm())
 
     def hold(self, tensors) -> None:
-        """Keep ``tensors``' memory from being reused until the communication stream is done with them."""
-        for t in tensors:
-            t.record_stream(self._comm())
+        """Nothing on a real device: the backend keeps ``tensors`` referenced in the op's in-flight entry until the
+        current stream waited for the op or the op completed (:meth:`NCCLCommunicationBackend._enqueued`), which keeps
+        the caching allocator from reusing their memory as ``record_stream`` did, without its per-tensor host call and
+        without delaying the memory's reuse to the allocator's next event poll. (The simulated runtime checks here
+        that every buffer an op touches was handed over.)"""
 
     def record(self) -> torch.cuda.Event:
-        """An event after everything enqueued so far on the communication stream."""
-        event = torch.cuda.Event()
+        """An event after everything enqueued so far on the communication stream: a pooled one when an earlier op's
+        event is free (:meth:`recycle`), so a steady-state step creates and destroys no CUDA event."""
+        event = self._free.pop() if self._free else torch.cuda.Event()
         event.record(self._comm())
         return event
+
+    def recycle(self, event: torch.cuda.Event) -> None:
+        """Give back the event of an op that completed and whose Work was waited for (nothing reads it again)."""
+        if len(self._free) < _EVENT_POOL:
+            self._free.append(event)
 
     def wait(self, event: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
@@ -183,11 +199,21 @@ def _runtime(device: int | torch.device | None, group: str, rank: int) -> _CudaR
     return _CudaRuntime(device, group, rank)
 
 
-class _InFlight:
-    __slots__ = ("deadline", "event", "op")
+_EVENT_POOL = 64
+"""Free events a runtime keeps for reuse (more ops than this in flight at once create new ones)."""
 
-    def __init__(self, event, op: str, deadline: float):
-        self.event, self.op, self.deadline = event, op, deadline
+
+class _InFlight:
+    """One op on the communication stream, from its issue until it completed and its Work was waited for: its event,
+    its deadline and the tensors it reads and writes (kept referenced, so their memory is not reused before the op
+    ran). ``retired``: the watchdog saw it complete; ``waited``: its Work's wait ran; the second of the two gives the
+    event back to the pool."""
+
+    __slots__ = ("deadline", "event", "op", "retired", "tensors", "waited")
+
+    def __init__(self, event, op: str, deadline: float, tensors):
+        self.event, self.op, self.deadline, self.tensors = event, op, deadline, tensors
+        self.retired = self.waited = False
 
 
 class _PlannedAllReduce(PlannedCollective):
@@ -305,7 +331,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
             except RuntimeError as e:
                 raise CommunicationError(f"ncclCommInitRank failed: {e}", op="init", group=group, rank=rank) from e
         self._subgroups = 0
-        self._inflight: list[_InFlight] = []
+        self._inflight: collections.deque[_InFlight] = collections.deque()
+        """Ops in issue order: one communication stream runs them in that order, so the oldest completes first."""
         self._lock = threading.Lock()
         self._comm_lock = threading.Lock()  # the watchdog's async-error check vs. freeing the communicator
         self._comm_gone = False  # destroyed or aborted: the handle must not be passed to NCCL again
@@ -518,25 +545,32 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._dtype(tensor, op)
 
     def _enqueued(self, op: str, tensors=(), then=None) -> Work:
-        """Record an event after the op just enqueued and hand it to the watchdog; keep ``tensors`` alive for the
-        communication stream. The Work makes the current stream wait on the event; its errors are already
-        CommunicationErrors naming op, group and rank (a planned op returns it as it is)."""
+        """Record an event after the op just enqueued and hand it to the watchdog; keep ``tensors`` referenced until
+        the current stream waited for the op (or it completed). The Work makes the current stream wait on the event;
+        its errors are already CommunicationErrors naming op, group and rank (a planned op returns it as it is)."""
         rt = self._rt
         rt.hold(tensors)
         event = rt.record()
-        entry = _InFlight(event, op, time.monotonic() + self.timeout)
+        entry = _InFlight(event, op, time.monotonic() + self.timeout, tensors)
         with self._lock:
             self._inflight.append(entry)
-        return Work(functools.partial(self._finish, op, event, then), event.query)
+        return Work(functools.partial(self._finish, entry, then), event.query)
 
-    def _finish(self, op: str, event, then) -> None:
-        """The wait of an op's Work: the current stream waits for its event (no host sync)."""
+    def _finish(self, entry: _InFlight, then) -> None:
+        """The wait of an op's Work: the current stream waits for its event (no host sync). From here the stream that
+        will reuse the tensors' memory is ordered after the op, so they are let go."""
+        op = entry.op
         if self._broken is not None:
             self._raise_if_broken(op)
         try:
-            self._rt.wait(event)
+            self._rt.wait(entry.event)
         except RuntimeError as e:
             raise self._failed(e, op) from e
+        entry.tensors = None
+        with self._lock:
+            entry.waited = True
+            if entry.retired:
+                self._rt.recycle(entry.event)
         if self._broken is not None:  # aborted while pending: the kernel was released with its output unfinished
             self._raise_if_broken(op)
         if then is not None:
@@ -559,15 +593,21 @@ class NCCLCommunicationBackend(CommunicationBackend):
             self._abort(self._error(f"the NCCL watchdog failed ({type(e).__name__}: {e})", "watchdog"))
 
     def _poll(self) -> CommunicationError | None:
-        """One look at the ops in flight: drop the completed ones; the error to abort with, if any. The CUDA queries
-        run outside the lock, so a slow query never delays an op being issued."""
-        with self._lock:
-            inflight = list(self._inflight)
-        done = {id(f) for f in inflight if f.event.query()}
-        now = time.monotonic()
-        late = next((f for f in inflight if id(f) not in done and now > f.deadline), None)
-        with self._lock:
-            self._inflight = [f for f in self._inflight if id(f) not in done]
+        """One look at the ops in flight: retire the completed ones from the oldest on (one stream completes them in
+        issue order, so the first that has not completed is the only one that can be late); the error to abort with,
+        if any. The CUDA queries run outside the lock, so a slow query never delays an op being issued."""
+        inflight = self._inflight
+        while True:
+            with self._lock:
+                head = inflight[0] if inflight else None
+            if head is None or not head.event.query():
+                break
+            with self._lock:
+                inflight.popleft()
+                head.retired, head.tensors = True, None
+                if head.waited:
+                    self._rt.recycle(head.event)
+        late = head if head is not None and time.monotonic() > head.deadline else None
         with self._comm_lock:
             try:
                 if not self._comm_gone:

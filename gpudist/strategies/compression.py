@@ -16,6 +16,7 @@ from ..flat import BufferSpec, assign_buckets
 from .ddp import DDPModel, DDPOptimizer
 from .fsdp import ZeRO3Optimizer
 from .optimizer import ShardedOptimizer
+from .reducer import EndOfBackward
 from .zero import ZeRO1Optimizer, ZeRO2Model, ZeRO2Optimizer
 
 __all__ = ["CompressionHook", "GradientCompressionOptimizer"]
@@ -74,7 +75,7 @@ class CompressionHook:
         self.total = {"sent_bytes": 0, "dense_bytes": 0}
         self._mark = (0, 0)
         self._pending: list[PendingReduction] = []
-        self._callback_queued = False
+        self._end = EndOfBackward(self.flush)
         self.overlapped = 0
         """Bucket all-reduces launched during backward and finished later (for tests and reports)."""
 
@@ -104,9 +105,7 @@ class CompressionHook:
             return
         self._pending.append(channel.start_all_reduce(tensor, compress=self.compressing))
         self.overlapped += 1
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._end.arm()
         for pending in self._pending[: -self.LAG]:
             pending.advance()
         self._pending = [p for p in self._pending if not p.done]
@@ -146,10 +145,6 @@ class CompressionHook:
                 self._pending = [p for p in self._pending if not p.done]
         finally:
             self._pending = []
-
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        self.flush()
 
     def end_step(self) -> None:
         self.flush()

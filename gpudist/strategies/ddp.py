@@ -1,8 +1,11 @@
 """DDP: replicated parameters and optimizer state; gradients averaged over ranks.
 
-:class:`DDPModel` averages gradients in buckets while backward is still running (the overlap torch DDP gives);
-:class:`DDPOptimizer` steps the replicated state, and averages the gradients itself when the module is not
-wrapped (one all-reduce per bucket after backward).
+:class:`DDPModel` averages gradients in buckets while backward is still running (the overlap torch DDP gives): its
+:class:`~gpudist.strategies.reducer.Reducer` launches the buckets as they fill, and :class:`AllReduceBuckets` is what
+each bucket goes through (gradient views or pack/unpack, the wire cast, a comm hook, the hierarchical all-reduce).
+ZeRO-1's model is DDP's with its parameters in one padded buffer; ZeRO-2's swaps the collective for
+``ReduceScatterBuckets`` (zero.py). :class:`DDPOptimizer` steps the replicated state, and averages the gradients
+itself when the module is not wrapped (one all-reduce per bucket after backward).
 """
 
 from __future__ import annotations
@@ -25,12 +28,288 @@ from ..flat import (
     assign_buckets,
     broadcast_tensors,
     flatten_parameters,
+    padded_shard,
 )
 from ..topology import Topology
 from .model import ShardedModel
 from .optimizer import ShardedOptimizer
+from .reducer import BucketCollective, Reducer
 
-__all__ = ["DDPModel", "DDPOptimizer"]
+__all__ = ["AllReduceBuckets", "DDPModel", "DDPOptimizer", "bucket_groups"]
+
+
+def bucket_groups(params: list[torch.nn.Parameter], config) -> list[list[int]]:
+    """:func:`~gpudist.flat.assign_buckets` with the configuration's caps, each bucket's indices in parameter order
+    (its gradients are then one range of the flat order)."""
+    groups = assign_buckets(params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True))
+    return [sorted(indices) for indices in groups]
+
+
+class AllReduceBuckets(BucketCollective):
+    """DDP's and ZeRO-1's gradient path: every bucket all-reduced (averaged) over the ranks, flat, hierarchical
+    (reduce-scatter inside the node, all-reduce across nodes, all-gather inside the node) or through a comm hook;
+    ``param.grad`` are views into the buckets when ``config.gradient_as_bucket_view`` (else packed into them at the
+    bucket's launch and unpacked back at the end of backward).
+
+    Args:
+        comm: The data-parallel group.
+        config: The model's configuration (bucket caps, wire dtype, gradient views, overlap).
+        named: ``(name, parameter)`` of the trainable parameters, in the module's order.
+        capacity: Elements of the flat gradient buffer (its padding after the gradients), or 0.
+        topology: The node layout of a hierarchical all-reduce, or None (flat).
+    """
+
+    hook_op = "all_reduce"
+    """The collective a comm hook replaces for each bucket."""
+
+    def __init__(self, comm, config, named, *, capacity: int = 0, topology: Topology | None = None):
+        self.comm, self.config, self.topology = comm, config, topology
+        self.world_size = comm.world_size
+        self.views = config.gradient_as_bucket_view
+        self.copies_on_arrival = self.views  # without views the launch packs param.grad itself
+        self.hook = None
+        params = [p for _, p in named]
+        # With gradient views and one dtype/device, the buckets are slices of one gradient buffer in parameter
+        # order, so any range of the flat gradients is a view (ZeRO-1 steps its range of it with no copy).
+        self.flat_grads = None
+        if self.views and len({(p.dtype, p.device) for p in params}) == 1:
+            numel = sum(p.numel() for p in params)
+            self.flat_grads = torch.zeros(max(numel, capacity), dtype=params[0].dtype, device=params[0].device)
+        starts = [0]
+        for p in params:
+            starts.append(starts[-1] + p.numel())
+        self.buckets = []
+        for b, indices in enumerate(bucket_groups(params, config)):
+            storage = None if self.flat_grads is None else self.flat_grads[starts[indices[0]] : starts[indices[-1] + 1]]
+            self.buckets.append(self._bucket(b, [params[i] for i in indices], [named[i][0] for i in indices], storage))
+        self._pieces: dict[int, torch.Tensor] = {}
+        self.plan()
+
+    def _bucket(self, index: int, params: list, names: list[str], storage: torch.Tensor | None) -> GradientBucket:
+        grads = FlatBuffer.empty_like(params) if storage is None else FlatBuffer(FlatLayout.of(params), storage)
+        wire_dtype = self.config.communication_dtype or grads.data.dtype
+        wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
+        bucket = GradientBucket(index, params, names, grads, wire)
+        bucket.batched_copy = self.views and grads.data.device.type in _BATCHED_COPY_DEVICES
+        if self.views:
+            bucket.views = grads.views()
+            for p, view in zip(params, bucket.views, strict=True):
+                p.grad = view
+        return bucket
+
+    def use_hook(self, hook) -> None:
+        """Route every bucket through ``hook`` from now on (checked by :meth:`DDPModel.register_comm_hook`)."""
+        self.hook = hook
+        self.plan()
+
+    def plan(self) -> None:
+        """Decide, per bucket, what a gradient is multiplied by as it reaches its view (:meth:`_arrival_scale`) and
+        plan its all-reduce (checked now, issued every step with no per-call checks): once when the buckets are built
+        and again when a comm hook is registered, not per gradient or per step."""
+        flat = self.topology is None and self.hook is None
+        for bucket in self.buckets:
+            bucket.arrival_scale = self._arrival_scale(bucket)
+            bucket.reduce = self.comm.plan_all_reduce(bucket.wire, self._reduction(bucket)) if flat else None
+
+    def _reduction(self, bucket: GradientBucket) -> ReductionOperation:
+        """SUM when the 1/N of the average rode on a pass the bucket made anyway (the pack into it, the copy of a
+        fresh gradient into its view, the cast to a low-precision wire); AVERAGE for views otherwise: on a transport
+        that averages for free (ncclAvg), and for a bucket of small tensors (:data:`_SCALED_COPY_MIN_NUMEL`)."""
+        lowp = bucket.wire is not bucket.grads.data
+        scaled = not self.views or lowp or bucket.arrival_scale is not None or self.world_size == 1
+        return ReductionOperation.SUM if scaled else ReductionOperation.AVERAGE
+
+    def _arrival_scale(self, bucket: GradientBucket) -> float | None:
+        """The 1/N of the average, applied to a gradient as it reaches its bucket view (folded into the copy when
+        there is one), or None: no views (the pack scales), a comm hook (it averages), a low-precision wire (the
+        cast scales), the transport averages for free (ncclAvg), one rank, or a bucket of small tensors (the
+        transport's AVERAGE divides it instead: see :data:`_SCALED_COPY_MIN_NUMEL`)."""
+        n = self.world_size
+        if not self.views or self.hook is not None or bucket.wire is not bucket.grads.data or n == 1:
+            return None
+        if self.comm.averages_in_transport or bucket.grads.data.numel() < _SCALED_COPY_MIN_NUMEL * len(bucket.params):
+            return None
+        return 1.0 / n
+
+    def buffer_specs(self) -> dict[int, BufferSpec]:
+        if self.topology is None:
+            return {b.index: BufferSpec.of(b.params, self.hook_op) for b in self.buckets}
+        intra = self.topology.intra
+        return {
+            b.index: BufferSpec.of(
+                b.params, self.hook_op, *shard_range(b.grads.data.numel(), intra.world_size, intra.rank)
+            )
+            for b in self.buckets
+        }
+
+    def overlaps(self) -> bool:
+        """Whether this backward launches buckets as they fill: ``config.overlap_communication``, except on Gloo's
+        shared-memory transport, flat and without a comm hook, where they start at the end of backward. There the
+        all-reduce is this process's own copying and adding on a worker thread (not a NIC's or the kernel's), so
+        overlapping it with backward only makes the two share the cores. Measured on the loaded 2-core machine (2
+        ranks, ``benchmarks/ddp.py``, 10 rounds), CPU time per step against torch DDP at its best: overlapped 1.01x
+        (MLP) and 0.97x (GPT), at the end 1.12x and 1.06x."""
+        at_end = self.topology is None and self.hook is None and getattr(self.comm, "shared_memory", False)
+        return self.config.overlap_communication and not at_end
+
+    # -- the gradient path ------------------------------------------------------------------------------------------
+
+    def arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """Views: make ``param.grad`` its bucket view, holding the gradient (times the arrival scale, if any).
+
+        On the hot path of every backward (once per parameter, inside autograd's engine), so it reads ``param.grad``
+        once and decides nothing that was decided when the buckets were built."""
+        view, scale, grad = bucket.views[j], bucket.arrival_scale, param.grad
+        if grad is view:  # accumulated in place (zero_grad(set_to_none=False), no_sync)
+            if scale is not None:
+                view.mul_(scale)  # one scaling pass
+            return
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in: scaled ones now,
+            # in the same pass (as torch DDP's mul_out into its bucket); unscaled ones on a GPU with the bucket's
+            # others in one multi-tensor copy when the bucket launches (_absorb: a launch or two instead of one per
+            # gradient), elsewhere now (torch's multi-tensor copy on CPU loops per tensor, 2 us each, slower).
+            if scale is not None:
+                torch.mul(grad, scale, out=view)
+            elif bucket.batched_copy:
+                bucket.fresh.append(j)
+                return
+            else:
+                view.copy_(grad)
+        elif scale is not None:
+            view.mul_(scale)  # the view's storage under another tensor object: accumulated in place
+        param.grad = view
+
+    def missing(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        if not self.views:
+            return  # the launch packs a missing gradient as zeros
+        view = bucket.views[j]
+        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+            view.zero_()  # stale since zero_grad(set_to_none=True); no_sync sums in a live view are kept
+            param.grad = view
+
+    def _absorb(self, bucket: GradientBucket) -> None:
+        """Copy the bucket's fresh gradients (:meth:`arrived`) into their views in one multi-tensor copy, and make
+        each ``param.grad`` its view again."""
+        fresh, params, views = bucket.fresh, bucket.params, bucket.views
+        torch._foreach_copy_([views[j] for j in fresh], [params[j].grad for j in fresh])
+        for j in fresh:
+            params[j].grad = views[j]
+        fresh.clear()
+
+    def launch(self, bucket: GradientBucket, earlier: list[tuple[GradientBucket, Work]]) -> Work:
+        n = self.world_size
+        hooked, lowp = self.hook is not None, bucket.wire is not bucket.grads.data
+        # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, the copy of a
+        # fresh gradient into its view, the cast to a low-precision wire) and the wire is SUMmed, or the transport
+        # averages (_reduction says which, per bucket). A comm hook averages by itself.
+        if not self.views:
+            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
+        elif bucket.fresh:
+            self._absorb(bucket)
+        if hooked and self.topology is not None:
+            return self._hooked_hierarchical_all_reduce(bucket)
+        if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
+            self.hook.all_reduce(bucket.index, bucket.grads.data)
+            return Work()
+        if lowp:
+            kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
+        if bucket.reduce is not None:  # planned when the buckets were built (layouts agree by construction)
+            return bucket.reduce.start()
+        # Hierarchical: start the cross-node all-reduce of each earlier bucket whose reduce-scatter finished, in bucket
+        # order (a group's collectives must be issued in the same order on every rank, whatever finishes first); the
+        # all-gathers inside the node wait for the end of backward, after every bucket's reduce-scatter was issued.
+        for _, work in earlier:
+            if isinstance(work, _Chain) and not work.advance(through=1):
+                break
+        return self._hierarchical_all_reduce(bucket, self._reduction(bucket))
+
+    def _hooked_hierarchical_all_reduce(self, bucket: GradientBucket) -> Work:
+        """Average inside the node (a reduce-scatter, dense), let the hook average this rank's piece across nodes
+        (compressed), and start the all-gather inside the node. Issued in bucket order, each group's collectives in
+        the same order on every rank; the hook returns with the piece reduced."""
+        intra, data = self.topology.intra, bucket.grads.data
+        piece = self._piece(bucket, data)
+        with intra.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
+            intra.reduce_scatter(data, piece, ReductionOperation.AVERAGE)
+        self.hook.all_reduce(bucket.index, piece)
+        with intra.unchecked():
+            return intra.all_gather(piece, data, async_op=True)
+
+    def _piece(self, bucket: GradientBucket, like: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``bucket`` (:func:`~gpudist.comm.shard_range` over the node's ranks), a buffer kept
+        from step to step."""
+        intra = self.topology.intra
+        start, end = shard_range(like.numel(), intra.world_size, intra.rank)
+        piece = self._pieces.get(bucket.index)
+        if piece is None or piece.dtype != like.dtype:
+            piece = self._pieces[bucket.index] = torch.empty(end - start, dtype=like.dtype, device=like.device)
+        return piece
+
+    def _hierarchical_all_reduce(self, bucket: GradientBucket, op: ReductionOperation) -> _Chain:
+        """Reduce-scatter the bucket inside the node, all-reduce this rank's piece across nodes, all-gather inside
+        the node. A SUM of pre-scaled gradients stays a SUM; an AVERAGE is an average at both levels."""
+        intra, inter = self.topology.intra, self.topology.inter
+        wire = bucket.wire
+        piece = self._piece(bucket, wire)
+
+        def unchecked(comm: CommunicationBackend, run: Callable[[], Work]) -> Callable[[], Work]:
+            def start_stage() -> Work:
+                with comm.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
+                    return run()
+
+            return start_stage
+
+        return _Chain(
+            [
+                unchecked(intra, lambda: intra.reduce_scatter(wire, piece, op, async_op=True)),
+                unchecked(inter, lambda: inter.all_reduce(piece, op, async_op=True)),
+                unchecked(intra, lambda: intra.all_gather(piece, wire, async_op=True)),
+            ]
+        )
+
+    def finished(self, bucket: GradientBucket) -> None:
+        """Put the result where the gradients live: the wire back into the bucket, the bucket into ``param.grad``."""
+        if bucket.wire is not bucket.grads.data and self.hook is None:
+            bucket.grads.data.copy_(bucket.wire)
+        if not self.views:
+            kernels.unpack(bucket.grads.data, self._grads_of(bucket))
+
+    @staticmethod
+    def _grads_of(bucket: GradientBucket) -> list[torch.Tensor]:
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in bucket.params]
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.fresh.clear()  # (a backward that failed half way: its fresh gradients stay in param.grad)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for bucket in self.buckets:
+            if set_to_none:
+                for p in bucket.params:
+                    p.grad = None
+                continue
+            bucket.grads.data.zero_()
+            if self.views:
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    p.grad = view
+            else:
+                for p in bucket.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    def count_memory(self, mem: dict[str, int]) -> dict[str, int]:
+        """``mem`` (the model's base table) with the buckets and wires added (the views' storage is the gradients)."""
+        wires = sum(b.wire.numel() * b.wire.element_size() for b in self.buckets if b.wire is not b.grads.data)
+        buckets = sum(b.grads.data.numel() * b.grads.data.element_size() for b in self.buckets)
+        mem["gradients"] = buckets if self.views else mem["gradients"] + buckets
+        mem["communication_buffers"] = wires
+        return mem
 
 
 class DDPModel(ShardedModel):
@@ -75,11 +354,23 @@ class DDPModel(ShardedModel):
         self._topology = _hierarchy(config, hierarchical, self.strategy)
         super().__init__(module, config)
 
+    _collective_type: type[BucketCollective] = AllReduceBuckets
+    """What the buckets' gradients go through (ZeRO-2: ``ReduceScatterBuckets``)."""
+
+    _flat_parameters = False
+    """Whether the trainable parameters move into one flat buffer at wrap time (ZeRO-1/2: their optimizer adopts it
+    instead of allocating and packing a second copy of the model). DDP keeps torch's parameters as they are."""
+
+    _pads_to_shards = False
+    """Whether the flat parameter and gradient buffers are padded to whole even shards (ZeRO-1:
+    :func:`gpudist.flat.padded_shard`, so its optimizer's range is a view of both)."""
+
     def initialize_sharding(self) -> None:
         module, comm, config = self.module, self.comm, self.config
         self._check_same_model()
         trainable = [p for p in module.parameters() if p.requires_grad]
-        capacity = self._flat_capacity(sum(p.numel() for p in trainable))
+        numel = sum(p.numel() for p in trainable)
+        capacity = self.world_size * padded_shard(numel, self.world_size) if self._pads_to_shards else 0
         if self._flat_parameters:  # ZeRO-1/2: one buffer, which their optimizer adopts instead of packing a copy
             flatten_parameters(trainable, capacity)
         broadcast_tensors(comm, trainable)  # rank 0's values; one buffer's views go straight into it
@@ -91,85 +382,14 @@ class DDPModel(ShardedModel):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._param_ids = {id(p) for p in self._params}
-        groups = assign_buckets(self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True))
-        self._buckets: list[GradientBucket] = []
-        self._slot: dict[int, tuple[GradientBucket, int]] = {}
-        # With gradient views and one dtype/device, the buckets are slices of one gradient buffer in parameter
-        # order, so any range of the flat gradients is a view (ZeRO-1 steps its range of it with no copy).
-        kinds = {(p.dtype, p.device) for p in self._params}
-        self.flat_grads = None
-        if self._views and len(kinds) == 1:
-            numel = sum(p.numel() for p in self._params)
-            self.flat_grads = torch.zeros(
-                max(numel, capacity), dtype=self._params[0].dtype, device=self._params[0].device
-            )
-        starts = [0]
-        for p in self._params:
-            starts.append(starts[-1] + p.numel())
-        for b, indices in enumerate(groups):
-            indices = sorted(indices)  # parameter order inside a bucket: its gradients are one range of the flat order
-            storage = None
-            if self.flat_grads is not None:
-                storage = self.flat_grads[starts[indices[0]] : starts[indices[-1] + 1]]
-            bucket = self._make_bucket(b, [self._params[i] for i in indices], [named[i][0] for i in indices], storage)
-            self._buckets.append(bucket)
-            for j, p in enumerate(bucket.params):
-                self._slot[id(p)] = (bucket, j)
-        self._sync = True
-        self._next_bucket = 0
-        self._pending: list[tuple[GradientBucket, object]] = []
-        self._callback_queued = False
-        self._overlap = True  # whether this backward launches buckets as they fill (set when its first grad arrives)
-        self._plan_arrival()
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
-        self._pieces: dict[int, torch.Tensor] = {}
+        self._collective = self._collective_type(comm, config, named, capacity=capacity, topology=self._topology)
+        self._buckets = self._collective.buckets
+        self.flat_grads = self._collective.flat_grads
+        """With gradient views and one dtype/device, the buckets are slices of this one gradient buffer in parameter
+        order, so any range of the flat gradients is a view (ZeRO-1 steps its range of it with no copy); else None."""
+        self._reducer = Reducer(self._collective, self._refuse_unused, self._mark_step_bytes)
         if self._topology is not None:
             self._topology.groups()  # collective: the node groups are built now, on every rank at once
-
-    _flat_parameters = False
-    """Whether the trainable parameters move into one flat buffer at wrap time (ZeRO-1/2: their optimizer adopts it
-    instead of allocating and packing a second copy of the model). DDP keeps torch's parameters as they are."""
-
-    def _flat_capacity(self, numel: int) -> int:
-        """Elements the flat parameter and gradient buffers hold (``numel`` and the padding after it): ZeRO-1 pads
-        them to whole even shards (:func:`gpudist.flat.padded_shard`), so its optimizer's range is a view of both."""
-        return 0
-
-    @property
-    def _views(self) -> bool:
-        """Whether ``param.grad`` are views into persistent bucket buffers."""
-        return self.config.gradient_as_bucket_view
-
-    def _make_bucket(
-        self, index: int, params: list[torch.nn.Parameter], names: list[str], storage: torch.Tensor | None = None
-    ) -> GradientBucket:
-        grads = FlatBuffer.empty_like(params) if storage is None else FlatBuffer(FlatLayout.of(params), storage)
-        wire_dtype = self.config.communication_dtype or grads.data.dtype
-        wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
-        bucket = GradientBucket(index, params, names, grads, wire)
-        if self._views:
-            bucket.views = grads.views()
-            for p, view in zip(params, bucket.views, strict=True):
-                p.grad = view
-        return bucket
-
-    def _plan_arrival(self) -> None:
-        """Decide, per bucket, what a gradient is multiplied by as it reaches its view (:meth:`_ready_scale`) and plan
-        its all-reduce (checked now, issued every step with no per-call checks): once when the buckets are built and
-        again when a comm hook is registered, not per gradient or per step."""
-        flat = self._topology is None and self._comm_hook is None
-        for bucket in self._buckets:
-            bucket.arrival_scale = self._ready_scale(bucket)
-            planned = flat and bucket.wire is not None  # (ZeRO-2's buckets reduce-scatter fresh send buffers)
-            bucket.reduce = self.comm.plan_all_reduce(bucket.wire, self._reduction(bucket)) if planned else None
-
-    def _reduction(self, bucket: GradientBucket) -> ReductionOperation:
-        """SUM when the 1/N of the average rode on a pass the bucket made anyway (the pack into it, the copy of a
-        fresh gradient into its view, the cast to a low-precision wire); AVERAGE for views otherwise: on a transport
-        that averages for free (ncclAvg), and for a bucket of small tensors (:data:`_SCALED_COPY_MIN_NUMEL`)."""
-        lowp = bucket.wire is not bucket.grads.data
-        scaled = not self._views or lowp or bucket.arrival_scale is not None or self.world_size == 1
-        return ReductionOperation.SUM if scaled else ReductionOperation.AVERAGE
 
     def manages(self, param: torch.Tensor) -> bool:
         return id(param) in self._param_ids
@@ -197,25 +417,15 @@ class DDPModel(ShardedModel):
 
     # -- communication hook ---------------------------------------------------------------------------------------
 
-    _hook_op = "all_reduce"
-    """The collective a comm hook replaces for each bucket (ZeRO-2: ``"reduce_scatter"``)."""
-
     def gradient_buffers(self) -> dict[int, BufferSpec]:
         """What each bucket communicates, by bucket index (for a communication hook and its checkpoints).
 
         Returns:
             Bucket index -> its :class:`~gpudist.flat.BufferSpec` (size, collective, parameter spans); with a
-            hierarchical all-reduce, this rank's piece of each bucket, which a hook all-reduces across nodes.
+            hierarchical all-reduce, this rank's piece of each bucket, which a hook all-reduces across nodes; for
+            ZeRO-2, the bucket zero-padded to ``world_size`` even pieces (what its reduce-scatter sends).
         """
-        if self._topology is None:
-            return {b.index: BufferSpec.of(b.params, self._hook_op) for b in self._buckets}
-        intra = self._topology.intra
-        return {
-            b.index: BufferSpec.of(
-                b.params, self._hook_op, *shard_range(b.grads.data.numel(), intra.world_size, intra.rank)
-            )
-            for b in self._buckets
-        }
+        return self._collective.buffer_specs()
 
     @property
     def hook_group(self):
@@ -253,10 +463,10 @@ class DDPModel(ShardedModel):
                 f"{type(self).__name__}(hierarchical=...): compress='momentum' communicates at the step, over one "
                 "group; compress the gradients, or use a flat DDPModel"
             )
-        if not callable(getattr(hook, self._hook_op, None)):
+        op = self._collective.hook_op
+        if not callable(getattr(hook, op, None)):
             raise TypeError(
-                f"a {type(self).__name__} comm hook needs a {self._hook_op}(bucket_index, ...) method, "
-                f"got {type(hook).__name__}"
+                f"a {type(self).__name__} comm hook needs a {op}(bucket_index, ...) method, got {type(hook).__name__}"
             )
         if self._comm_hook is not None and hook is not self._comm_hook:
             raise ValueError(
@@ -264,21 +474,21 @@ class DDPModel(ShardedModel):
                 "build one optimizer that communicates per model"
             )
         self._comm_hook = hook
-        self._plan_arrival()
+        self._collective.use_hook(hook)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside the block only accumulate locally; the first backward
         after it reduces the accumulated sum (as torch DDP's ``no_sync``)."""
-        previous, self._sync = self._sync, False
+        previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self._reducer.sync = previous
 
     def forward(self, *args, **kwargs):
-        if self._pending or self._callback_queued:  # a previous backward failed half way: start clean
-            self._reset_step()
+        if self._reducer.failed_half_way:  # a previous backward failed half way: start clean
+            self._reducer.reset()
         # Buffers (e.g. BatchNorm statistics) follow rank 0 in training only, as torch DDP: predict() and
         # evaluation on a single rank must not start a collective.
         if self._synced_buffers and self.config.broadcast_buffers and self.training and torch.is_grad_enabled():
@@ -286,273 +496,35 @@ class DDPModel(ShardedModel):
                 broadcast_tensors(self.comm, self._synced_buffers)
         return self.module(*args, **kwargs)
 
-    # -- gradient hooks ---------------------------------------------------------------------------------------------
-
-    _defers_on_shared_memory = True
-    """Whether the buckets wait for the end of backward on a shared-memory transport (:attr:`_reduces_at_end`).
-    ZeRO-2 says no: its send buffers are full-size copies that must be reduced and freed as backward goes."""
-
-    @property
-    def _reduces_at_end(self) -> bool:
-        """Whether the bucket all-reduces start at the end of backward instead of as each bucket fills: on Gloo's
-        shared-memory transport, flat and without a comm hook. There the all-reduce is this process's own copying
-        and adding on a worker thread (not a NIC's or the kernel's), so overlapping it with backward only makes the
-        two share the cores. Measured on the loaded 2-core machine (2 ranks, ``benchmarks/ddp.py``, 10 rounds),
-        CPU time per step against torch DDP at its best: overlapped 1.01x (MLP) and 0.97x (GPT), at the end 1.12x
-        and 1.06x."""
-        return (
-            self._defers_on_shared_memory
-            and self._topology is None
-            and self._comm_hook is None
-            and getattr(self.comm, "shared_memory", False)
+    def _refuse_unused(self, missing: list[tuple[GradientBucket, int]]) -> None:
+        """Parameters that got no gradient in this backward count as zeros with ``find_unused_parameters``, and
+        stop the step otherwise (their buckets could not be reduced)."""
+        if self.config.find_unused_parameters:
+            return
+        names = [b.names[j] for b, j in missing]
+        raise RuntimeError(
+            f"{type(self).__name__}: {len(names)} parameter(s) got no gradient in this backward ({', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}), so their buckets could not be reduced; pass "
+            "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on parameters "
+            "that are never used"
         )
-
-    def _view(self, bucket: GradientBucket, j: int) -> torch.Tensor:
-        return bucket.views[j]
-
-    def _ready_scale(self, bucket: GradientBucket) -> float | None:
-        """The 1/N of the average, applied to a gradient as it reaches its bucket view (folded into the copy when
-        there is one), or None: no views (the pack scales), a comm hook (it averages), a low-precision wire (the
-        cast scales), the transport averages for free (ncclAvg), one rank, or a bucket of small tensors (the
-        transport's AVERAGE divides it instead: see :data:`_SCALED_COPY_MIN_NUMEL`)."""
-        n = self.world_size
-        if not self._views or self._comm_hook is not None or bucket.wire is not bucket.grads.data or n == 1:
-            return None
-        if self.comm.averages_in_transport or bucket.grads.data.numel() < _SCALED_COPY_MIN_NUMEL * len(bucket.params):
-            return None
-        return 1.0 / n
-
-    def _into_bucket(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
-        """Views: make ``param.grad`` its bucket view, holding the gradient (times the arrival scale, if any).
-
-        On the hot path of every backward (once per parameter, inside autograd's engine), so it reads ``param.grad``
-        once and decides nothing that was decided when the buckets were built."""
-        view, scale, grad = bucket.views[j], bucket.arrival_scale, param.grad
-        if grad is view:  # accumulated in place (zero_grad(set_to_none=False), no_sync)
-            if scale is not None:
-                view.mul_(scale)  # one scaling pass
-            return
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in: scaled ones now,
-            # in the same pass (as torch DDP's mul_out into its bucket); unscaled ones on a GPU with the bucket's
-            # others in one multi-tensor copy when the bucket launches (_absorb: a launch or two instead of one per
-            # gradient), elsewhere now (torch's multi-tensor copy on CPU loops per tensor, 2 us each, slower).
-            if scale is not None:
-                torch.mul(grad, scale, out=view)
-            elif view.device.type in _BATCHED_COPY_DEVICES:
-                bucket.fresh.append(j)
-                return
-            else:
-                view.copy_(grad)
-        elif scale is not None:
-            view.mul_(scale)  # the view's storage under another tensor object: accumulated in place
-        param.grad = view
-
-    def _absorb(self, bucket: GradientBucket) -> None:
-        """Copy the bucket's fresh gradients (:meth:`_into_bucket`) into their views in one multi-tensor copy, and make
-        each ``param.grad`` its view again."""
-        fresh, params, views = bucket.fresh, bucket.params, bucket.views
-        torch._foreach_copy_([views[j] for j in fresh], [params[j].grad for j in fresh])
-        for j in fresh:
-            params[j].grad = views[j]
-        fresh.clear()
-
-    def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
-        """``param``'s gradient (bucket slot ``j``) is complete for this backward: views put it in the bucket now."""
-        if self._views:
-            self._into_bucket(bucket, j, param)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        """Autograd's post-accumulate hook of every parameter (the hot path: once per parameter per backward)."""
-        if not self._sync:
-            return
-        bucket, j = self._slot[id(param)]
-        self._arrived(bucket, j, param)
-        if not self._callback_queued:  # the first gradient of this backward: decide what holds for all of it
-            self._callback_queued = True
-            self._overlap = self.config.overlap_communication and not self._reduces_at_end
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        ready = bucket.ready
-        ready.add(j)
-        if self._overlap and len(ready) == len(bucket.params):
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        # Buckets start strictly in index order on every rank, whatever order their gradients arrive in, so
-        # all ranks issue the same collectives in the same sequence.
-        while self._next_bucket < len(self._buckets):
-            bucket = self._buckets[self._next_bucket]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_bucket += 1
-
-    def _launch(self, bucket: GradientBucket) -> None:
-        n = self.world_size
-        hooked, lowp = self._comm_hook is not None, bucket.wire is not bucket.grads.data
-        # The 1/N of the average rides on a pass the bucket makes anyway (the pack into the bucket, the copy of a
-        # fresh gradient into its view, the cast to a low-precision wire) and the wire is SUMmed, or the transport
-        # averages (_reduction says which, per bucket). A comm hook averages by itself.
-        if not self._views:
-            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
-        elif bucket.fresh:
-            self._absorb(bucket)
-        if hooked and self._topology is not None:
-            self._pending.append((bucket, self._hooked_hierarchical_all_reduce(bucket)))
-            return
-        if hooked:  # synchronous: a compressed all-reduce is several dependent collectives
-            self._comm_hook.all_reduce(bucket.index, bucket.grads.data)
-            self._pending.append((bucket, Work()))
-            return
-        if lowp:
-            kernels.pack([bucket.grads.data], bucket.wire, scale=1.0 / n)
-        if bucket.reduce is not None:  # planned when the buckets were built (layouts agree by construction)
-            self._pending.append((bucket, bucket.reduce.start()))
-            return
-        # Hierarchical: start the cross-node all-reduce of each earlier bucket whose reduce-scatter finished, in bucket
-        # order (a group's collectives must be issued in the same order on every rank, whatever finishes first); the
-        # all-gathers inside the node wait for the end of backward, after every bucket's reduce-scatter was issued.
-        for _, earlier in self._pending:
-            if isinstance(earlier, _Chain) and not earlier.advance(through=1):
-                break
-        self._pending.append((bucket, self._hierarchical_all_reduce(bucket, self._reduction(bucket))))
-
-    def _hooked_hierarchical_all_reduce(self, bucket: GradientBucket) -> Work:
-        """Average inside the node (a reduce-scatter, dense), let the hook average this rank's piece across nodes
-        (compressed), and start the all-gather inside the node. Issued in bucket order, each group's collectives in
-        the same order on every rank; the hook returns with the piece reduced."""
-        intra, data = self._topology.intra, bucket.grads.data
-        piece = self._piece(bucket, data)
-        with intra.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
-            intra.reduce_scatter(data, piece, ReductionOperation.AVERAGE)
-        self._comm_hook.all_reduce(bucket.index, piece)
-        with intra.unchecked():
-            return intra.all_gather(piece, data, async_op=True)
-
-    def _piece(self, bucket: GradientBucket, like: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of ``bucket`` (:func:`~gpudist.comm.shard_range` over the node's ranks), a buffer kept
-        from step to step."""
-        intra = self._topology.intra
-        start, end = shard_range(like.numel(), intra.world_size, intra.rank)
-        piece = self._pieces.get(bucket.index)
-        if piece is None or piece.dtype != like.dtype:
-            piece = self._pieces[bucket.index] = torch.empty(end - start, dtype=like.dtype, device=like.device)
-        return piece
-
-    def _hierarchical_all_reduce(self, bucket: GradientBucket, op: ReductionOperation) -> _Chain:
-        """Reduce-scatter the bucket inside the node, all-reduce this rank's piece across nodes, all-gather inside
-        the node. A SUM of pre-scaled gradients stays a SUM; an AVERAGE is an average at both levels."""
-        intra, inter = self._topology.intra, self._topology.inter
-        wire = bucket.wire
-        piece = self._piece(bucket, wire)
-
-        def unchecked(comm: CommunicationBackend, run: Callable[[], Work]) -> Callable[[], Work]:
-            def start_stage() -> Work:
-                with comm.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
-                    return run()
-
-            return start_stage
-
-        return _Chain(
-            [
-                unchecked(intra, lambda: intra.reduce_scatter(wire, piece, op, async_op=True)),
-                unchecked(inter, lambda: inter.all_reduce(piece, op, async_op=True)),
-                unchecked(intra, lambda: intra.all_gather(piece, wire, async_op=True)),
-            ]
-        )
-
-    def _after_reduce(self, bucket: GradientBucket) -> None:
-        """Runs once the bucket's collective completed: put the result where the gradients live."""
-        if bucket.wire is not bucket.grads.data and self._comm_hook is None:
-            bucket.grads.data.copy_(bucket.wire)
-        if not self._views:
-            kernels.unpack(bucket.grads.data, self._grads_of(bucket))
-
-    def _finish_backward(self) -> None:
-        """Runs once at the end of backward (autograd callback): reduce what is left, wait, write gradients back."""
-        self._callback_queued = False
-        try:
-            self._complete_unused()
-            self._launch_ready_buckets()
-            for bucket, work in self._pending:
-                work.wait()
-                self._after_reduce(bucket)
-        finally:
-            self._reset_step()
-        self._mark_step_bytes()
-
-    def _grads_of(self, bucket: GradientBucket) -> list[torch.Tensor]:
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in bucket.params]
-
-    def _complete_unused(self) -> None:
-        missing = [(b, j) for b in self._buckets for j in range(len(b.params)) if j not in b.ready]
-        if not missing:
-            return
-        if not self.config.find_unused_parameters:
-            names = [b.names[j] for b, j in missing]
-            raise RuntimeError(
-                f"DDPModel: {len(names)} parameter(s) got no gradient in this backward ({', '.join(names[:5])}"
-                f"{', ...' if len(names) > 5 else ''}), so their buckets could not be reduced; pass "
-                "ShardingConfiguration(find_unused_parameters=True), or set requires_grad=False on parameters "
-                "that are never used"
-            )
-        for bucket, j in missing:  # unused here: contribute zeros (other ranks may have used them)
-            param = bucket.params[j]
-            if self._views:
-                view = self._view(bucket, j)
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                    view.zero_()  # stale since zero_grad(set_to_none=True); no_sync sums in a live view are kept
-                    param.grad = view
-            else:  # DDP's _launch packs a missing gradient as zeros; ZeRO-2 writes its send-buffer slot now
-                self._arrived(bucket, j, param)
-            bucket.ready.add(j)
-
-    def _reset_step(self) -> None:
-        for bucket in self._buckets:
-            bucket.ready.clear()
-            bucket.fresh.clear()  # (a backward that failed half way: its fresh gradients stay in param.grad)
-        self._pending = []
-        self._next_bucket = 0
-        self._callback_queued = False
 
     def synchronize_gradients(self) -> None:
         """Average every gradient now. Backward already does it; this is for gradients produced outside a
         synced backward (e.g. after the last ``no_sync`` micro-batch without a final synced one)."""
-        for p in self._params:
-            bucket, j = self._slot[id(p)]
-            if self._views:
-                self._into_bucket(bucket, j, p)
-            bucket.ready.add(j)
-        self._launch_ready_buckets()
-        self._finish_backward()
+        self._reducer.mark_all_ready()
+        self._reducer.finish()
 
     def zero_grad_buckets(self, set_to_none: bool = True) -> None:
         """Clear the gradients. ``set_to_none`` (torch's default) drops ``param.grad`` and leaves the buckets as they
-        are: the next backward copies each fresh gradient into its bucket view (no zeroing pass over P, about 12 ms
-        per step at 20M parameters on the benchmark VM). ``set_to_none=False`` zeroes the buckets in place and keeps
-        ``param.grad`` as views into them.
+        are: the next backward copies each fresh gradient into its bucket view (no zeroing pass over P).
+        ``set_to_none=False`` zeroes the buckets in place and keeps ``param.grad`` as views into them. (ZeRO-2: the
+        owned pieces are not zeroed but overwritten by the next backward, or zeroed now with ``set_to_none=False``.)
 
         Args:
             set_to_none: Drop ``param.grad`` (True) or zero the buckets in place (False), as described above.
         """
-        for bucket in self._buckets:
-            if set_to_none:
-                for p in bucket.params:
-                    p.grad = None
-                continue
-            bucket.grads.data.zero_()
-            if self._views:
-                for p, view in zip(bucket.params, bucket.grads.views(), strict=True):
-                    p.grad = view
-            else:
-                for p in bucket.params:
-                    if p.grad is not None:
-                        p.grad.zero_()
+        self._collective.zero_grad(set_to_none)
 
     def bucket_sizes(self) -> list[int]:
         """Bytes on the wire per bucket, in launch order (for tests and reports).
@@ -564,11 +536,7 @@ class DDPModel(ShardedModel):
 
     def memory_per_rank(self) -> dict[str, int]:
         mem = super().memory_per_rank()
-        wires = sum(b.wire.numel() * b.wire.element_size() for b in self._buckets if b.wire is not b.grads.data)
-        buckets = sum(b.grads.data.numel() * b.grads.data.element_size() for b in self._buckets)
-        mem["gradients"] = buckets if self._views else mem["gradients"] + buckets
-        mem["communication_buffers"] = wires
-        return mem
+        return self._collective.count_memory(mem)
 
     def extra_repr(self) -> str:
         return f"world_size={self.world_size}, buckets={len(self._buckets)}"
@@ -576,7 +544,7 @@ class DDPModel(ShardedModel):
 
 _BATCHED_COPY_DEVICES = {"cuda"}
 """Device types whose fresh gradients are copied into their views in one multi-tensor copy per bucket
-(:meth:`DDPModel._absorb`) rather than one copy per gradient in its hook."""
+(:meth:`AllReduceBuckets._absorb`) rather than one copy per gradient in its hook."""
 
 _SCALED_COPY_MIN_NUMEL = 16384
 """Mean elements per gradient from which a bucket folds the 1/N of the average into each gradient's copy into its

@@ -41,6 +41,7 @@ from .. import kernels
 from ..comm import CommunicationBackend, ReductionOperation
 from ..flat import broadcast_tensors, padded_range, padded_shard
 from .model import ShardedModel, model_fingerprint, same_on_every_rank
+from .reducer import EndOfBackward
 from .zero import ZeRO2Optimizer
 
 __all__ = ["FSDPModel", "ZeRO3Model", "ZeRO3Optimizer"]
@@ -371,7 +372,7 @@ class ZeRO3Model(ShardedModel):
         self._seen: list[_Group] = []
         self._pending: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
-        self._callback_queued = False
+        self._end = EndOfBackward(self._finish_backward)
         self._hooks = [
             module.register_forward_pre_hook(lambda m, a: self._before_root()),
             module.register_forward_hook(lambda m, a, o: self._after_root()),
@@ -529,9 +530,7 @@ class ZeRO3Model(ShardedModel):
         """Queue the end-of-backward callback once, on the backward that reached this forward's outputs (not on a
         re-entrant checkpoint's inner backward, which would end first), and mark backward as under way."""
         self._in_backward = True
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._end.arm()
 
     # -- saved tensors ------------------------------------------------------------------------------------------
 
@@ -559,7 +558,7 @@ class ZeRO3Model(ShardedModel):
     def forward(self, *args, **kwargs):
         if self._summoned:  # inside full_parameters(): the module holds its full parameters
             return self.module(*args, **kwargs)
-        if self._pending or self._callback_queued or self._in_backward:  # a previous backward failed half way
+        if self._pending or self._end.queued or self._in_backward:  # a previous backward failed half way
             self._reset()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             try:
@@ -648,7 +647,6 @@ class ZeRO3Model(ShardedModel):
         return self._flat_grads[at : at + group.padded]
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
         try:
             if not any(g.reduced or g.grad_full is not None for g in self._groups):
                 pass  # this backward reached no parameter (e.g. torch.autograd.grad for the inputs): nothing to reduce
@@ -688,7 +686,8 @@ class ZeRO3Model(ShardedModel):
         self._pending = []
         self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._flat_grads = None  # the shards' .grad hold it from here on
-        self._callback_queued = self._in_backward = False
+        self._end.clear()
+        self._in_backward = False
 
     def synchronize_gradients(self) -> None:
         """Nothing to do: backward leaves every shard's ``.grad`` the global average of its range."""

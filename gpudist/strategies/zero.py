@@ -50,9 +50,10 @@ from ..flat import (
     padded_range,
     padded_shard,
 )
-from .ddp import DDPModel, DDPOptimizer
+from .ddp import DDPModel, DDPOptimizer, bucket_groups
 from .model import ShardedModel, same_on_every_rank
 from .optimizer import ShardedOptimizer
+from .reducer import BucketCollective
 
 __all__ = ["ZeRO1Model", "ZeRO1Optimizer", "ZeRO2Model", "ZeRO2Optimizer", "data_parallel_optimizer"]
 
@@ -127,18 +128,174 @@ class ZeRO1Model(DDPModel):
 
     strategy = "zero1"
     _flat_parameters = True
-
-    def _flat_capacity(self, numel: int) -> int:
-        return self.world_size * padded_shard(numel, self.world_size)
+    _pads_to_shards = True
 
     def memory_per_rank(self) -> dict[str, int]:
         mem = super().memory_per_rank()
         numel = sum(p.numel() for p in self._params)
         if numel:  # the padding after the parameters (and the gradients viewing one buffer) is allocated too
-            padding = (self._flat_capacity(numel) - numel) * self._params[0].element_size()
+            padding = (self.world_size * padded_shard(numel, self.world_size) - numel) * self._params[0].element_size()
             mem["parameters"] += padding
             if self.flat_grads is not None:  # the buckets are views of it, counted with or without param.grad
                 mem["gradients"] += padding
+        return mem
+
+
+class ReduceScatterBuckets(BucketCollective):
+    """ZeRO-2's gradient path: each bucket's gradients are copied into a send buffer as they arrive (and
+    ``param.grad`` freed), the bucket is reduce-scattered, and this rank keeps only its piece of the average, in
+    ``owned_grads`` (slots in :func:`partition_buckets` order). At most :attr:`max_in_flight` send buffers live at a
+    time.
+
+    Args:
+        comm: The data-parallel group.
+        config: The model's configuration (bucket caps, wire dtype).
+        named: ``(name, parameter)`` of the trainable parameters (one dtype and device), in the module's order.
+        capacity: Unused (the owned buffer is padded per bucket).
+        topology: Must be None (a hierarchical all-reduce is DDP's).
+    """
+
+    hook_op = "reduce_scatter"
+    max_in_flight = 2
+    """As ZeRO3Model: each reduce-scatter holds its bucket's full-size send buffer, so letting all of them run to the
+    end of backward held a full copy of the gradients at the peak, and the memory freed at once went back to the OS
+    and had to be faulted in again the next step."""
+
+    def __init__(self, comm, config, named, *, capacity: int = 0, topology=None):
+        self.comm, self.config = comm, config
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.hook = None
+        self.flat_grads = None  # full gradients do not persist: that is the memory ZeRO-2 saves
+        params = [p for _, p in named]
+        self.buckets = [
+            GradientBucket(b, [params[i] for i in ix], [named[i][0] for i in ix])
+            for b, ix in enumerate(bucket_groups(params, config))
+        ]
+        parts = partition_buckets(
+            params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True), self.world_size, self.rank
+        )
+        for bucket, part in zip(self.buckets, parts, strict=True):
+            bucket.part = part
+        self._inverse_world = 1.0 / self.world_size
+        first = params[0] if params else None
+        self.owned_grads = torch.zeros(
+            sum(part.shard for part in parts),
+            dtype=first.dtype if first is not None else torch.float32,
+            device=first.device if first is not None else "cpu",
+        )
+        self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
+        self._scale_first = self._wire_dtype == torch.float16  # N unscaled fp16 gradients could overflow their sum
+        # Each gradient's slot in its bucket's send buffer, as as_strided's (size, stride, offset): one view op per
+        # gradient in backward instead of a slice and a reshape (the hook runs inside autograd for every parameter).
+        self._slots = {
+            b.index: [
+                (p.shape, _contiguous_strides(p.shape), offset)
+                for p, offset in zip(b.params, FlatLayout.of(b.params).offsets, strict=True)
+            ]
+            for b in self.buckets
+        }
+        self._filling: dict[int, torch.Tensor] = {}
+        """Send buffers of the buckets whose gradients are arriving (bucket index -> buffer): every slot is written by
+        its parameter's hook, or by :meth:`missing` for a parameter this backward did not use."""
+        self.stale: set[int] = set()
+        """Buckets whose owned piece holds no gradient since zero_grad(set_to_none=True): the next reduce writes it
+        instead of adding to it, so zero_grad makes no zeroing pass (:meth:`owned_gradients` zeroes what is left)."""
+
+    def use_hook(self, hook) -> None:
+        self.hook = hook
+
+    def buffer_specs(self) -> dict[int, BufferSpec]:
+        """What each bucket's reduce-scatter sends: the bucket zero-padded to ``world_size`` even pieces."""
+        return {
+            b.index: BufferSpec.of(b.params, self.hook_op, size=self.world_size * b.part.shard) for b in self.buckets
+        }
+
+    def overlaps(self) -> bool:
+        return self.config.overlap_communication  # the send buffers are reduced and freed during backward
+
+    def arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """Copy the gradient into its slot of the bucket's send buffer (allocated by the bucket's first gradient) and
+        free it: full gradients never pile up while a bucket fills, and the copy reads the gradient while it is still
+        in cache (as torch DDP's copy into its bucket). The 1/N of the average is applied to this rank's reduced
+        piece as it is written out (:meth:`finished`), 1/N of the elements, not here: a plain copy costs the
+        host a third of a ``mul(out=)`` (1.1 vs 3.5 us per call on the 2-core CPU), once per parameter inside
+        autograd. Only an fp16 wire is scaled first, so that the sum of N gradients cannot overflow it."""
+        sent = self._filling.get(bucket.index)
+        if sent is None:
+            dtype = self.owned_grads.dtype if self.hook is not None else self._wire_dtype
+            part = bucket.part
+            sent = torch.empty(self.world_size * part.shard, dtype=dtype, device=self.owned_grads.device)
+            sent[part.numel :].zero_()  # the padding: every rank's piece the same size, one even reduce-scatter
+            self._filling[bucket.index] = sent
+        slot = sent.as_strided(*self._slots[bucket.index][j])
+        grad = param.grad
+        if grad is None:  # unused in this backward (find_unused_parameters), nothing from no_sync: zeros
+            slot.zero_()
+        elif self._scale_first and self.hook is None:
+            torch.mul(grad, self._inverse_world, out=slot)
+        else:
+            slot.copy_(grad)
+        param.grad = None  # the full gradient is in the bucket now; free it
+
+    def launch(self, bucket: GradientBucket, earlier: list[tuple[GradientBucket, Work]]) -> Work:
+        part = bucket.part
+        sent = self._filling.pop(bucket.index)
+        if self.hook is not None:
+            received = torch.empty(part.shard, dtype=sent.dtype, device=sent.device)
+            self.hook.reduce_scatter(bucket.index, sent, received)
+            work = Work()
+        else:
+            at = self.rank * part.shard
+            received = sent[at : at + part.shard]  # in place: no second buffer
+            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
+                work = self.comm.reduce_scatter(
+                    sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True
+                )  # sent is this bucket's own packed copy
+        bucket.in_flight = (sent, received)
+        return work
+
+    def finished(self, bucket: GradientBucket) -> None:
+        """Write (or add) this rank's piece of the average into its slot of ``owned_grads``."""
+        _, received = bucket.in_flight
+        part = bucket.part
+        piece = self.owned_grads[part.owned_at : part.owned_at + part.shard]
+        # The sum becomes the average here (a comm hook averages by itself; an fp16 wire was scaled on arrival).
+        scale = 1.0 if self.hook is not None or self._scale_first else self._inverse_world
+        if bucket.index in self.stale:  # the first reduce since zero_grad(set_to_none=True): write
+            if scale != 1.0 and received.dtype == piece.dtype:
+                torch.mul(received, scale, out=piece)
+            else:  # a low-precision wire widens exactly, then scales in the piece's precision
+                piece.copy_(received)
+                if scale != 1.0:
+                    piece.mul_(scale)
+            self.stale.discard(bucket.index)
+        else:  # several synced backward passes before a step add up, as plain gradients do
+            piece.add_(received, alpha=scale)
+        bucket.in_flight = None
+
+    def reset(self) -> None:
+        self._filling.clear()
+
+    def owned_gradients(self) -> torch.Tensor:
+        for bucket in self.buckets:
+            if bucket.index in self.stale:
+                part = bucket.part
+                self.owned_grads[part.owned_at : part.owned_at + part.shard].zero_()
+        self.stale.clear()
+        return self.owned_grads
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self.stale = {b.index for b in self.buckets}
+        else:
+            self.owned_grads.zero_()
+            self.stale.clear()
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+
+    def count_memory(self, mem: dict[str, int]) -> dict[str, int]:
+        mem["gradients"] += self.owned_grads.numel() * self.owned_grads.element_size()
         return mem
 
 
@@ -149,6 +306,7 @@ class ZeRO2Model(DDPModel):
     A bucket's full gradients live only until its reduce-scatter starts; then ``param.grad`` is released.
     Communicates ``(N-1)/N x P`` per step for the gradients (the optimizer's all-gather adds the same again).
     Pair it with :class:`gpudist.ZeRO2Optimizer` built from the same configuration; it steps the owned pieces.
+    Its gradient path is :class:`ReduceScatterBuckets` in DDP's :class:`~gpudist.strategies.reducer.Reducer`.
 
     Args:
         module: The ``nn.Module`` to wrap; every rank must build the same architecture. Its parameters and buffers
@@ -164,13 +322,8 @@ class ZeRO2Model(DDPModel):
     """
 
     strategy = "zero2"
-    _hook_op = "reduce_scatter"
+    _collective_type = ReduceScatterBuckets
     _flat_parameters = True
-    _defers_on_shared_memory = False  # each bucket's full-size send buffer is reduced and freed during backward
-
-    @property
-    def _views(self) -> bool:
-        return False  # full gradients do not persist: that is the memory ZeRO-2 saves
 
     def initialize_sharding(self) -> None:
         kinds = {(p.dtype, p.device) for p in self.module.parameters() if p.requires_grad}
@@ -180,45 +333,7 @@ class ZeRO2Model(DDPModel):
                 f"{sorted(str(k) for k in kinds)}; cast the model first (e.g. model.float())"
             )
         super().initialize_sharding()
-        config = self.config
-        parts = partition_buckets(
-            self._params, config.bucket_cap_bytes(), config.bucket_cap_bytes(first=True), self.world_size, self.rank
-        )
-        for bucket, part in zip(self._buckets, parts, strict=True):
-            bucket.part = part
-        self._inverse_world = 1.0 / self.world_size
-        first = self._params[0] if self._params else None
-        owned = sum(part.shard for part in parts)
-        self.owned_grads = torch.zeros(
-            owned,
-            dtype=first.dtype if first is not None else torch.float32,
-            device=first.device if first is not None else "cpu",
-        )
-        self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
-        self._scale_first = self._wire_dtype == torch.float16  # N unscaled fp16 gradients could overflow their sum
-        # Each gradient's slot in its bucket's send buffer, as as_strided's (size, stride, offset): one view op per
-        # gradient in backward instead of a slice and a reshape (the hook runs inside autograd for every parameter).
-        self._slots = {
-            b.index: [
-                (p.shape, _contiguous_strides(p.shape), offset)
-                for p, offset in zip(b.params, FlatLayout.of(b.params).offsets, strict=True)
-            ]
-            for b in self._buckets
-        }
-        self._filling: dict[int, torch.Tensor] = {}
-        """Send buffers of the buckets whose gradients are arriving (bucket index -> buffer): every slot is written by
-        its parameter's hook, or by ``_complete_unused`` for a parameter this backward did not use."""
-        self._stale: set[int] = set()
-        """Buckets whose owned piece holds no gradient since zero_grad(set_to_none=True): the next reduce writes it
-        instead of adding to it, so zero_grad makes no zeroing pass (:meth:`owned_gradients` zeroes what is left)."""
-
-    def _make_bucket(self, index, params, names, storage=None) -> GradientBucket:
-        return GradientBucket(index, params, names)
-
-    def gradient_buffers(self) -> dict[int, BufferSpec]:
-        """What each bucket's reduce-scatter sends: the bucket zero-padded to ``world_size`` even pieces."""
-        size = {b.index: self.world_size * b.part.shard for b in self._buckets}
-        return {b.index: BufferSpec.of(b.params, self._hook_op, size=size[b.index]) for b in self._buckets}
+        self.owned_grads = self._collective.owned_grads
 
     def owned_segments(self) -> list[tuple[int, int]]:
         """(flat offset, length) of the gradient pieces this rank keeps, ascending (the owned buffer's order).
@@ -228,110 +343,16 @@ class ZeRO2Model(DDPModel):
         """
         return sorted(b.part.segment for b in self._buckets)
 
-    def _arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
-        """Copy the gradient into its slot of the bucket's send buffer (allocated by the bucket's first gradient) and
-        free it: full gradients never pile up while a bucket fills, and the copy reads the gradient while it is still
-        in cache (as torch DDP's copy into its bucket). The 1/N of the average is applied to this rank's reduced
-        piece as it is written out (:meth:`_after_reduce`), 1/N of the elements, not here: a plain copy costs the
-        host a third of a ``mul(out=)`` (1.1 vs 3.5 us per call on the 2-core CPU), once per parameter inside
-        autograd. Only an fp16 wire is scaled first, so that the sum of N gradients cannot overflow it."""
-        sent = self._filling.get(bucket.index)
-        if sent is None:
-            dtype = self.owned_grads.dtype if self._comm_hook is not None else self._wire_dtype
-            part = bucket.part
-            sent = torch.empty(self.world_size * part.shard, dtype=dtype, device=self.owned_grads.device)
-            sent[part.numel :].zero_()  # the padding: every rank's piece the same size, one even reduce-scatter
-            self._filling[bucket.index] = sent
-        slot = sent.as_strided(*self._slots[bucket.index][j])
-        grad = param.grad
-        if grad is None:  # unused in this backward (find_unused_parameters), nothing from no_sync: zeros
-            slot.zero_()
-        elif self._scale_first and self._comm_hook is None:
-            torch.mul(grad, self._inverse_world, out=slot)
-        else:
-            slot.copy_(grad)
-        param.grad = None  # the full gradient is in the bucket now; free it
-
-    def _launch(self, bucket: GradientBucket) -> None:
-        hook, part = self._comm_hook, bucket.part
-        sent = self._filling.pop(bucket.index)
-        if hook is not None:
-            received = torch.empty(part.shard, dtype=sent.dtype, device=sent.device)
-            hook.reduce_scatter(bucket.index, sent, received)
-            work = Work()
-        else:
-            at = self.rank * part.shard
-            received = sent[at : at + part.shard]  # in place: no second buffer
-            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-                work = self.comm.reduce_scatter(
-                    sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True
-                )  # sent is this bucket's own packed copy
-        bucket.in_flight = (sent, received)
-        self._pending.append((bucket, work))
-        # At most _IN_FLIGHT reduce-scatters at a time, as ZeRO3Model: each holds its bucket's full-size send buffer,
-        # so letting all of them run to the end of backward held a full copy of the gradients at the peak, and the
-        # memory freed at once went back to the OS and had to be faulted in again the next step.
-        while len(self._pending) > self._IN_FLIGHT:  # the work objects hold the buffers too: let them go
-            done, work = self._pending.pop(0)
-            work.wait()
-            self._after_reduce(done)
-
-    _IN_FLIGHT = 2
-
-    def _after_reduce(self, bucket: GradientBucket) -> None:
-        _, received = bucket.in_flight
-        part = bucket.part
-        piece = self.owned_grads[part.owned_at : part.owned_at + part.shard]
-        # The sum becomes the average here (a comm hook averages by itself; an fp16 wire was scaled on arrival).
-        scale = 1.0 if self._comm_hook is not None or self._scale_first else self._inverse_world
-        if bucket.index in self._stale:  # the first reduce since zero_grad(set_to_none=True): write
-            if scale != 1.0 and received.dtype == piece.dtype:
-                torch.mul(received, scale, out=piece)
-            else:  # a low-precision wire widens exactly, then scales in the piece's precision
-                piece.copy_(received)
-                if scale != 1.0:
-                    piece.mul_(scale)
-            self._stale.discard(bucket.index)
-        else:  # several synced backward passes before a step add up, as plain gradients do
-            piece.add_(received, alpha=scale)
-        bucket.in_flight = None
-
-    def _reset_step(self) -> None:
-        super()._reset_step()
-        self._filling.clear()
-
     def owned_gradients(self) -> torch.Tensor:
         """The owned gradient pieces (``owned_grads``), zero where no backward wrote since ``zero_grad``.
 
         Returns:
             ``owned_grads`` itself (1-D, in :meth:`owned_segments` order), not a copy.
         """
-        for bucket in self._buckets:
-            if bucket.index in self._stale:
-                part = bucket.part
-                self.owned_grads[part.owned_at : part.owned_at + part.shard].zero_()
-        self._stale.clear()
-        return self.owned_grads
-
-    def zero_grad_buckets(self, set_to_none: bool = True) -> None:
-        """Clear the gradients. The owned pieces are not zeroed here but overwritten by the next backward
-        (``set_to_none``, torch's default: no pass over P/N), or zeroed now (``set_to_none=False``).
-
-        Args:
-            set_to_none: Leave the owned pieces to be overwritten (True) or zero them now (False).
-        """
-        if set_to_none:
-            self._stale = {b.index for b in self._buckets}
-        else:
-            self.owned_grads.zero_()
-            self._stale.clear()
-        for p in self._params:
-            p.grad = None
+        return self._collective.owned_gradients()
 
     def memory_per_rank(self) -> dict[str, int]:
-        mem = ShardedModel.memory_per_rank(self)
-        mem["gradients"] += self.owned_grads.numel() * self.owned_grads.element_size()
-        return mem
+        return self._collective.count_memory(ShardedModel.memory_per_rank(self))
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

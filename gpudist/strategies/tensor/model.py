@@ -16,6 +16,7 @@ from ...config import ShardingConfiguration
 from ...flat import broadcast_tensors, reduce_gradients_in
 from ..layout import ParallelLayout, make_groups
 from ..model import ShardedModel, module_table, replica_share
+from ..reducer import EndOfBackward
 from .layers import divisors, held_segments, vocab_parallel_cross_entropy
 from .mappings import gather_from_tensor_parallel
 from .plans import Plan, apply_plan, validate_plan
@@ -231,7 +232,7 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         self._install_hooks()
 
     def _install_hooks(self) -> None:
-        self._callback_queued = False
+        self._end = EndOfBackward(self._finish_backward)
         for p in self.module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -271,7 +272,7 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
         call given ``labels`` (a Hugging Face model computing its own loss from them): the output layer then
         gathers full logits (each rank holds ``[..., V]`` for that call), so the model's loss and the returned
         logits are the unsplit model's; the gradient of the full logits goes back to each rank's slice."""
-        self._callback_queued = False  # a backward that failed half way must not keep the next one from syncing
+        self._end.clear()  # a backward that failed half way must not keep the next one from syncing
         if self._vocab_output is None or kwargs.get("labels") is None:
             return self.module(*args, **kwargs)
         head = self.module.get_submodule(self._vocab_output)
@@ -284,12 +285,9 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     # -- training --------------------------------------------------------------------------------------------------
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._end.arm()
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
         self.synchronize_gradients()
         self._mark_step_bytes()
 

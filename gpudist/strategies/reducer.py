@@ -1,0 +1,230 @@
+"""The gradient path every bucketed strategy shares: gradients arrive during backward, buckets launch in order, and
+one callback finishes the step at the end of backward.
+
+:class:`Reducer` is Megatron's bucket group done with gpudist's pieces. It owns what does not depend on the
+strategy: a post-accumulate hook per parameter (one closure with its bucket and slot bound at wrap time, so the hot
+path looks nothing up), the ready sets, the launch of buckets strictly in index order on every rank, the list of
+collectives in flight, the end-of-backward callback and the cleanup after a failed backward. What a bucket's
+gradients go through is a :class:`BucketCollective` the strategy passes in: DDP and ZeRO-1 all-reduce
+(:class:`gpudist.strategies.ddp.AllReduceBuckets`), ZeRO-2 reduce-scatters
+(:class:`gpudist.strategies.zero.ReduceScatterBuckets`). The model wrappers hold a reducer; none overrides another's
+private methods.
+
+:class:`EndOfBackward` is the one end-of-backward mechanism: the reducer, FSDP's units and the compression hook's
+overlapped all-reduces each hold one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..comm import Work
+from ..flat import GradientBucket
+
+__all__ = ["BucketCollective", "EndOfBackward", "Reducer"]
+
+
+class EndOfBackward:
+    """A function run once at the end of the current backward pass (autograd's ``queue_callback``), queued at most
+    once per pass however many hooks ask for it.
+
+    Args:
+        fn: What runs at the end of backward; it runs once per :meth:`arm`-ed pass.
+    """
+
+    __slots__ = ("_fn", "queued")
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+        self.queued = False
+        """Whether the callback is queued for the running backward (it has not run yet)."""
+
+    def arm(self) -> bool:
+        """Queue the callback for the running backward unless it already is (call it from inside backward).
+
+        Returns:
+            True when this call queued it (the first of this backward), False when it already was.
+        """
+        if self.queued:
+            return False
+        self.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._run)
+        return True
+
+    def clear(self) -> None:
+        """Forget a queued callback whose backward failed before running it (the next backward queues a new one)."""
+        self.queued = False
+
+    def _run(self) -> None:
+        self.queued = False
+        self._fn()
+
+
+class BucketCollective:
+    """What a strategy does with a bucket's gradients: the part of the gradient path that differs between DDP's
+    all-reduce and ZeRO-2's reduce-scatter. A :class:`Reducer` calls it; subclasses fill in the verbs.
+
+    Attributes:
+        buckets: The buckets in launch order (index ``i`` at position ``i``), built by the subclass at wrap time.
+        copies_on_arrival: Whether :meth:`arrived` does anything (the reducer skips the call when it does not).
+        max_in_flight: How many launched collectives may be in flight before the oldest is finished during
+            backward (each holding a full-size buffer), or None: all of them until the end of backward.
+    """
+
+    buckets: list[GradientBucket]
+    copies_on_arrival = True
+    max_in_flight: int | None = None
+
+    def arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """``param``'s gradient (slot ``j`` of ``bucket``) is complete for this backward (hot path: once per
+        parameter inside autograd)."""
+
+    def missing(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
+        """``param`` got no gradient in this backward (``find_unused_parameters``): contribute zeros."""
+        self.arrived(bucket, j, param)
+
+    def launch(self, bucket: GradientBucket, earlier: list[tuple[GradientBucket, Work]]) -> Work:
+        """Start the bucket's collective (every rank in the same bucket order); ``earlier`` are the ones in flight.
+
+        Returns:
+            The collective in flight (a completed :class:`~gpudist.comm.Work` when it ran synchronously).
+        """
+        raise NotImplementedError
+
+    def finished(self, bucket: GradientBucket) -> None:
+        """The bucket's collective completed: put the result where the gradients live."""
+
+    def overlaps(self) -> bool:
+        """Whether this backward launches buckets as they fill (False: all of them at its end). Asked once per
+        backward, when its first gradient arrives."""
+        return True
+
+    def reset(self) -> None:
+        """Drop per-step state after a step (or a backward that failed half way)."""
+
+
+class Reducer:
+    """Buckets of gradients launched in index order as backward fills them, finished at the end of backward.
+
+    Args:
+        buckets: The collective's buckets (``collective.buckets``), in launch order.
+        collective: What each bucket's gradients go through.
+        on_unused: Called with the ``(bucket, slot)`` pairs that got no gradient in a backward, before they count
+            as zeros; it raises when unused parameters are not allowed.
+        on_finish: Called after every bucket of a backward was finished (the step's byte count).
+    """
+
+    def __init__(
+        self,
+        collective: BucketCollective,
+        on_unused: Callable[[list[tuple[GradientBucket, int]]], None],
+        on_finish: Callable[[], None],
+    ):
+        self.collective = collective
+        self.buckets = collective.buckets
+        self.sync = True
+        """False inside ``no_sync()``: gradients accumulate locally and nothing launches."""
+        self.pending: list[tuple[GradientBucket, Work]] = []
+        self.end = EndOfBackward(self.finish)
+        self._on_unused = on_unused
+        self._on_finish = on_finish
+        self._next = 0
+        self._overlap = True
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(bucket, j))
+            for bucket in self.buckets
+            for j, p in enumerate(bucket.params)
+        ]
+
+    def _hook(self, bucket: GradientBucket, j: int) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate hook of slot ``j`` of ``bucket``: everything it needs is bound here, at wrap time (the
+        hot path: once per parameter per backward, on autograd's thread)."""
+        arrived = self.collective.arrived if self.collective.copies_on_arrival else None
+        ready, size, end = bucket.ready, len(bucket.params), self.end
+
+        def on_grad_ready(param: torch.Tensor) -> None:
+            if not self.sync:
+                return
+            if arrived is not None:
+                arrived(bucket, j, param)
+            if not end.queued:  # the first gradient of this backward: decide what holds for all of it
+                end.arm()
+                self._overlap = self.collective.overlaps()
+            ready.add(j)
+            if self._overlap and len(ready) == size:
+                self.launch_ready()
+
+        return on_grad_ready
+
+    def launch_ready(self) -> None:
+        """Launch every bucket, in index order, whose gradients are all there and whose predecessors launched.
+
+        Buckets start strictly in index order on every rank, whatever order their gradients arrive in, so all ranks
+        issue the same collectives in the same sequence."""
+        collective, pending, cap = self.collective, self.pending, self.collective.max_in_flight
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            pending.append((bucket, collective.launch(bucket, pending)))
+            self._next += 1
+            while cap is not None and len(pending) > cap:  # the oldest's buffers go back before more are taken
+                done, work = pending.pop(0)
+                work.wait()
+                collective.finished(done)
+
+    def finish(self) -> None:
+        """The end of backward (autograd callback): count unused parameters as zeros, launch what is left, wait for
+        every collective in order and let the collective write its results."""
+        self.end.clear()
+        try:
+            self._complete_unused()
+            self.launch_ready()
+            for bucket, work in self.pending:
+                work.wait()
+                self.collective.finished(bucket)
+        finally:
+            self.reset()
+        self._on_finish()
+
+    def mark_all_ready(self) -> None:
+        """Every slot ready now, its gradient taken where it is (for gradients produced outside a synced backward)."""
+        collective = self.collective
+        for bucket in self.buckets:
+            for j, p in enumerate(bucket.params):
+                if collective.copies_on_arrival:
+                    collective.arrived(bucket, j, p)
+                bucket.ready.add(j)
+
+    def _complete_unused(self) -> None:
+        """O(buckets) when every gradient arrived (the steady state); the slots are walked only in a bucket with
+        some missing."""
+        missing = [
+            (b, j)
+            for b in self.buckets
+            if len(b.ready) < len(b.params)
+            for j in range(len(b.params))
+            if j not in b.ready
+        ]
+        if not missing:
+            return
+        self._on_unused(missing)
+        for bucket, j in missing:
+            self.collective.missing(bucket, j, bucket.params[j])
+            bucket.ready.add(j)
+
+    @property
+    def failed_half_way(self) -> bool:
+        """Whether a backward left work behind (it raised before its end-of-backward callback ran)."""
+        return bool(self.pending) or self.end.queued
+
+    def reset(self) -> None:
+        """Forget this step's progress (after the step, or after a backward that failed half way)."""
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        self.collective.reset()
+        self.pending = []
+        self._next = 0
+        self.end.clear()
