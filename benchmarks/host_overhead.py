@@ -149,6 +149,9 @@ class _NullRuntime:
     def record(self) -> _DoneEvent:
         return self._event
 
+    def recycle(self, event) -> None:
+        pass
+
     def wait(self, event) -> None:
         pass
 
