@@ -385,8 +385,8 @@ class _SlowDevice(HostRuntime):
 
 
 def test_watchdog_queries_events_without_holding_the_lock_ops_take():
-    """Catches the watchdog holding its lock across a CUDA event query: an op issued meanwhile (which registers its
-    event under that lock) would wait for the query, i.e. for the device."""
+    """Catches the watchdog holding a lock across a CUDA event query that an op needs to register its event: an op
+    issued meanwhile would wait for the query, i.e. for the device."""
     fake = FakeNccl()
     _SlowQuery.entered.clear()
     _SlowQuery.release.clear()

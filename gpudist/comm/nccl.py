@@ -28,10 +28,10 @@ Gloo or MPI backend of the same processes).
   ``timeout`` seconds (or ``ncclCommGetAsyncError`` reporting an error) makes it abort the communicator
   (``ncclCommAbort``, which releases kernels stuck waiting for a dead peer) and mark the backend broken: the
   next op or ``wait()`` raises :class:`CommunicationTimeoutError` naming op, group and rank, instead of hanging.
-  The watchdog runs with the backend's device selected, queries events outside the lock ops take, and an exception
-  of its own breaks the group with its text. ``shutdown()`` (also registered at interpreter exit) joins the
-  watchdog and destroys the communicator once this rank's ops have completed, or aborts it when they have not by
-  their deadline: it never waits on the device unbounded.
+  The watchdog runs with the backend's device selected, takes no lock an op takes (ops register themselves
+  lock-free), and an exception of its own breaks the group with its text. ``shutdown()`` (also registered at
+  interpreter exit) joins the watchdog and destroys the communicator once this rank's ops have completed, or aborts
+  it when they have not by their deadline: it never waits on the device unbounded.
 - Rebuilding after a failure, without leaving Python: a survivor calls :meth:`~NCCLCommunicationBackend.abort` on
   the old group (``ncclCommAbort``: local, it never waits for the dead peer; the watchdog does the same when an op
   times out), then every member of the next group calls :meth:`~NCCLCommunicationBackend.join_group` with a fresh
@@ -49,7 +49,6 @@ import atexit
 import collections
 import contextlib
 import datetime
-import functools
 import threading
 import time
 import weakref
@@ -203,17 +202,33 @@ _EVENT_POOL = 64
 """Free events a runtime keeps for reuse (more ops than this in flight at once create new ones)."""
 
 
-class _InFlight:
-    """One op on the communication stream, from its issue until it completed and its Work was waited for: its event,
+class _InFlight(Work):
+    """One op on the communication stream and its :class:`Work` in one object (one allocation per op): its event,
     its deadline and the tensors it reads and writes (kept referenced, so their memory is not reused before the op
-    ran). ``retired``: the watchdog saw it complete; ``waited``: its Work's wait ran; the second of the two gives the
-    event back to the pool."""
+    ran), from its issue until it completed (the watchdog retires it) and it was waited for. Whichever of the two
+    comes second gives the event back to the pool: each takes from ``_token`` (a one-item list; ``pop`` is atomic),
+    and the one that finds it empty recycles, with no lock on the issuing thread."""
 
-    __slots__ = ("deadline", "event", "op", "retired", "tensors", "waited")
+    def __init__(self, backend: NCCLCommunicationBackend, event, op: str, tensors, then):
+        self._backend, self.event, self.op, self.tensors, self._then = backend, event, op, tensors, then
+        self.deadline = time.monotonic() + backend.timeout
+        self._token = [True]
+        self._finished = False
+        self._error: BaseException | None = None
 
-    def __init__(self, event, op: str, deadline: float, tensors):
-        self.event, self.op, self.deadline, self.tensors = event, op, deadline, tensors
-        self.retired = self.waited = False
+    def _wait_fn(self) -> None:  # Work.wait runs it once
+        self._backend._finish(self)
+
+    def _done_fn(self) -> bool:  # Work.is_completed asks it until the wait
+        return self.event.query()
+
+    def settled(self) -> None:
+        """One of the two ends of the op's life (completed, waited for) was reached: at the second, the event is
+        free."""
+        try:
+            self._token.pop()
+        except IndexError:
+            self._backend._rt.recycle(self.event)
 
 
 class _PlannedAllReduce(PlannedCollective):
@@ -333,7 +348,6 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._subgroups = 0
         self._inflight: collections.deque[_InFlight] = collections.deque()
         """Ops in issue order: one communication stream runs them in that order, so the oldest completes first."""
-        self._lock = threading.Lock()
         self._comm_lock = threading.Lock()  # the watchdog's async-error check vs. freeing the communicator
         self._comm_gone = False  # destroyed or aborted: the handle must not be passed to NCCL again
         self._stop = threading.Event()
@@ -550,13 +564,11 @@ class NCCLCommunicationBackend(CommunicationBackend):
         its errors are already CommunicationErrors naming op, group and rank (a planned op returns it as it is)."""
         rt = self._rt
         rt.hold(tensors)
-        event = rt.record()
-        entry = _InFlight(event, op, time.monotonic() + self.timeout, tensors)
-        with self._lock:
-            self._inflight.append(entry)
-        return Work(functools.partial(self._finish, entry, then), event.query)
+        entry = _InFlight(self, rt.record(), op, tensors, then)
+        self._inflight.append(entry)  # (a deque: append and the watchdog's popleft are atomic)
+        return entry
 
-    def _finish(self, entry: _InFlight, then) -> None:
+    def _finish(self, entry: _InFlight) -> None:
         """The wait of an op's Work: the current stream waits for its event (no host sync). From here the stream that
         will reuse the tensors' memory is ordered after the op, so they are let go."""
         op = entry.op
@@ -567,14 +579,11 @@ class NCCLCommunicationBackend(CommunicationBackend):
         except RuntimeError as e:
             raise self._failed(e, op) from e
         entry.tensors = None
-        with self._lock:
-            entry.waited = True
-            if entry.retired:
-                self._rt.recycle(entry.event)
+        entry.settled()
         if self._broken is not None:  # aborted while pending: the kernel was released with its output unfinished
             self._raise_if_broken(op)
-        if then is not None:
-            then()
+        if entry._then is not None:
+            entry._then()
 
     def _watch(self) -> None:
         """Watchdog: abort the communicator when an op outlives the timeout or NCCL reports an async error.
@@ -595,18 +604,15 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _poll(self) -> CommunicationError | None:
         """One look at the ops in flight: retire the completed ones from the oldest on (one stream completes them in
         issue order, so the first that has not completed is the only one that can be late); the error to abort with,
-        if any. The CUDA queries run outside the lock, so a slow query never delays an op being issued."""
+        if any. Nothing here holds a lock an op needs, so a slow query never delays an op being issued."""
         inflight = self._inflight
         while True:
-            with self._lock:
-                head = inflight[0] if inflight else None
+            head = inflight[0] if inflight else None
             if head is None or not head.event.query():
                 break
-            with self._lock:
-                inflight.popleft()
-                head.retired, head.tensors = True, None
-                if head.waited:
-                    self._rt.recycle(head.event)
+            inflight.popleft()  # only this thread (the watchdog, or shutdown after joining it) takes from the left
+            head.tensors = None
+            head.settled()
         late = head if head is not None and time.monotonic() > head.deadline else None
         with self._comm_lock:
             try:
