@@ -350,3 +350,66 @@ def test_a_planned_all_reduce_over_the_simulated_nccl():
     for r in run_nccl(_planned_all_reduce, 2, FakeNccl()):
         assert r["values"] == [3.0, 6.0, 6.0]
         assert r["stats"] == {"all_reduce": {"calls": 3, "bytes": 3 * 5 * 4}}
+
+
+def _planned_shapes(comm) -> dict:
+    """The other plans: a reduce-scatter by shape (tensors per start, even and uneven), an all-gather and a broadcast
+    on fixed buffers; each started twice, its results next to the unplanned op's on the same inputs."""
+    world, rank = comm.world_size, comm.rank
+    with pytest.raises(TypeError, match="not supported"):  # checked when planned, before anything is sent
+        comm.plan_reduce_scatter(8, torch.complex64)
+    with pytest.raises(ValueError, match="numel"):
+        comm.plan_reduce_scatter(-1, torch.float32)
+    with pytest.raises(ValueError, match="share"):
+        comm.plan_all_gather(torch.ones(3), torch.ones(4 * world))
+    with pytest.raises(ValueError, match="src"):
+        comm.plan_broadcast(torch.ones(3), world)
+    results = {}
+    for numel in (4 * world, 4 * world + 1):  # even (NCCL: one bound ncclReduceScatter) and uneven
+        plan = comm.plan_reduce_scatter(numel, torch.float32, "sum")
+        got = []
+        for step in range(2):
+            inp = torch.arange(numel, dtype=torch.float32) + 10 * rank + step
+            out = torch.empty(split_sizes(numel, world)[rank])
+            plan.start(inp, out).wait()
+            want = torch.empty_like(out)
+            comm.reduce_scatter(inp, want)
+            got.append(torch.equal(out, want))
+        results[f"reduce_scatter {numel}"] = got
+    piece = torch.full((3,), float(rank + 1))
+    out = torch.zeros(3 * world)
+    gather = comm.plan_all_gather(piece, out)
+    cast = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    send = comm.plan_broadcast(cast, world - 1)
+    comm.stats.reset()
+    for step in range(2):
+        piece.add_(step)
+        gather.start().wait()
+        send.start().wait()
+    results["all_gather"] = out.tolist()
+    results["broadcast"] = cast.tolist()
+    results["checks"] = comm.stats.check_calls
+    results["ops"] = {k: v["calls"] for k, v in comm.stats.as_dict()["ops"].items()}
+    return results
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "nccl-sim"])
+def test_planned_reduce_scatter_all_gather_and_broadcast_are_their_ops(backend):
+    """What ZeRO's steps issue every step without per-call checks: a reduce-scatter planned by shape (a new send
+    buffer each step), and an all-gather and a broadcast planned on fixed buffers. Catches a plan that binds a stale
+    pointer or size (the second start would read the first step's buffer), the wrong root or rank order, an uneven
+    size taking the even path, per-start cross-rank checks, and bad arguments accepted at plan time."""
+    world = 2
+    if backend == "nccl-sim":
+        from .fakenccl import FakeNccl, run_nccl
+
+        results = run_nccl(_planned_shapes, world, FakeNccl())
+    else:
+        results = run_ranks(_planned_shapes, world, backend)
+    for rank, r in enumerate(results):
+        for key in ("reduce_scatter 8", "reduce_scatter 9"):
+            assert r[key] == [True, True], (rank, key)
+        # each rank's piece: rank + 1, plus 0 then 1 (the second start sends the updated piece)
+        assert r["all_gather"] == [float(q + 2) for q in range(world) for _ in range(3)], rank
+        assert r["broadcast"] == [float(i * world) for i in range(5)], rank
+        assert r["checks"] == 0 and r["ops"] == {"all_gather": 2, "broadcast": 2}, rank

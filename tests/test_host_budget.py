@@ -25,10 +25,11 @@ STEPS = 2
 
 BUDGET = {  # per rank and steady-state step: what is left, and why
     "ddp": {},  # nothing: the buckets' all-reduces were planned when the model was wrapped
-    # the optimizer's parameter gather (one broadcast per chunk of the owned range and rank here)
-    "zero1": {"check_tensor": 4, "signature": 4},
-    # the reduce-scatter of each bucket's fresh send buffer (freed again: ZeRO-2's memory) and the gather
-    "zero2": {"check_tensor": 6, "signature": 6},
+    # nothing: the parameter gather's broadcasts (or all-gather) are planned at the first step
+    "zero1": {},
+    # nothing: each bucket's reduce-scatter is planned by shape at wrap time (its send buffer is new every step:
+    # ZeRO-2's memory), the gather at the first step
+    "zero2": {},
     # FSDP's gathers into fresh buffers (freed after each unit), the reduce-scatters, its fused step's plan rebuilt
     # over gradient memory that moves between steps, and a pack of one reduced gradient
     "fsdp": {"check_tensor": 6, "signature": 4, "step_check": 1, "pack_check": 1},

@@ -404,9 +404,15 @@ def count_send_buffers_alive(comm, layers: int, width: int) -> dict:
     config = ShardingConfiguration(comm, bucket_cap_mb=0.9 * layer_mb, first_bucket_mb=0.9 * layer_mb)
     model = ZeRO2Model(net, config)
     sent, alive = [], []
-    reduce_scatter = comm.reduce_scatter
 
-    def spy(inp, out, *args, **kwargs):
+    class Spy:  # stands in for each bucket's planned reduce-scatter
+        def __init__(self, plan):
+            self.plan = plan
+
+        def start(self, inp, out):
+            return spy(self.plan, inp, out)
+
+    def spy(plan, inp, out):
         # Buffers whose op finished may still be in transit in Gloo's worker thread (see settled_census): give them
         # the same grace; a buffer the model holds stays alive however long this waits.
         deadline = time.monotonic() + (SETTLE_SECONDS if max(alive, default=0) <= IN_FLIGHT else 0)
@@ -414,13 +420,11 @@ def count_send_buffers_alive(comm, layers: int, width: int) -> dict:
             time.sleep(0.005)
         alive.append(sum(ref() is not None for ref in sent))
         sent.append(weakref.ref(inp))
-        return reduce_scatter(inp, out, *args, **kwargs)
+        return plan.start(inp, out)
 
-    comm.reduce_scatter = spy
-    try:
-        model(torch.randn(4, width)).sum().backward()
-    finally:
-        comm.reduce_scatter = reduce_scatter
+    collective = model._collective
+    collective._plans = [Spy(plan) for plan in collective._plans]
+    model(torch.randn(4, width)).sum().backward()
     return {"launched": len(sent), "most_alive": max(alive), "buckets": len(model._buckets)}
 
 

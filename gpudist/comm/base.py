@@ -260,18 +260,23 @@ class Work:
 
 
 class PlannedCollective:
-    """One collective on fixed buffers, checked when it was planned (``CommunicationBackend.plan_*``): :meth:`start`
-    issues it and returns its :class:`Work`. What the backend's public op does on every call beyond the transport's
-    own (argument checks, a signature, the unchecked context) happened once; what remains is the failure state, the
-    byte counters and the transport's call."""
+    """One collective, checked when it was planned (``CommunicationBackend.plan_*``): :meth:`start` issues it and
+    returns its :class:`Work`. What the backend's public op does on every call beyond the transport's own (argument
+    checks, a signature, the unchecked context) happened once; what remains is the failure state, the byte counters
+    and the transport's call. A plan on fixed buffers (:meth:`CommunicationBackend.plan_all_reduce`) starts with no
+    argument; one of a fixed shape (:meth:`CommunicationBackend.plan_reduce_scatter`) takes its tensors per start."""
 
     __slots__ = ("_backend", "_launch", "_nbytes", "_op")
 
-    def __init__(self, backend: CommunicationBackend, op: str, nbytes: int, launch: Callable[[], Work]):
+    def __init__(self, backend: CommunicationBackend, op: str, nbytes: int, launch: Callable[..., Work]):
         self._backend, self._op, self._nbytes, self._launch = backend, op, nbytes, launch
 
-    def start(self) -> Work:
+    def start(self, *tensors: torch.Tensor) -> Work:
         """Issue the collective (asynchronously, as ``async_op=True``).
+
+        Args:
+            *tensors: Nothing for a plan on fixed buffers; the tensors of this start for a plan of a fixed shape
+                (as its ``plan_*`` method says: not checked here).
 
         Returns:
             Its :class:`Work`; ``wait()`` raises what the op's ``wait`` would.
@@ -284,7 +289,7 @@ class PlannedCollective:
             backend._raise_if_broken(op)
         backend.stats.record(op, self._nbytes)
         try:
-            work = self._launch()
+            work = self._launch(*tensors)
         except RuntimeError as e:
             raise backend._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
         return Work(lambda: backend._wait(work, op), work.is_completed)
@@ -640,15 +645,64 @@ class CommunicationBackend(ABC):
         """The plan of a checked all-reduce: each start calls the transport's ``_all_reduce`` without the cross-rank
         signature check (agreed when planned); transports with a leaner call override this."""
         sig = Signature("all_reduce", tensor.dtype, tuple(tensor.shape), op)
+        return self._planned(sig, tensor.numel() * tensor.element_size(), lambda: self._all_reduce(sig, tensor, op))
 
-        def launch() -> Work:
+    def _planned(self, sig: Signature, nbytes: int, call: Callable[..., Work]) -> PlannedCollective:
+        """The generic plan: each start runs the transport's ``call`` (its arguments bound, or passed per start)
+        with the cross-rank signature check off, as inside :meth:`unchecked`."""
+
+        def launch(*tensors: torch.Tensor) -> Work:
             previous, self.validate = self.validate, False
             try:
-                return self._all_reduce(sig, tensor, op)
+                return call(*tensors)
             finally:
                 self.validate = previous
 
-        return PlannedCollective(self, "all_reduce", tensor.numel() * tensor.element_size(), launch)
+        return PlannedCollective(self, sig.op, nbytes, launch)
+
+    def plan_reduce_scatter(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        op: ReductionOperation | str = ReductionOperation.SUM,
+        *,
+        scratch_input: bool = False,
+    ) -> PlannedCollective:
+        """A reduce-scatter of ``numel`` elements of ``dtype`` (as :meth:`reduce_scatter`) checked now and issued
+        later by :meth:`PlannedCollective.start` ``(inp, out)``, on new buffers each time (ZeRO-2's send buffer of a
+        bucket, made and freed every step). A start checks nothing about its tensors: ``inp`` must be a contiguous
+        ``numel``-element tensor of ``dtype`` on the backend's device and ``out`` this rank's share
+        (:func:`split_sizes`) of the same, as the caller's construction guarantees, and every rank's plan must
+        agree (the cross-rank signature check is skipped, as inside :meth:`unchecked`).
+
+        Args:
+            numel: Elements of every start's ``inp`` (>= 0).
+            dtype: Their dtype.
+            op: The reduction, as for :meth:`reduce_scatter`.
+            scratch_input: As for :meth:`reduce_scatter`, at every start.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError, ValueError: As :meth:`reduce_scatter` for such tensors, now rather than at a start.
+        """
+        op = ReductionOperation.parse(op)
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"plan_reduce_scatter: numel must be an int >= 0, got {numel!r}")
+        self._check_tensor("reduce_scatter", torch.empty(0, dtype=dtype, device=self.device), "inp")
+        self._check_reduction("reduce_scatter", op, dtype)
+        return self._planned_reduce_scatter(numel, dtype, op, scratch_input)
+
+    def _planned_reduce_scatter(
+        self, numel: int, dtype: torch.dtype, op: ReductionOperation, scratch_input: bool
+    ) -> PlannedCollective:
+        """The plan of a checked reduce-scatter: each start calls the transport's ``_reduce_scatter`` without the
+        cross-rank signature check; transports with a leaner call override this."""
+        sig = Signature("reduce_scatter", dtype, (numel,), op)
+        return self._planned(
+            sig, numel * dtype.itemsize, lambda inp, out: self._reduce_scatter(sig, inp, out, op, scratch_input)
+        )
 
     def reduce_scatter(
         self,
@@ -722,6 +776,12 @@ class CommunicationBackend(ABC):
             CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
             CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
         """
+        self._check_all_gather(inp, out)
+        sig = Signature("all_gather", out.dtype, tuple(out.shape))
+        nbytes = out.numel() * out.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
+
+    def _check_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._check_pair("all_gather", inp, out)
         expected = _share(out.numel(), self.world_size, self.rank)
         if inp.numel() != expected:
@@ -730,9 +790,43 @@ class CommunicationBackend(ABC):
                 f"elements over {self.world_size} ranks) is {expected}; size inp with "
                 f"gpudist.comm.split_sizes(out.numel(), world_size)[rank]"
             )
+
+    def plan_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
+        """An all-gather of ``inp`` into ``out`` (as :meth:`all_gather`) checked now and issued later, as often as
+        needed, by :meth:`PlannedCollective.start`: for buffers every step gathers (ZeRO's updated parameters). As
+        :meth:`plan_all_reduce`, a start checks nothing; both tensors must keep their storage for the plan's life.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError, ValueError: As :meth:`all_gather`, now rather than at a start.
+        """
+        self._check_all_gather(inp, out)
+        return self._planned_all_gather(inp, out)
+
+    def _planned_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
         sig = Signature("all_gather", out.dtype, tuple(out.shape))
-        nbytes = out.numel() * out.element_size()
-        return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
+        return self._planned(sig, out.numel() * out.element_size(), lambda: self._all_gather(sig, inp, out))
+
+    def plan_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
+        """A broadcast of ``tensor`` from ``src`` (as :meth:`broadcast`) checked now and issued later, as often as
+        needed, by :meth:`PlannedCollective.start` (ZeRO's updated parameters, sent chunk by chunk). As
+        :meth:`plan_all_reduce`, a start checks nothing; ``tensor`` must keep its storage for the plan's life.
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError, ValueError: As :meth:`broadcast`, now rather than at a start.
+        """
+        self._check_tensor("broadcast", tensor)
+        self._check_peer("broadcast", src, "src", allow_self=True)
+        return self._planned_broadcast(tensor, src)
+
+    def _planned_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
+        sig = Signature("broadcast", tensor.dtype, tuple(tensor.shape), root=src)
+        return self._planned(sig, tensor.numel() * tensor.element_size(), lambda: self._broadcast(sig, tensor, src))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank.

@@ -270,6 +270,55 @@ class _PlannedAllReduce(PlannedCollective):
         return backend._enqueued("all_reduce", self._held)
 
 
+class _PlannedCall(PlannedCollective):
+    """A planned NCCL call on fixed buffers (all-gather, broadcast): its arguments bound once; each start makes the
+    call on the communication stream and returns the op's Work as it is."""
+
+    __slots__ = ("_args", "_call", "_held")
+
+    def __init__(self, backend: NCCLCommunicationBackend, op: str, nbytes: int, call: str, args: tuple, held: tuple):
+        super().__init__(backend, op, nbytes, None)
+        self._call, self._args, self._held = call, args, held
+
+    def start(self) -> Work:
+        backend, op = self._backend, self._op
+        if backend._broken is not None:
+            backend._raise_if_broken(op)
+        backend.stats.record(op, self._nbytes)
+        try:
+            getattr(backend._comm, self._call)(*self._args, backend._rt.stream())
+            return backend._enqueued(op, self._held)
+        except RuntimeError as e:
+            raise backend._failed(e, op) from e
+
+
+class _PlannedReduceScatter(PlannedCollective):
+    """A planned NCCL reduce-scatter of an even size: count, dtype and op codes bound once; each start passes its
+    tensors' pointers to one ``ncclReduceScatter``."""
+
+    __slots__ = ("_codes", "_scale")
+
+    def __init__(self, backend: NCCLCommunicationBackend, numel: int, dtype: torch.dtype, op: ReductionOperation):
+        super().__init__(backend, "reduce_scatter", numel * dtype.itemsize, None)
+        nccl_op, self._scale = backend._reduce_op(op)
+        self._codes = (numel // backend.world_size, backend._types[dtype], nccl_op)
+
+    def start(self, inp: torch.Tensor, out: torch.Tensor) -> Work:
+        backend = self._backend
+        if backend._broken is not None:
+            backend._raise_if_broken("reduce_scatter")
+        backend.stats.record("reduce_scatter", self._nbytes)
+        rt = backend._rt
+        try:
+            backend._comm.reduceScatter(inp.data_ptr(), out.data_ptr(), *self._codes, rt.stream())
+            if self._scale is not None:
+                with rt.on_comm():
+                    out.mul_(self._scale)
+            return backend._enqueued("reduce_scatter", (inp, out))
+        except RuntimeError as e:
+            raise backend._failed(e, "reduce_scatter") from e
+
+
 def _shutdown_at_exit(ref: weakref.ref) -> None:
     """Shut a backend still alive at interpreter exit down while the interpreter is whole (bounded by its timeout)."""
     backend = ref()
@@ -694,6 +743,27 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         self._check(sig)
         return _PlannedAllReduce(self, tensor, op).issue()
+
+    def _planned_reduce_scatter(
+        self, numel: int, dtype: torch.dtype, op: ReductionOperation, scratch_input: bool
+    ) -> PlannedCollective:
+        """Even sizes: one bound ``ncclReduceScatter`` (its Work returned as it is); uneven ones: the generic plan."""
+        if numel % self.world_size:
+            return super()._planned_reduce_scatter(numel, dtype, op, scratch_input)
+        return _PlannedReduceScatter(self, numel, dtype, op)
+
+    def _planned_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
+        """Even sizes: one bound ``ncclAllGather``; uneven ones: the generic plan."""
+        if out.numel() % self.world_size:
+            return super()._planned_all_gather(inp, out)
+        args = (inp.data_ptr(), out.data_ptr(), inp.numel(), self._dtype(out, "all_gather"))
+        return _PlannedCall(self, "all_gather", out.numel() * out.element_size(), "allGather", args, (inp, out))
+
+    def _planned_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
+        """One bound ``ncclBroadcast`` (in place)."""
+        ptr, dtype = tensor.data_ptr(), self._dtype(tensor, "broadcast")
+        args = (ptr, ptr, tensor.numel(), dtype, src)
+        return _PlannedCall(self, "broadcast", tensor.numel() * tensor.element_size(), "broadcast", args, (tensor,))
 
     def _planned_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation) -> PlannedCollective:
         """Pointer, count, dtype and op codes bound once, and the event's Work returned as it is (its errors are

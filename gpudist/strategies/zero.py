@@ -185,6 +185,14 @@ class ReduceScatterBuckets(BucketCollective):
         )
         self._wire_dtype = config.communication_dtype or self.owned_grads.dtype
         self._scale_first = self._wire_dtype == torch.float16  # N unscaled fp16 gradients could overflow their sum
+        self._plans = [
+            comm.plan_reduce_scatter(
+                self.world_size * b.part.shard, self._wire_dtype, ReductionOperation.SUM, scratch_input=True
+            )
+            for b in self.buckets
+        ]
+        """Each bucket's reduce-scatter, checked now and started every step on its new send buffer (the buffer is
+        the bucket's own packed copy, so the transport may reduce in it)."""
         self._held: list[list[torch.Tensor | None]] = [[None] * len(b.params) for b in self.buckets]
         """The gradients that arrived for each bucket this backward (slot order), until the bucket launches."""
         like = self.owned_grads
@@ -229,10 +237,7 @@ class ReduceScatterBuckets(BucketCollective):
         else:
             at = self.rank * part.shard
             received = sent[at : at + part.shard]  # in place: no second buffer
-            with self.comm.unchecked():  # bucket layouts agree by construction (same fingerprint at wrap time)
-                work = self.comm.reduce_scatter(
-                    sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True
-                )  # sent is this bucket's own packed copy
+            work = self._plans[bucket.index].start(sent, received)  # layouts agree by construction (wrap time)
         bucket.in_flight = (sent, received)
         return work
 
@@ -510,6 +515,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
         self._comm_hook = None
         self._plans: dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep] = {}
         self._plans_key: tuple = ()
+        self._gather_plans: dict[tuple, object] = {}
+        """Planned collectives of the parameter gather (:meth:`_gather_plan`), and what their buffers were."""
+        self._gather_plans_key: tuple = ()
         self._scalars: _StepScalars | None = None
         self._verdict = _Verdict(None)
         """The last step's global gradient norm, on the device (and on its way to the host)."""
@@ -778,27 +786,37 @@ class _FlatShardOptimizer(ShardedOptimizer):
         async broadcast per rank's matching chunk, straight into the flat buffer) while the next chunk is updated.
         Same bytes as all-gathering every region after the whole update, which on 2 Gloo processes left the update's
         time exposed (``benchmarks/zero.py``)."""
-        world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
-        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
         self._count_steps()
         works = []
-        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-            for offset, numel, owned_at in regions:
-                ranges = [padded_range(numel, world, r) for r in range(world)]
-                widest = max(end - start for start, end in ranges)
-                chunks = max(1, min(8, -(-widest * flat.element_size() // chunk_bytes)))
-                mine = ranges[rank][1] - ranges[rank][0]
-                for c in range(chunks):
-                    lo, hi = shard_range(mine, chunks, c)
-                    if hi > lo:
-                        self._fused_step(scale, (owned_at + lo, owned_at + hi))
-                    for r, (start, end) in enumerate(ranges):
-                        lo, hi = shard_range(end - start, chunks, c)
-                        if hi > lo:
-                            piece = flat[offset + start + lo : offset + start + hi]
-                            works.append(self.comm.broadcast(piece, src=r, async_op=True))
+        for window, sends in self._gather_plan(("send", tuple(regions)), lambda: self._send_schedule(regions)):
+            if window is not None:
+                self._fused_step(scale, window)
+            works += [send.start() for send in sends]
         for work in works:
             work.wait()
+
+    def _send_schedule(self, regions: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int] | None, list]]:
+        """:meth:`_update_and_send`'s chunks, decided once: per chunk, the owned window to update (None: this rank
+        owns none of it) and the planned broadcast of every rank's matching piece (sizes agree by construction:
+        the layout was checked across ranks when built)."""
+        world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
+        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
+        schedule = []
+        for offset, numel, owned_at in regions:
+            ranges = [padded_range(numel, world, r) for r in range(world)]
+            widest = max(end - start for start, end in ranges)
+            chunks = max(1, min(8, -(-widest * flat.element_size() // chunk_bytes)))
+            mine = ranges[rank][1] - ranges[rank][0]
+            for c in range(chunks):
+                lo, hi = shard_range(mine, chunks, c)
+                window = (owned_at + lo, owned_at + hi) if hi > lo else None
+                sends = []
+                for r, (start, end) in enumerate(ranges):
+                    a, b = shard_range(end - start, chunks, c)
+                    if b > a:
+                        sends.append(self.comm.plan_broadcast(flat[offset + start + a : offset + start + b], r))
+                schedule.append((window, sends))
+        return schedule
 
     def _count_steps(self) -> None:
         groups = list(self._by_group())
@@ -857,6 +875,18 @@ class _FlatShardOptimizer(ShardedOptimizer):
         if key != self._plans_key:
             self._plans, self._plans_key = {}, key
         return self._plans
+
+    def _gather_plan(self, key: tuple, make):
+        """The planned collective ``make()`` returns, built once per ``key`` (its buffers and their memory) and kept
+        from step to step: the parameter gather checks nothing per step. Plans of buffers that moved (a checkpoint
+        load that replaced them) are dropped."""
+        held = (self._flat.data.data_ptr(), None if self._master is None else self._master.data_ptr())
+        if held != self._gather_plans_key:
+            self._gather_plans, self._gather_plans_key = {}, held
+        plan = self._gather_plans.get(key)
+        if plan is None:
+            plan = self._gather_plans[key] = make()
+        return plan
 
     def _step_plan(self, lo: int, hi: int) -> kernels.AdamStep | kernels.SGDStep:
         param, grad, state = self._master_of(lo, hi), self._grad[lo:hi], self._state
@@ -1141,9 +1171,12 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
 
     def _gather_parameters(self) -> None:
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
-        src = self._master if self._master_is_view else self._master.to(self._flat.data.dtype)
-        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-            self.comm.all_gather(src, self._flat.data)
+        flat = self._flat.data
+        if self._master_is_view:  # planned once (sizes agree by construction: the layout was checked when built)
+            self._gather_plan(("gather",), lambda: self.comm.plan_all_gather(self._master, flat)).start().wait()
+            return
+        with self.comm.unchecked():
+            self.comm.all_gather(self._master.to(flat.dtype), flat)
 
     def _update_and_gather(self, scale: _Scale) -> None:
         """Fused fp32 path: the flat buffer is one gathered region (:meth:`_update_and_send`)."""
@@ -1250,9 +1283,18 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
         for part in self._parts:
             region = self._flat.data[part.flat_offset : part.flat_offset + part.numel]
             piece = self._master_of(part.owned_at, part.owned_at + part.owned_numel)
-            if part.numel == world * part.shard:  # even already: straight into the parameters (fp32: in place)
-                src, out = (piece if self._master_is_view else piece.to(dtype)), region
-            else:  # the padded pieces through a staging buffer: one even all-gather, not a broadcast per rank
+            if part.numel == world * part.shard and self._master_is_view:
+                # even and fp32: the owned piece straight into the parameters, in place, planned once (sizes agree by
+                # construction: the layout was checked across ranks when built)
+                plan = self._gather_plan(
+                    ("gather", part.flat_offset), lambda src=piece, out=region: self.comm.plan_all_gather(src, out)
+                )
+                plan.start().wait()
+                continue
+            if part.numel == world * part.shard:  # even: the piece cast to the parameters' dtype, straight into them
+                src, out = piece.to(dtype), region
+            else:  # padded, through buffers made for this gather and freed after it (kept, they would hold a bucket
+                # of parameters more than the memory table says): one even all-gather, not a broadcast per rank
                 src = torch.zeros(part.shard, dtype=dtype, device=region.device)
                 src[: part.owned_numel].copy_(piece)
                 out = torch.empty(world * part.shard, dtype=dtype, device=region.device)
