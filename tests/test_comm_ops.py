@@ -360,8 +360,8 @@ def _planned_shapes(comm) -> dict:
         comm.plan_reduce_scatter(8, torch.complex64)
     with pytest.raises(ValueError, match="numel"):
         comm.plan_reduce_scatter(-1, torch.float32)
-    with pytest.raises(ValueError, match="share"):
-        comm.plan_all_gather(torch.ones(3), torch.ones(4 * world))
+    with pytest.raises(ValueError, match="numel"):
+        comm.plan_all_gather(2.5, torch.float32)
     with pytest.raises(ValueError, match="src"):
         comm.plan_broadcast(torch.ones(3), world)
     results = {}
@@ -378,13 +378,13 @@ def _planned_shapes(comm) -> dict:
         results[f"reduce_scatter {numel}"] = got
     piece = torch.full((3,), float(rank + 1))
     out = torch.zeros(3 * world)
-    gather = comm.plan_all_gather(piece, out)
+    gather = comm.plan_all_gather(out.numel(), out.dtype)
     cast = torch.arange(5, dtype=torch.float32) * (rank + 1)
     send = comm.plan_broadcast(cast, world - 1)
     comm.stats.reset()
     for step in range(2):
         piece.add_(step)
-        gather.start().wait()
+        gather.start(piece, out).wait()
         send.start().wait()
     results["all_gather"] = out.tolist()
     results["broadcast"] = cast.tolist()
@@ -395,10 +395,11 @@ def _planned_shapes(comm) -> dict:
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "nccl-sim"])
 def test_planned_reduce_scatter_all_gather_and_broadcast_are_their_ops(backend):
-    """What ZeRO's steps issue every step without per-call checks: a reduce-scatter planned by shape (a new send
-    buffer each step), and an all-gather and a broadcast planned on fixed buffers. Catches a plan that binds a stale
-    pointer or size (the second start would read the first step's buffer), the wrong root or rank order, an uneven
-    size taking the even path, per-start cross-rank checks, and bad arguments accepted at plan time."""
+    """What ZeRO's and FSDP's steps issue every step without per-call checks: a reduce-scatter and an all-gather
+    planned by shape (new buffers each step, or the same ones), and a broadcast planned on a fixed buffer. Catches a
+    plan that binds a stale pointer or size (the second start would read the first step's buffer), the wrong root
+    or rank order, an uneven size taking the even path, per-start cross-rank checks, and bad arguments accepted at
+    plan time."""
     world = 2
     if backend == "nccl-sim":
         from .fakenccl import FakeNccl, run_nccl

@@ -30,9 +30,8 @@ BUDGET = {  # per rank and steady-state step: what is left, and why
     # nothing: each bucket's reduce-scatter is planned by shape at wrap time (its send buffer is new every step:
     # ZeRO-2's memory), the gather at the first step
     "zero2": {},
-    # FSDP's gathers into fresh buffers (freed after each unit), the reduce-scatters, its fused step's plan rebuilt
-    # over gradient memory that moves between steps, and a pack of one reduced gradient
-    "fsdp": {"check_tensor": 6, "signature": 4, "step_check": 1, "pack_check": 1},
+    # nothing: FSDP's gathers and reduce-scatters (into buffers made and freed every step) are planned by shape
+    "fsdp": {},
 }
 
 

@@ -688,9 +688,7 @@ class CommunicationBackend(ABC):
             TypeError, ValueError: As :meth:`reduce_scatter` for such tensors, now rather than at a start.
         """
         op = ReductionOperation.parse(op)
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"plan_reduce_scatter: numel must be an int >= 0, got {numel!r}")
-        self._check_tensor("reduce_scatter", torch.empty(0, dtype=dtype, device=self.device), "inp")
+        self._check_plan("reduce_scatter", numel, dtype)
         self._check_reduction("reduce_scatter", op, dtype)
         return self._planned_reduce_scatter(numel, dtype, op, scratch_input)
 
@@ -776,12 +774,6 @@ class CommunicationBackend(ABC):
             CommunicationTimeoutError: When a rank did not take part within the backend's timeout.
             CommunicationError: When the transport failed, or the group is unusable after an earlier failure.
         """
-        self._check_all_gather(inp, out)
-        sig = Signature("all_gather", out.dtype, tuple(out.shape))
-        nbytes = out.numel() * out.element_size()
-        return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
-
-    def _check_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._check_pair("all_gather", inp, out)
         expected = _share(out.numel(), self.world_size, self.rank)
         if inp.numel() != expected:
@@ -790,24 +782,40 @@ class CommunicationBackend(ABC):
                 f"elements over {self.world_size} ranks) is {expected}; size inp with "
                 f"gpudist.comm.split_sizes(out.numel(), world_size)[rank]"
             )
+        sig = Signature("all_gather", out.dtype, tuple(out.shape))
+        nbytes = out.numel() * out.element_size()
+        return self._run(sig, nbytes, async_op, lambda: self._all_gather(sig, inp, out))
 
-    def plan_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
-        """An all-gather of ``inp`` into ``out`` (as :meth:`all_gather`) checked now and issued later, as often as
-        needed, by :meth:`PlannedCollective.start`: for buffers every step gathers (ZeRO's updated parameters). As
-        :meth:`plan_all_reduce`, a start checks nothing; both tensors must keep their storage for the plan's life.
+    def plan_all_gather(self, numel: int, dtype: torch.dtype) -> PlannedCollective:
+        """An all-gather into ``numel`` elements of ``dtype`` (as :meth:`all_gather`) checked now and issued later by
+        :meth:`PlannedCollective.start` ``(inp, out)``, on the same buffers every time (ZeRO's updated parameters)
+        or new ones (FSDP's gathered unit). As :meth:`plan_reduce_scatter`, a start checks nothing about its tensors:
+        ``out`` must be a contiguous ``numel``-element tensor of ``dtype`` on the backend's device and ``inp`` this
+        rank's share of it (:func:`split_sizes`).
+
+        Args:
+            numel: Elements of every start's ``out`` (>= 0).
+            dtype: Their dtype.
 
         Returns:
             The plan.
 
         Raises:
-            TypeError, ValueError: As :meth:`all_gather`, now rather than at a start.
+            TypeError, ValueError: As :meth:`all_gather` for such tensors, now rather than at a start.
         """
-        self._check_all_gather(inp, out)
-        return self._planned_all_gather(inp, out)
+        self._check_plan("all_gather", numel, dtype)
+        return self._planned_all_gather(numel, dtype)
 
-    def _planned_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
-        sig = Signature("all_gather", out.dtype, tuple(out.shape))
-        return self._planned(sig, out.numel() * out.element_size(), lambda: self._all_gather(sig, inp, out))
+    def _planned_all_gather(self, numel: int, dtype: torch.dtype) -> PlannedCollective:
+        sig = Signature("all_gather", dtype, (numel,))
+        return self._planned(sig, numel * dtype.itemsize, lambda inp, out: self._all_gather(sig, inp, out))
+
+    def _check_plan(self, op: str, numel: int, dtype: torch.dtype) -> None:
+        """A plan by shape: ``numel`` a count and ``dtype`` one this backend carries (checked before anything is
+        sent)."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"plan_{op}: numel must be an int >= 0, got {numel!r}")
+        self._check_tensor(op, torch.empty(0, dtype=dtype, device=self.device), "tensors")
 
     def plan_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
         """A broadcast of ``tensor`` from ``src`` (as :meth:`broadcast`) checked now and issued later, as often as

@@ -292,31 +292,31 @@ class _PlannedCall(PlannedCollective):
             raise backend._failed(e, op) from e
 
 
-class _PlannedReduceScatter(PlannedCollective):
-    """A planned NCCL reduce-scatter of an even size: count, dtype and op codes bound once; each start passes its
-    tensors' pointers to one ``ncclReduceScatter``."""
+class _PlannedByShape(PlannedCollective):
+    """A planned NCCL call of an even size on new tensors each start (reduce-scatter, all-gather): count and codes
+    bound once; each start passes its tensors' pointers, ``(inp, out)``, to one NCCL call (and, for an AVERAGE on
+    an NCCL without ncclAvg, the scaling of ``out``)."""
 
-    __slots__ = ("_codes", "_scale")
+    __slots__ = ("_call", "_codes", "_scale")
 
-    def __init__(self, backend: NCCLCommunicationBackend, numel: int, dtype: torch.dtype, op: ReductionOperation):
-        super().__init__(backend, "reduce_scatter", numel * dtype.itemsize, None)
-        nccl_op, self._scale = backend._reduce_op(op)
-        self._codes = (numel // backend.world_size, backend._types[dtype], nccl_op)
+    def __init__(self, backend: NCCLCommunicationBackend, op: str, nbytes: int, call: str, codes: tuple, scale):
+        super().__init__(backend, op, nbytes, None)
+        self._call, self._codes, self._scale = call, codes, scale
 
     def start(self, inp: torch.Tensor, out: torch.Tensor) -> Work:
-        backend = self._backend
+        backend, op = self._backend, self._op
         if backend._broken is not None:
-            backend._raise_if_broken("reduce_scatter")
-        backend.stats.record("reduce_scatter", self._nbytes)
+            backend._raise_if_broken(op)
+        backend.stats.record(op, self._nbytes)
         rt = backend._rt
         try:
-            backend._comm.reduceScatter(inp.data_ptr(), out.data_ptr(), *self._codes, rt.stream())
+            getattr(backend._comm, self._call)(inp.data_ptr(), out.data_ptr(), *self._codes, rt.stream())
             if self._scale is not None:
                 with rt.on_comm():
                     out.mul_(self._scale)
-            return backend._enqueued("reduce_scatter", (inp, out))
+            return backend._enqueued(op, (inp, out))
         except RuntimeError as e:
-            raise backend._failed(e, "reduce_scatter") from e
+            raise backend._failed(e, op) from e
 
 
 def _shutdown_at_exit(ref: weakref.ref) -> None:
@@ -750,14 +750,22 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """Even sizes: one bound ``ncclReduceScatter`` (its Work returned as it is); uneven ones: the generic plan."""
         if numel % self.world_size:
             return super()._planned_reduce_scatter(numel, dtype, op, scratch_input)
-        return _PlannedReduceScatter(self, numel, dtype, op)
+        nccl_op, scale = self._reduce_op(op)
+        codes = (numel // self.world_size, self._types[dtype], nccl_op)
+        return _PlannedByShape(self, "reduce_scatter", numel * dtype.itemsize, "reduceScatter", codes, scale)
 
-    def _planned_all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> PlannedCollective:
-        """Even sizes: one bound ``ncclAllGather``; uneven ones: the generic plan."""
-        if out.numel() % self.world_size:
-            return super()._planned_all_gather(inp, out)
-        args = (inp.data_ptr(), out.data_ptr(), inp.numel(), self._dtype(out, "all_gather"))
-        return _PlannedCall(self, "all_gather", out.numel() * out.element_size(), "allGather", args, (inp, out))
+    def _planned_all_gather(self, numel: int, dtype: torch.dtype) -> PlannedCollective:
+        """Even sizes: one ``ncclAllGather`` with its count and dtype code bound; uneven ones: the generic plan."""
+        if numel % self.world_size:
+            return super()._planned_all_gather(numel, dtype)
+        return _PlannedByShape(
+            self,
+            "all_gather",
+            numel * dtype.itemsize,
+            "allGather",
+            (numel // self.world_size, self._types[dtype]),
+            None,
+        )
 
     def _planned_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
         """One bound ``ncclBroadcast`` (in place)."""

@@ -371,6 +371,9 @@ class ZeRO3Model(ShardedModel):
         self._order: list[_Group] = []  # groups in the order the last forward gathered them
         self._seen: list[_Group] = []
         self._pending: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
+        self._plans: dict[tuple, object] = {}
+        """Each unit's gather and reduce-scatter, planned by shape on first use (:meth:`_plan`): the steps' buffers
+        are new every time, their sizes are not."""
         self._replicating: list[tuple[_Group, torch.Tensor, torch.Tensor | None, object]] = []
         self._end = EndOfBackward(self._finish_backward)
         self._hooks = [
@@ -402,8 +405,9 @@ class ZeRO3Model(ShardedModel):
         comm, source = self.comm, group.shard.detach()
         if group.secondary is not None:
             comm, source = self.secondary_group, group.secondary
-        with comm.unchecked():  # units laid out from the same model on every rank (fingerprint checked at wrap)
-            group.gathering = comm.all_gather(source, full, async_op=True)
+        # units laid out from the same model on every rank (fingerprint checked at wrap time)
+        plan = self._plan(comm, "all_gather", group.gathered, group.dtype)
+        group.gathering = plan.start(source, full)
         group.full = full
 
     def _gathered(self, group: _Group) -> torch.Tensor:
@@ -585,15 +589,17 @@ class ZeRO3Model(ShardedModel):
     def _reduce(self, group: _Group, grad_full: torch.Tensor) -> None:
         wire_dtype = self.config.communication_dtype or group.dtype
         sent = torch.empty(group.gathered, dtype=wire_dtype, device=group.device)
-        # The padding's gradient is zero. HSDP: 1/(N R), the replicas' all-reduce then SUMs the averaged shards.
-        kernels.pack([grad_full], sent, scale=1.0 / (self.world_size * self.replicas))
+        # The padding's gradient is zero. HSDP: 1/(N R), the replicas' all-reduce then SUMs the averaged shards. One
+        # tensor of the send buffer's size: a scaled copy (computed in fp32 for 16-bit types, rounded once into the
+        # wire dtype, as the pack kernel would) with no pack's per-call checks.
+        torch.mul(grad_full.reshape(-1), 1.0 / (self.world_size * self.replicas), out=sent)
         slot = self._grad_slot(group)
         if slot is not None and wire_dtype == group.dtype:
             received = slot  # straight into the shard's gradient
         else:
             received = torch.empty(group.padded, dtype=wire_dtype, device=group.device)
-        with self.comm.unchecked():  # the unit's layout agrees on every rank by construction
-            work = self.comm.reduce_scatter(sent, received, ReductionOperation.SUM, async_op=True, scratch_input=True)
+        # the unit's layout agrees on every rank by construction; sent is the unit's own packed copy
+        work = self._plan(self.comm, "reduce_scatter", group.gathered, wire_dtype).start(sent, received)
         group.reduced = True
         group.secondary = None  # backward is done with this unit
         self._pending.append((group, received, slot, work))
@@ -603,6 +609,19 @@ class ZeRO3Model(ShardedModel):
             self._complete(*self._pending.pop(0))
 
     _IN_FLIGHT = 2
+
+    def _plan(self, comm: CommunicationBackend, op: str, numel: int, dtype: torch.dtype):
+        """The planned ``op`` (``"all_gather"`` or a SUM ``"reduce_scatter"`` of a scratch input) of ``numel``
+        elements of ``dtype`` over ``comm``, built once."""
+        key = (id(comm), op, numel, dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            if op == "all_gather":
+                plan = comm.plan_all_gather(numel, dtype)
+            else:
+                plan = comm.plan_reduce_scatter(numel, dtype, ReductionOperation.SUM, scratch_input=True)
+            self._plans[key] = plan
+        return plan
 
     def _complete(self, group: _Group, received: torch.Tensor, slot: torch.Tensor | None, work) -> None:
         """Wait for ``group``'s reduce-scatter; HSDP: start its shard's all-reduce over the replicas (at most

@@ -1173,7 +1173,8 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
         flat = self._flat.data
         if self._master_is_view:  # planned once (sizes agree by construction: the layout was checked when built)
-            self._gather_plan(("gather",), lambda: self.comm.plan_all_gather(self._master, flat)).start().wait()
+            plan = self._gather_plan(("gather",), lambda: self.comm.plan_all_gather(flat.numel(), flat.dtype))
+            plan.start(self._master, flat).wait()
             return
         with self.comm.unchecked():
             self.comm.all_gather(self._master.to(flat.dtype), flat)
@@ -1287,9 +1288,9 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
                 # even and fp32: the owned piece straight into the parameters, in place, planned once (sizes agree by
                 # construction: the layout was checked across ranks when built)
                 plan = self._gather_plan(
-                    ("gather", part.flat_offset), lambda src=piece, out=region: self.comm.plan_all_gather(src, out)
+                    ("gather", part.flat_offset), lambda n=part.numel: self.comm.plan_all_gather(n, dtype)
                 )
-                plan.start().wait()
+                plan.start(piece, region).wait()
                 continue
             if part.numel == world * part.shard:  # even: the piece cast to the parameters' dtype, straight into them
                 src, out = piece.to(dtype), region
