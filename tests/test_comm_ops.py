@@ -164,15 +164,20 @@ def _mpi_outputs(world: int) -> list[dict]:
     return run_ranks(_all_ops_every_dtype, world, "mpi")
 
 
+def ranks_on(backend: str, fn, world: int, **kwargs) -> list:
+    """``fn(comm, **kwargs)`` on ``world`` ranks of ``backend``, or of the simulated NCCL (``"nccl-sim"``)."""
+    if backend == "nccl-sim":
+        from .fakenccl import FakeNccl, run_nccl
+
+        return run_nccl(fn, world, FakeNccl(), **kwargs)
+    return run_ranks(fn, world, backend, **kwargs)
+
+
 @functools.cache
 def outputs(backend: str, world: int, dtype_name: str) -> list[dict]:
     if backend == "mpi":
         return [rank[dtype_name] for rank in _mpi_outputs(world)]
-    if backend == "nccl-sim":
-        from .fakenccl import FakeNccl, run_nccl
-
-        return run_nccl(_all_ops, world, FakeNccl(), dtype_name=dtype_name)
-    return run_ranks(_all_ops, world, backend, dtype_name=dtype_name)
+    return ranks_on(backend, _all_ops, world, dtype_name=dtype_name)
 
 
 CASES = (
@@ -305,12 +310,7 @@ def test_reduce_scatter_in_place_and_on_scratch_input(backend):
     written range, MPI handed overlapping buffers, a result copied from the wrong range, and a caller's input
     clobbered without ``scratch_input``."""
     world = 3
-    if backend == "nccl-sim":
-        from .fakenccl import FakeNccl, run_nccl
-
-        results = run_nccl(_reduce_scatter_forms, world, FakeNccl())
-    else:
-        results = run_ranks(_reduce_scatter_forms, world, backend)
+    results = ranks_on(backend, _reduce_scatter_forms, world)
     for rank, res in enumerate(results):
         for (numel, in_place, scratch), got in res.items():
             start, end = shard_range(numel, world, rank)
@@ -401,12 +401,7 @@ def test_planned_reduce_scatter_all_gather_and_broadcast_are_their_ops(backend):
     or rank order, an uneven size taking the even path, per-start cross-rank checks, and bad arguments accepted at
     plan time."""
     world = 2
-    if backend == "nccl-sim":
-        from .fakenccl import FakeNccl, run_nccl
-
-        results = run_nccl(_planned_shapes, world, FakeNccl())
-    else:
-        results = run_ranks(_planned_shapes, world, backend)
+    results = ranks_on(backend, _planned_shapes, world)
     for rank, r in enumerate(results):
         for key in ("reduce_scatter 8", "reduce_scatter 9"):
             assert r[key] == [True, True], (rank, key)

@@ -142,6 +142,61 @@ def test_pack_with_padding_and_noncontiguous(device, kernel_impl):
     assert torch.equal(target, base.t())
 
 
+@pytest.mark.parametrize("bucket_dtype", [torch.float32, torch.bfloat16])
+def test_pack_plan_equals_the_functions_call_after_call(device, kernel_impl, bucket_dtype):
+    """A PackPlan decides once what pack/unpack work out per call. Catches a plan that reads the tensors' values when
+    it is built instead of at each call (the second call would repeat the first), a stale pointer or chunk table,
+    the scale ignored, and a mixed-dtype list whose second launch is skipped."""
+    g = _gen(3)
+    shapes = [(7,), (3, 5), (0,), (1000,), (2, 1), (129,)]
+    tensors = [torch.randn(s, generator=g).to(device) for s in shapes]
+    tensors[3] = tensors[3].bfloat16()  # two dtypes: two launches
+    layout = FlatLayout.of(tensors)
+    flat = torch.zeros(layout.total, dtype=bucket_dtype, device=device)
+    plan = K.PackPlan(tensors, flat)
+    for step, scale in enumerate((1.0, 1 / 3)):
+        for t in tensors:
+            t.add_(step + 1)  # new values in the same memory, as a bucket's gradient views get every step
+        expected = torch.zeros_like(flat)
+        pack(tensors, expected, scale)
+        assert plan.pack(scale) is flat and torch.equal(flat, expected), f"pack, call {step}"
+        restored = [torch.full_like(t, float("nan")) for t in tensors]
+        unpack(flat, restored, 1 / scale)
+        plan.unpack(1 / scale)  # into the tensors it was built on
+        for i, (t, r) in enumerate(zip(tensors, restored, strict=True)):
+            assert torch.equal(t, r), f"unpack, call {step}, tensor {i}"
+
+
+def test_pack_plan_launches_once_per_dtype_whatever_the_tensor_count(monkeypatch):
+    """The plan's per-call host work is independent of the tensor count: one Triton launch per dtype with the
+    tables built at construction, no per-tensor Python. Catches a plan that rebuilds its launches (layout, chunk and
+    pointer tables) per call, or launches per tensor. The kernel is stubbed (a call is counted, nothing runs), so
+    this needs neither a GPU nor the interpreter."""
+    import gpudist.kernels.bucket as bucket
+
+    calls = []
+
+    class _Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(kwargs["TENSOR_DTYPE"])
+
+    monkeypatch.setattr(bucket, "_bucket_copy_kernel", _Kernel())
+    monkeypatch.setattr(bucket, "use_triton", lambda flat: True)
+    built = []
+    real = bucket._launches
+    monkeypatch.setattr(bucket, "_launches", lambda *a: built.append(1) or real(*a))
+    for count in (3, 300):
+        tensors = [torch.zeros(5) for _ in range(count)] + [torch.zeros(4, dtype=torch.bfloat16)]
+        flat = torch.zeros(FlatLayout.of(tensors).total)
+        plan = K.PackPlan(tensors, flat)
+        built.clear()
+        calls.clear()
+        for _ in range(4):
+            plan.pack(0.5)
+            plan.unpack()
+        assert built == [] and len(calls) == 4 * 2 * 2, (count, len(calls))
+
+
 def test_pack_rejects_bad_input():
     """Catches mismatched lists, wrong devices/dtypes and a single tensor passed as the list."""
     with pytest.raises(ValueError, match="needs 5"):
