@@ -44,13 +44,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    """Host microseconds per call of ``fn``, issued ``calls`` times back to back after a warm-up."""
+    """Host microseconds per call of ``fn``, issued ``calls`` times back to back after a warm-up. On CUDA the device
+    is synchronized before and after, outside the timed loop: what is timed is issuing the work, the host's part."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     for _ in range(min(50, calls)):
         fn()
+    if sync is not None:
+        sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    elapsed = time.perf_counter() - start
+    if sync is not None:
+        sync()
+    return elapsed / calls * 1e6
 
 
 def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, dict]:
@@ -67,11 +74,11 @@ def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[s
 # -- calls -----------------------------------------------------------------------------------------------------------
 
 
-def _pack_variants(n: int, calls: int) -> dict[str, Callable[[], float]]:
+def _pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callable[[], float]]:
     from gpudist import kernels as K
 
-    tensors = [torch.randn(4) for _ in range(n)]
-    out = torch.empty(4 * n)
+    tensors = [torch.randn(4, device=device) for _ in range(n)]
+    out = torch.empty(4 * n, device=device)
     views = list(out.split(4))
     rows = {
         f"pack_{n}": lambda: per_call_us(lambda: K.pack(tensors, out, 0.5), calls),
@@ -88,12 +95,12 @@ def _pack_variants(n: int, calls: int) -> dict[str, Callable[[], float]]:
     return rows
 
 
-def _adam_variants(calls: int) -> dict[str, Callable[[], float]]:
+def _adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], float]]:
     from gpudist import kernels as K
 
-    p, g, m, v = (torch.randn(1024) for _ in range(4))
+    p, g, m, v = (torch.randn(1024, device=device) for _ in range(4))
     v.abs_()
-    step = torch.tensor(1.0)
+    step = torch.tensor(1.0, device=device)
 
     def torch_fused() -> None:
         torch._fused_adamw_(
@@ -183,6 +190,54 @@ def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
         return interleaved(rows, rounds)
     finally:
         comm._comm, comm._rt = saved  # shutdown needs the real ones
+
+
+def cuda_call_rows(comm, calls: int, rounds: int, device: str = "cuda") -> dict[str, dict]:
+    """On a GPU, over a real NCCL backend (``comm``): host microseconds per call of pack (30 and 300 tensors), the
+    Adam step and one all-reduce, each through gpudist's function, through its plan, and as torch or raw CuPy do
+    it, interleaved. The raw all-reduce is timed bare and with the same stream hand-off a gpudist op makes (the
+    communication stream waits for the current one, the current one for an event recorded after the call).
+    (``device="cpu"``: the same rows over the simulated NCCL, with no hand-off, for the CPU tier's tests.)"""
+    rows: dict[str, dict] = {}
+    for n in (30, 300):
+        rows.update(interleaved(_pack_variants(n, calls, device), rounds))
+    rows.update(interleaved(_adam_variants(calls, device), rounds))
+    x = torch.ones(256, device=device)
+    lib, raw = comm._lib, comm._comm
+    planned = comm.plan_all_reduce(x)
+    cuda = device == "cuda"
+    comm_stream = torch.cuda.Stream() if cuda else None
+    current = torch.cuda.current_stream() if cuda else None
+
+    def raw_call() -> None:
+        stream = comm_stream.cuda_stream if cuda else 0
+        raw.allReduce(x.data_ptr(), x.data_ptr(), 256, lib.NCCL_FLOAT32, lib.NCCL_SUM, stream)
+
+    def raw_handed_off() -> None:
+        if not cuda:
+            return raw_call()
+        comm_stream.wait_stream(current)
+        raw_call()
+        event = torch.cuda.Event()
+        event.record(comm_stream)
+        current.wait_event(event)
+
+    def unchecked() -> None:
+        with comm.unchecked():
+            comm.all_reduce(x)
+
+    rows.update(
+        interleaved(
+            {
+                "all_reduce_raw": lambda: per_call_us(raw_call, calls),
+                "all_reduce_raw_handed_off": lambda: per_call_us(raw_handed_off, calls),
+                "all_reduce_unchecked": lambda: per_call_us(unchecked, calls),
+                "all_reduce_planned": lambda: per_call_us(lambda: planned.start().wait(), calls),
+            },
+            rounds,
+        )
+    )
+    return rows
 
 
 def calls_section(rounds: int, calls: int) -> dict:

@@ -115,6 +115,27 @@ def test_kernel_op_error_is_a_row_and_the_others_run(monkeypatch):
     assert rows[1]["op"] == "squared_norm" and rows[1]["gpudist_GBps"] > 0
 
 
+def _host_rows(comm):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.host_overhead import cuda_call_rows
+
+    return cuda_call_rows(comm, calls=5, rounds=1, device="cpu")
+
+
+def test_host_part_rows_over_simulated_nccl():
+    """The host part's rank code with the CPU standing in for CUDA and the simulated NCCL for NCCL: catches a raw
+    all-reduce with the wrong arguments (the simulation refuses it), a plan that is not the backend's, and a row the
+    summary reads going missing."""
+    fake = FakeNccl()
+    rows = run_nccl(_host_rows, 1, fake)[0]
+    for key in ("all_reduce_planned", "all_reduce_raw_handed_off", "pack_300_plan", "pack_300_torch_cat_mul"):
+        assert rows[key]["median"] > 0, key
+    assert {"adam_step_plan", "adam_step_torch_fused_adamw", "all_reduce_raw", "all_reduce_unchecked"} <= set(rows)
+    doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "calls": 5, "rounds": 1, "us_per_call": rows}
+    assert "all_reduce_planned" in G._part_summary("host", doc) and "pack_300_plan" in G._part_table("host", doc)
+    assert fake.calls["allReduce"] > 0
+
+
 def test_collective_rows_over_simulated_nccl():
     """Catches a raw cupy.cuda.nccl call with the wrong pointer, count or root (the simulated NCCL refuses ranks that
     disagree and overlaps NCCL does not allow), a missing broadcast baseline, and busbw not following algbw. Two
@@ -280,7 +301,7 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     strategies, then the benchmarks), ``--parts tests`` not standing for the four test parts, and ``--quick`` not
     shrinking the measurements (an option given explicitly still wins)."""
     assert G.GPUSettings().parts[:4] == ("tests-kernels", "tests-nccl", "tests-host-sync", "tests-strategies")
-    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "strategies", "gate")
+    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "gate")
     parser = argparse.ArgumentParser()
     G.add_arguments(parser)
     full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))

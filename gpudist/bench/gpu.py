@@ -142,6 +142,7 @@ class GPUSettings:
         "tests-strategies",
         "kernels",
         "collectives",
+        "host",
         "strategies",
         "gate",
     )
@@ -180,6 +181,7 @@ class GPUSettings:
             "tests-strategies": 180.0,
             "kernels": 150.0,
             "collectives": 90.0,
+            "host": 60.0,
             "strategies": 150.0,
             "gate": 120.0,
         }
@@ -464,6 +466,31 @@ def collectives_part(settings: GPUSettings) -> dict:
     }
 
 
+# -- part: host time per call ----------------------------------------------------------------------------------------
+
+HOST_CALLS = 200
+"""Calls per host-time measurement (tiny tensors: the device finishes each before the host issues the next)."""
+
+
+def _host_body(gloo, nccl, settings: GPUSettings) -> dict[str, dict]:
+    _repo(settings)
+    from benchmarks.host_overhead import cuda_call_rows
+
+    return cuda_call_rows(nccl, HOST_CALLS, settings.rounds)
+
+
+def host_part(settings: GPUSettings) -> dict:
+    """Host microseconds per call on the GPU (``benchmarks/host_overhead.py``'s calls, CUDA and NCCL real): pack of
+    30 and 300 tensors, the Adam step and one all-reduce, each through gpudist's function, its plan, and as torch
+    or raw CuPy do it, interleaved. World size 1: only the host's time is measured."""
+    from ..launch import spawn
+
+    _repo(settings)
+    _cupy_nccl()
+    rows = spawn(on_nccl, 1, body=_host_body, settings=settings, timeout=settings.timeouts["host"])[0]
+    return {"world_size": 1, "calls": HOST_CALLS, "rounds": settings.rounds, "us_per_call": rows}
+
+
 # -- part: strategy step times ---------------------------------------------------------------------------------------
 
 
@@ -661,6 +688,7 @@ PARTS: dict[str, Callable[[GPUSettings], dict]] = {
     **{name: functools.partial(pytest_part, name=name) for name in TEST_PARTS},
     "kernels": kernels_part,
     "collectives": collectives_part,
+    "host": host_part,
     "strategies": strategies_part,
     "gate": gate_part,
 }
@@ -812,6 +840,10 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
             ("kernel ops", kernel_ops),
         ],
         "collectives": [("cupy.cuda.nccl", _cupy_nccl)],
+        "host": [
+            ("cupy.cuda.nccl", _cupy_nccl),
+            ("benchmarks/host_overhead.py", repo_file("benchmarks/host_overhead.py")),
+        ],
         "strategies": [
             ("cupy.cuda.nccl", _cupy_nccl),
             ("torch NCCL", torch_nccl),
@@ -987,6 +1019,16 @@ def _part_summary(name: str, r: dict) -> str:
             )
             + errs
         )
+    if name == "host":
+        us = {k: v["median"] for k, v in r["us_per_call"].items()}
+        pairs = [
+            ("all_reduce_planned", "all_reduce_raw_handed_off"),
+            ("pack_300_plan", "pack_300_torch_cat_mul"),
+            ("adam_step_plan", "adam_step_torch_fused_adamw"),
+        ]
+        return "host us per call, gpudist plan / peer: " + ", ".join(
+            f"{a} {us[a]:.1f} / {us[b]:.1f}" for a, b in pairs if a in us and b in us
+        )
     if name == "strategies":
         ratios = "; ".join(
             f"{row['workload']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["peer_over_gpudist"].items())
@@ -1033,6 +1075,8 @@ def _part_table(name: str, r: dict) -> str:
             )
         if r["note"]:
             lines.append(f"# {r['note']}")
+    elif name == "host":
+        lines += [f"{k:>40} {v['median']:>9.1f} us (min {v['min']:.1f})" for k, v in r["us_per_call"].items()]
     elif name == "strategies":
         for row in r["rows"]:
             failures = {"all": row["error"]} if "error" in row else row["errors"]
