@@ -146,8 +146,9 @@ class GradientBucket:
     fresh: list[int] = field(default_factory=list)
     """DDP with gradient views: slots whose fresh gradient (not in its view yet) is copied in at the bucket's launch."""
     batched_copy: bool = False
-    """DDP with gradient views: whether fresh gradients wait for one multi-tensor copy at the bucket's launch (on a
-    GPU) instead of being copied as each arrives (decided when the bucket is built, not per gradient)."""
+    """DDP with gradient views: whether fresh gradients wait for one multi-tensor copy at the bucket's launch (CPU and
+    CUDA: ``gpudist.strategies.ddp._BATCHED_COPY_DEVICES``) instead of being copied as each arrives (decided when the
+    bucket is built, not per gradient)."""
     reduce: Any = None
     """DDP: the bucket's all-reduce, planned with its reduction (a :class:`gpudist.comm.PlannedCollective`), or None
     where the bucket goes another way (a comm hook, a hierarchical all-reduce)."""

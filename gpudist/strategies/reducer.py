@@ -109,8 +109,7 @@ class Reducer:
     """Buckets of gradients launched in index order as backward fills them, finished at the end of backward.
 
     Args:
-        buckets: The collective's buckets (``collective.buckets``), in launch order.
-        collective: What each bucket's gradients go through.
+        collective: What each bucket's gradients go through; its ``buckets``, in launch order, are the reducer's.
         on_unused: Called with the ``(bucket, slot)`` pairs that got no gradient in a backward, before they count
             as zeros; it raises when unused parameters are not allowed.
         on_finish: Called after every bucket of a backward was finished (the step's byte count).
