@@ -49,6 +49,7 @@ from ..flat import (
     flatten_parameters,
     padded_range,
     padded_shard,
+    update_chunk_bytes,
 )
 from .ddp import DDPModel, DDPOptimizer, bucket_groups
 from .model import ShardedModel, same_on_every_rank
@@ -360,9 +361,6 @@ class ZeRO2Model(DDPModel):
         return self._collective.count_memory(ShardedModel.memory_per_rank(self))
 
 
-_GATHER_CHUNK_BYTES = 4 << 20
-"""ZeRO-1 sends its updated range in chunks of about this size (or the bucket cap if smaller; at most 8 chunks),
-each while the next one is updated."""
 _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 
 
@@ -803,7 +801,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
         owns none of it) and its sends, each a call that starts a planned collective and returns its Work and what
         to do once it completed (sizes agree by construction: the layout was checked across ranks when built)."""
         world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
-        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
+        chunk_bytes = update_chunk_bytes(self.config.bucket_cap_bytes())
         schedule = []
         for offset, numel, owned_at in regions:
             ranges = [padded_range(numel, world, r) for r in range(world)]
