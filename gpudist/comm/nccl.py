@@ -231,92 +231,60 @@ class _InFlight(Work):
             self._backend._rt.recycle(self.event)
 
 
-class _PlannedAllReduce(PlannedCollective):
-    """A planned NCCL all-reduce: one call into NCCL and the event bookkeeping per start."""
+class _PlannedNccl(PlannedCollective):
+    """A planned NCCL call: its name and arguments bound once (a fixed buffer's pointers with them, or each start's
+    ``(inp, out)`` pointers passed first), one call on the communication stream per start, the scaling of the
+    output for an AVERAGE where NCCL has no ncclAvg, and the op's Work returned as it is (its errors are
+    CommunicationErrors already)."""
 
-    __slots__ = ("_call", "_held", "_scale", "_tensor")
+    __slots__ = ("_args", "_call", "_held", "_scale")
 
-    def __init__(self, backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation):
-        super().__init__(backend, "all_reduce", tensor.numel() * tensor.element_size(), None)
-        nccl_op, self._scale = backend._reduce_op(op)
-        self._call = (
-            tensor.data_ptr(),
-            tensor.data_ptr(),
-            tensor.numel(),
-            backend._dtype(tensor, "all_reduce"),
-            nccl_op,
-        )
-        self._tensor, self._held = tensor, (tensor,)
+    def __init__(
+        self,
+        backend: NCCLCommunicationBackend,
+        op: str,
+        nbytes: int,
+        call: str,
+        args: tuple,
+        held: tuple = (),
+        scale: float | None = None,
+    ):
+        super().__init__(backend, op, nbytes, None)
+        self._call, self._args, self._held, self._scale = call, args, held, scale
 
-    def start(self) -> Work:
+    def start(self, *tensors: torch.Tensor) -> Work:
         backend = self._backend
         if backend._broken is not None:
-            backend._raise_if_broken("all_reduce")
-        backend.stats.record("all_reduce", self._nbytes)
+            backend._raise_if_broken(self._op)
+        backend.stats.record(self._op, self._nbytes)
         try:
-            return self.issue()
+            return self.issue(*tensors)
         except RuntimeError as e:
-            raise backend._failed(e, "all_reduce") from e
+            raise backend._failed(e, self._op) from e
 
-    def issue(self) -> Work:
-        """The NCCL call on the communication stream, AVERAGE's scaling where NCCL has no ncclAvg, and the event
-        (also what the backend's unplanned all-reduce runs, after its checks)."""
+    def issue(self, *tensors: torch.Tensor) -> Work:
+        """The call, the scaling and the event (also what the backend's unplanned all-reduce runs, after its
+        checks)."""
         backend = self._backend
         rt = backend._rt
-        backend._comm.allReduce(*self._call, rt.stream())
+        call = getattr(backend._comm, self._call)
+        if tensors:
+            call(*[t.data_ptr() for t in tensors], *self._args, rt.stream())
+        else:
+            call(*self._args, rt.stream())
+        held = tensors or self._held
         if self._scale is not None:
             with rt.on_comm():
-                self._tensor.mul_(self._scale)
-        return backend._enqueued("all_reduce", self._held)
+                held[-1].mul_(self._scale)
+        return backend._enqueued(self._op, held)
 
 
-class _PlannedCall(PlannedCollective):
-    """A planned NCCL call on fixed buffers (all-gather, broadcast): its arguments bound once; each start makes the
-    call on the communication stream and returns the op's Work as it is."""
-
-    __slots__ = ("_args", "_call", "_held")
-
-    def __init__(self, backend: NCCLCommunicationBackend, op: str, nbytes: int, call: str, args: tuple, held: tuple):
-        super().__init__(backend, op, nbytes, None)
-        self._call, self._args, self._held = call, args, held
-
-    def start(self) -> Work:
-        backend, op = self._backend, self._op
-        if backend._broken is not None:
-            backend._raise_if_broken(op)
-        backend.stats.record(op, self._nbytes)
-        try:
-            getattr(backend._comm, self._call)(*self._args, backend._rt.stream())
-            return backend._enqueued(op, self._held)
-        except RuntimeError as e:
-            raise backend._failed(e, op) from e
-
-
-class _PlannedByShape(PlannedCollective):
-    """A planned NCCL call of an even size on new tensors each start (reduce-scatter, all-gather): count and codes
-    bound once; each start passes its tensors' pointers, ``(inp, out)``, to one NCCL call (and, for an AVERAGE on
-    an NCCL without ncclAvg, the scaling of ``out``)."""
-
-    __slots__ = ("_call", "_codes", "_scale")
-
-    def __init__(self, backend: NCCLCommunicationBackend, op: str, nbytes: int, call: str, codes: tuple, scale):
-        super().__init__(backend, op, nbytes, None)
-        self._call, self._codes, self._scale = call, codes, scale
-
-    def start(self, inp: torch.Tensor, out: torch.Tensor) -> Work:
-        backend, op = self._backend, self._op
-        if backend._broken is not None:
-            backend._raise_if_broken(op)
-        backend.stats.record(op, self._nbytes)
-        rt = backend._rt
-        try:
-            getattr(backend._comm, self._call)(inp.data_ptr(), out.data_ptr(), *self._codes, rt.stream())
-            if self._scale is not None:
-                with rt.on_comm():
-                    out.mul_(self._scale)
-            return backend._enqueued(op, (inp, out))
-        except RuntimeError as e:
-            raise backend._failed(e, op) from e
+def _planned_all_reduce(backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation):
+    """An all-reduce of ``tensor`` in place, pointer, count and codes bound once."""
+    nccl_op, scale = backend._reduce_op(op)
+    ptr, numel = tensor.data_ptr(), tensor.numel()
+    args = (ptr, ptr, numel, backend._dtype(tensor, "all_reduce"), nccl_op)
+    return _PlannedNccl(backend, "all_reduce", numel * tensor.element_size(), "allReduce", args, (tensor,), scale)
 
 
 def _shutdown_at_exit(ref: weakref.ref) -> None:
@@ -742,7 +710,7 @@ class NCCLCommunicationBackend(CommunicationBackend):
 
     def _all_reduce(self, sig: Signature, tensor: torch.Tensor, op: ReductionOperation) -> Work:
         self._check(sig)
-        return _PlannedAllReduce(self, tensor, op).issue()
+        return _planned_all_reduce(self, tensor, op).issue()
 
     def _planned_reduce_scatter(
         self, numel: int, dtype: torch.dtype, op: ReductionOperation, scratch_input: bool
@@ -752,31 +720,25 @@ class NCCLCommunicationBackend(CommunicationBackend):
             return super()._planned_reduce_scatter(numel, dtype, op, scratch_input)
         nccl_op, scale = self._reduce_op(op)
         codes = (numel // self.world_size, self._types[dtype], nccl_op)
-        return _PlannedByShape(self, "reduce_scatter", numel * dtype.itemsize, "reduceScatter", codes, scale)
+        return _PlannedNccl(self, "reduce_scatter", numel * dtype.itemsize, "reduceScatter", codes, scale=scale)
 
     def _planned_all_gather(self, numel: int, dtype: torch.dtype) -> PlannedCollective:
         """Even sizes: one ``ncclAllGather`` with its count and dtype code bound; uneven ones: the generic plan."""
         if numel % self.world_size:
             return super()._planned_all_gather(numel, dtype)
-        return _PlannedByShape(
-            self,
-            "all_gather",
-            numel * dtype.itemsize,
-            "allGather",
-            (numel // self.world_size, self._types[dtype]),
-            None,
-        )
+        codes = (numel // self.world_size, self._types[dtype])
+        return _PlannedNccl(self, "all_gather", numel * dtype.itemsize, "allGather", codes)
 
     def _planned_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
         """One bound ``ncclBroadcast`` (in place)."""
         ptr, dtype = tensor.data_ptr(), self._dtype(tensor, "broadcast")
         args = (ptr, ptr, tensor.numel(), dtype, src)
-        return _PlannedCall(self, "broadcast", tensor.numel() * tensor.element_size(), "broadcast", args, (tensor,))
+        return _PlannedNccl(self, "broadcast", tensor.numel() * tensor.element_size(), "broadcast", args, (tensor,))
 
     def _planned_all_reduce(self, tensor: torch.Tensor, op: ReductionOperation) -> PlannedCollective:
         """Pointer, count, dtype and op codes bound once, and the event's Work returned as it is (its errors are
         CommunicationErrors already)."""
-        return _PlannedAllReduce(self, tensor, op)
+        return _planned_all_reduce(self, tensor, op)
 
     def _reduce_scatter(
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False
