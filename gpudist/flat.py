@@ -24,7 +24,6 @@ from .kernels.bucket import FLOAT_DTYPES
 
 __all__ = [
     "SHARD_ALIGN",
-    "UPDATE_CHUNK_BYTES",
     "BufferSpec",
     "FlatBuffer",
     "GradientBucket",
@@ -35,7 +34,6 @@ __all__ = [
     "padded_range",
     "padded_shard",
     "shard_range",
-    "update_chunk_bytes",
 ]
 
 SHARD_ALIGN = 16
@@ -56,17 +54,6 @@ def padded_shard(numel: int, world_size: int, align: int = SHARD_ALIGN) -> int:
     if world_size < 1 or numel < 0:
         raise ValueError(f"padded_shard needs numel >= 0 and world_size >= 1, got {numel} and {world_size}")
     return -(-numel // (world_size * align)) * align
-
-
-UPDATE_CHUNK_BYTES = 4 << 20
-"""ZeRO-1/2 send their updated ranges in chunks of about this size (or the bucket cap if smaller; at most 8 per
-region), each while the next one is updated; a region of one chunk goes in one all-gather."""
-
-
-def update_chunk_bytes(bucket_cap_bytes: int) -> int:
-    """Bytes per chunk of ZeRO's overlapped update send (:data:`UPDATE_CHUNK_BYTES`, or the bucket cap if smaller):
-    the strategies and the planner's byte counts use this one rule."""
-    return min(UPDATE_CHUNK_BYTES, bucket_cap_bytes)
 
 
 def padded_range(numel: int, world_size: int, rank: int, align: int = SHARD_ALIGN) -> tuple[int, int]:

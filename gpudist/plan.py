@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flat import assign_buckets, padded_shard, update_chunk_bytes
+from .flat import assign_buckets, padded_shard
 from .strategies.layout import ParallelLayout
 from .strategies.pipeline.schedule import (
     ALL_SCHEDULES,
@@ -829,15 +829,7 @@ def _data_parallel_traffic(
         ops.append(("all_gather", gather, 1))
         counted += gather + 8
     elif stage == 2:
-        # Overlapped (chunked) sends carry each bucket's real elements, except a bucket of one chunk, which goes in
-        # one padded all-gather (as one-shot all-gathers always do).
-        chunk = update_chunk_bytes(int(cfg.bucket_mb * (1 << 20)))
-
-        def sent(b: int) -> int:
-            shard = padded_shard(b, n)
-            return b * pbytes if w.chunked and min(shard, b) * pbytes > chunk else n * shard * pbytes
-
-        gather = sum(sent(b) for b in buckets)
+        gather = numel * pbytes if w.chunked else sum(n * padded_shard(b, n) * pbytes for b in buckets)
         ops.append(("all_gather", gather, len(buckets)))
         counted += gather + 8
     return counted, extra, ops

@@ -218,13 +218,9 @@ def test_zero2_memory_and_bytes_follow_the_formulas(world):
         assert memory["parameters"] == n_params * 4
         # Adam: exp_avg + exp_avg_sq of the owned pieces; fp32 parameters are updated in place (no master copy)
         assert r["state_bytes"] == memory["optimizer_state"] == 2 * owned * 4
-        # reduce-scatter counts its padded input; the update of a bucket of one chunk (<= 104 B: the bucket cap)
-        # goes out as one padded all-gather (nothing to overlap, so not a broadcast per rank), a bigger one as
-        # broadcasts of the real pieces chunk by chunk (at one rank: padded all-gathers); plus the 8-byte norm
-        shards = [padded_shard(n, world) for n in buckets]
-        gathered = sum(
-            world * k if world == 1 or min(k, n) * 4 <= 104 else n for n, k in zip(buckets, shards, strict=True)
-        )
+        # reduce-scatter counts its padded input; the update goes out as broadcasts of the real pieces (the
+        # in-memory backend's chunked overlap), P, or at one rank as padded all-gathers; plus the 8-byte norm
+        gathered = padded if world == 1 else n_params
         assert r["bytes"] == [padded * 4 + gathered * 4 + 8] * 2
 
 

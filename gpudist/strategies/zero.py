@@ -17,6 +17,7 @@ does the model's part itself.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +50,6 @@ from ..flat import (
     flatten_parameters,
     padded_range,
     padded_shard,
-    update_chunk_bytes,
 )
 from .ddp import DDPModel, DDPOptimizer, bucket_groups
 from .model import ShardedModel, same_on_every_rank
@@ -361,6 +361,9 @@ class ZeRO2Model(DDPModel):
         return self._collective.count_memory(ShardedModel.memory_per_rank(self))
 
 
+_GATHER_CHUNK_BYTES = 4 << 20
+"""ZeRO-1/2 send their updated ranges in chunks of about this size (or the bucket cap if smaller; at most 8 per
+region), each while the next one is updated."""
 _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 
 
@@ -783,34 +786,37 @@ class _FlatShardOptimizer(ShardedOptimizer):
         updated in chunks of at most 4 MiB (up to 8 per region); once a chunk is updated it goes to every rank (one
         async broadcast per rank's matching chunk, straight into the flat buffer) while the next chunk is updated.
         Same bytes as all-gathering every region after the whole update, which on 2 Gloo processes left the update's
-        time exposed (``benchmarks/zero.py``). A region of one chunk has nothing to overlap: it goes in one
-        all-gather instead of one broadcast per rank (on TCP each collective is a round trip)."""
+        time exposed (``benchmarks/zero.py``). A region of one chunk whose pieces are even has nothing to overlap: it
+        goes in one all-gather in place instead of one broadcast per rank (on TCP each collective is a round trip)."""
         self._count_steps()
         works = []
         for window, sends in self._gather_plan(("send", tuple(regions)), lambda: self._send_schedule(regions)):
             if window is not None:
                 self._fused_step(scale, window)
             works += [send() for send in sends]
-        for work, after in works:
+        for work in works:
             work.wait()
-            if after is not None:
-                after()
 
     def _send_schedule(self, regions: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int] | None, list]]:
         """:meth:`_update_and_send`'s chunks, decided once: per chunk, the owned window to update (None: this rank
-        owns none of it) and its sends, each a call that starts a planned collective and returns its Work and what
-        to do once it completed (sizes agree by construction: the layout was checked across ranks when built)."""
+        owns none of it) and its sends, each a call that starts a planned collective and returns its Work (sizes agree
+        by construction: the layout was checked across ranks when built). Uneven regions keep the broadcasts of the
+        real pieces even as one chunk: one padded all-gather would need buffers made per region, all alive until the
+        sends are waited for (a second copy of the parameters at the peak)."""
         world, rank, flat = self.comm.world_size, self.comm.rank, self._flat.data
-        chunk_bytes = update_chunk_bytes(self.config.bucket_cap_bytes())
+        chunk_bytes = min(_GATHER_CHUNK_BYTES, self.config.bucket_cap_bytes())
         schedule = []
         for offset, numel, owned_at in regions:
             ranges = [padded_range(numel, world, r) for r in range(world)]
             widest = max(end - start for start, end in ranges)
             chunks = max(1, min(8, -(-widest * flat.element_size() // chunk_bytes)))
             mine = ranges[rank][1] - ranges[rank][0]
-            if chunks == 1:
-                window = (owned_at, owned_at + mine) if mine else None
-                schedule.append((window, [self._one_gather(offset, numel, *ranges[rank])]))
+            shard = padded_shard(numel, world)
+            if chunks == 1 and numel == world * shard:  # even: one all-gather of this rank's piece, in place
+                plan = self.comm.plan_all_gather(numel, flat.dtype)
+                start, end = ranges[rank]
+                piece, region = flat[offset + start : offset + end], flat[offset : offset + numel]
+                schedule.append(((owned_at, owned_at + mine), [functools.partial(plan.start, piece, region)]))
                 continue
             for c in range(chunks):
                 lo, hi = shard_range(mine, chunks, c)
@@ -819,29 +825,9 @@ class _FlatShardOptimizer(ShardedOptimizer):
                 for r, (start, end) in enumerate(ranges):
                     a, b = shard_range(end - start, chunks, c)
                     if b > a:
-                        plan = self.comm.plan_broadcast(flat[offset + start + a : offset + start + b], r)
-                        sends.append(lambda plan=plan: (plan.start(), None))
+                        sends.append(self.comm.plan_broadcast(flat[offset + start + a : offset + start + b], r).start)
                 schedule.append((window, sends))
         return schedule
-
-    def _one_gather(self, offset: int, numel: int, start: int, end: int):
-        """A region's send as one all-gather (planned by shape): in place when its pieces are even, else through
-        buffers made for the call (this rank's piece zero-padded in, the padded region out, then copied into the
-        flat buffer once it completed)."""
-        world, flat = self.comm.world_size, self._flat.data
-        shard = padded_shard(numel, world)
-        plan = self.comm.plan_all_gather(world * shard, flat.dtype)
-        region, piece = flat[offset : offset + numel], flat[offset + start : offset + end]
-        if numel == world * shard:
-            return lambda: (plan.start(piece, region), None)
-
-        def staged():
-            src = torch.zeros(shard, dtype=flat.dtype, device=flat.device)
-            src[: end - start].copy_(piece)
-            out = torch.empty(world * shard, dtype=flat.dtype, device=flat.device)
-            return plan.start(src, out), lambda: region.copy_(out[:numel])
-
-        return staged
 
     def _count_steps(self) -> None:
         groups = list(self._by_group())
