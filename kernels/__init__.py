@@ -10,7 +10,7 @@ Knows nothing of communication or ``nn.Module``s.
 from .bucket import PackPlan, pack, unpack
 from .dispatch import implementation, use_triton
 from .layout import FlatLayout
-from .norm import clip_scalars, squared_norm
+from .norm import SquaredNorm, clip_scalars, squared_norm
 from .optim import AdamStep, SGDStep, adam_step, sgd_step
 from .quantize import (
     check_block_size,
@@ -28,6 +28,7 @@ __all__ = [
     "FlatLayout",
     "PackPlan",
     "SGDStep",
+    "SquaredNorm",
     "TopKResult",
     "adam_step",
     "check_block_size",

@@ -14,6 +14,7 @@ from ._triton import tl, triton
 from .dispatch import use_triton
 
 __all__ = [
+    "SquaredNorm",
     "clip_scalars",
     "clip_scalars_reference",
     "clip_scalars_triton",
@@ -77,6 +78,50 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"squared_norm takes a float buffer, got {x.dtype}")
     return (squared_norm_triton if use_triton(x) else squared_norm_reference)(x)
+
+
+class SquaredNorm:
+    """:func:`squared_norm` planned for buffers of up to ``numel`` elements, written into ``out``: the Triton path's
+    partial sums live in a buffer kept here, and the sum of the partials (or the torch reference's dot) is written
+    into ``out``, so a call allocates nothing (a ZeRO step's norm, every step). The buffer comes with each call and
+    is not checked (the caller passes its own fixed gradient buffer).
+
+    Args:
+        numel: The most elements a call's buffer holds.
+        out: One float32 or float64 element, written by every call (the squared norm, accumulated in fp32 per
+            block of :data:`BLOCK` elements and summed in ``out``'s dtype).
+
+    Raises:
+        ValueError: When ``numel`` is negative or ``out`` is not one float32 or float64 element.
+    """
+
+    def __init__(self, numel: int, out: torch.Tensor):
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"SquaredNorm: numel={numel!r} must be an int >= 0")
+        if not isinstance(out, torch.Tensor) or out.numel() != 1 or out.dtype not in (torch.float32, torch.float64):
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"SquaredNorm writes one float32 or float64 element, got out {got}")
+        self.numel, self.out = numel, out.view(())
+        self._partials = torch.empty(-(-numel // BLOCK), dtype=torch.float32, device=out.device)
+        self._dot = self.out if out.dtype == torch.float32 else torch.empty((), dtype=torch.float32, device=out.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Write the squared norm of ``x`` (1-D, contiguous, at most ``numel`` elements, on ``out``'s device) into
+        ``out`` and return ``out``."""
+        n = x.numel()
+        if n > self.numel:
+            raise ValueError(f"SquaredNorm was planned for {self.numel} elements, got a buffer of {n}; plan it again")
+        if n == 0:
+            return self.out.zero_()
+        if use_triton(x):
+            partials = self._partials[: -(-n // BLOCK)]
+            _squared_norm_kernel[(partials.numel(),)](x, partials, n, BLOCK=BLOCK, num_warps=8)
+            return torch.sum(partials, dim=0, dtype=self.out.dtype, out=self.out)
+        if x.dtype == torch.float32:
+            torch.dot(x, x, out=self._dot)
+        else:  # the reference widens a 16-bit buffer first (a copy; the CPU path only)
+            self._dot.copy_(squared_norm_reference(x))
+        return self.out if self._dot is self.out else self.out.copy_(self._dot)
 
 
 # -- the step's scalars from the global squared norm ---------------------------------------------------------------

@@ -2,16 +2,20 @@
 checked and built. On a GPU the host's time is most of a step's for models up to a few hundred million parameters
 (the H200 run of 2026-11-28: docs/results.md#on-a-gpu), and each of these costs the host microseconds: an argument
 check of a collective, a call signature, a layout, a fused step's buffer checks. benchmarks/host_overhead.py times
-them; this counts them, so that none creeps back into a step unnoticed."""
+them; this counts them, so that none creeps back into a step unnoticed. Allocations too: what gpudist's own code
+allocates in a steady-state step, run with the Triton kernels (the GPU's path) through the interpreter."""
 
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpudist
 import gpudist.comm.base as comm_base
@@ -20,6 +24,8 @@ import gpudist.kernels.layout as layout_module
 import gpudist.kernels.optim as optim_kernels
 from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import run_ranks
+
+from .conftest import _triton
 
 STEPS = 2
 
@@ -94,3 +100,119 @@ def test_a_steady_state_step_checks_and_builds_within_its_budget(strategy, count
     budget = BUDGET[strategy]
     over = {k: v for k, v in per_step.items() if v > budget.get(k, 0)}
     assert not over, f"{strategy}: per rank and step {per_step}, over the budget {budget}"
+
+
+# -- allocations --------------------------------------------------------------------------------------------------
+
+ALLOCATIONS = {  # per rank and steady-state step, from the wrapped model: what is allocated by design, and why
+    "ddp": lambda model: 0,  # gradients live in the buckets; every buffer and plan was made at wrap time
+    "zero1": lambda model: 0,  # as DDP; the step's norm, verdict and scalars are kept from step to step
+    # one send buffer per bucket: full gradients exist only while their bucket is in flight (ZeRO-2's memory)
+    "zero2": lambda model: len(model._collective.buckets),
+    # per unit: its gathered parameters in forward and again in backward (freed after each: FSDP's memory, as FSDP2)
+    # and its reduce-scatter's send buffer; and the flat gradient buffer the first reduce after zero_grad takes
+    "fsdp": lambda model: 3 * len(model._groups) + 1,
+}
+_GPUDIST_CODE = (os.path.dirname(gpudist.__file__), os.path.dirname(optim_kernels.__file__))
+_TORCH = os.path.dirname(torch.__file__)
+_USER_CODE = (os.path.join(_TORCH, "nn", "modules"), os.path.join(_TORCH, "optim"))
+_TRANSPORT = os.path.join(os.path.dirname(comm_base.__file__), "inmemory.py")
+_COUNTS_LOCK = threading.Lock()
+
+
+class _Allocations(TorchDispatchMode):
+    """Counts, by the line of gpudist's code that asked, every op whose output has new storage. An op whose nearest
+    caller outside torch is not gpudist's, or that runs inside a module's forward or a torch optimizer (the model's
+    own compute, called through the wrapper), or in the in-memory transport (the simulated wire: NCCL allocates
+    nothing), is not counted."""
+
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for a in (*args, *(kwargs or {}).values())
+            for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, torch.Tensor)
+        }
+        made = [
+            t
+            for t in (out if isinstance(out, (list, tuple)) else (out,))
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()
+            if t.untyped_storage().data_ptr() not in inputs
+        ]
+        if made:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+                if frame.f_code.co_filename.startswith(_USER_CODE):
+                    return out
+                frame = frame.f_back
+            where = "" if frame is None else frame.f_code.co_filename
+            if where.startswith(_GPUDIST_CODE) and where != _TRANSPORT:
+                self.counts[f"{os.path.basename(where)}:{frame.f_lineno} {func}"] += len(made)
+        return out
+
+
+def _allocating_steps(comm, strategy: str, counts: collections.Counter, sizes: dict, meet: threading.Barrier):
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.002)
+    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+    model = model_cls(net, config)
+    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    x = torch.randn(4, 16)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # warm-up: plans and buffers made
+        step()
+    mine: collections.Counter = collections.Counter()
+    meet.wait()
+    with _Allocations(mine):
+        for _ in range(STEPS):
+            step()
+    with _COUNTS_LOCK:
+        counts.update(mine)
+    sizes[comm.rank] = ALLOCATIONS[strategy](model)
+
+
+@pytest.fixture
+def serial_interpreter(monkeypatch):
+    """Triton's interpreter patches the language module while a kernel runs, so two rank threads must not run
+    kernels at once: one at a time (a test-only lock; processes need none)."""
+    if not _triton.interpreter_active():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 on a machine without CUDA)")
+    from triton.runtime import interpreter
+
+    lock, run = threading.Lock(), interpreter.GridExecutor.__call__
+
+    def one_at_a_time(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", one_at_a_time)
+    monkeypatch.setenv("GPUDIST_KERNELS", "triton")
+
+
+@pytest.mark.parametrize("strategy", list(ALLOCATIONS))
+def test_a_steady_state_step_allocates_only_what_the_strategy_frees(strategy, serial_interpreter):
+    """Catches gpudist's own code allocating in a steady-state step other than what the strategy frees by design (on a
+    GPU each allocation is host time in the caching allocator, and a pinned buffer or event far more): a norm's
+    partial sums, a verdict's host copy, a scalar, a padding tensor made per step. The Triton kernels run (the
+    GPU's path: the torch references stand in for kernels on the CPU and allocate their temporaries); two ranks,
+    both counted, over two steps after three warm-up steps. Exactly the designed count: ZeRO-2's and FSDP's show that
+    the counter sees allocations (a counter that saw none would pass DDP's and ZeRO-1's zero)."""
+    world = 2
+    counts: collections.Counter = collections.Counter()
+    sizes: dict = {}
+    run_ranks(_allocating_steps, world, "inmemory", strategy=strategy, counts=counts, sizes=sizes,
+              meet=threading.Barrier(world))  # fmt: skip
+    per_step = sum(counts.values()) / (world * STEPS)
+    designed = sizes[0]
+    assert per_step == designed, f"{strategy}: {per_step} allocations per rank and step, {designed} by design: {counts}"

@@ -238,6 +238,28 @@ def test_squared_norm(device, kernel_impl, dtype):
         assert squared_norm(ones).item() == n, "elements lost (a dropped tail block?) or accumulated in low precision"
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_squared_norm_writes_its_out_for_any_buffer_up_to_its_size(device, kernel_impl, dtype, out_dtype):
+    """Catches the plan summing stale partials of a longer earlier buffer (its partials are kept from call to call),
+    writing a shorter buffer's norm wrong, a float64 ``out`` summed in fp32, an empty buffer's stale value, and a
+    buffer longer than planned writing past its partials."""
+    n = max(_sizes())
+    out = torch.full((1,), 7.0, dtype=out_dtype, device=device)
+    plan = K.SquaredNorm(n, out)
+    for m in (n, n // 3 + 1, 1, n):
+        x = torch.randn(m, generator=_gen(m)).to(dtype).to(device)
+        assert plan(x) is plan.out and plan.out.data_ptr() == out.data_ptr()
+        expected = x.double().pow(2).sum()
+        torch.testing.assert_close(out[0].double(), expected, rtol=sum_rtol(m + 1), atol=0.0)
+    plan(torch.empty(0, dtype=dtype, device=device))
+    assert out.item() == 0.0
+    with pytest.raises(ValueError, match=f"planned for {n} elements"):
+        plan(torch.ones(n + 1, dtype=dtype, device=device))
+    with pytest.raises(ValueError, match="one float32 or float64 element"):
+        K.SquaredNorm(n, torch.zeros(2, device=device))
+
+
 def test_squared_norm_nonfinite(device, kernel_impl):
     """Catches a NaN or Inf hidden by a masked load: the optimizer's skip check relies on it."""
     x = torch.ones(1000, device=device)

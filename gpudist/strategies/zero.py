@@ -379,23 +379,26 @@ class _Scale:
 
 class _Verdict:
     """A step's global gradient norm: the device tensor, copied to the host without blocking (pinned memory and an
-    event on CUDA, from ``slots``), so that reading it once the copy is done does not stall the device's queue. The
-    slot goes back to ``slots`` once read, so a steady state allocates no pinned memory and creates no event."""
+    event on CUDA; on the CPU a plain copy), into a slot from ``slots``, so that reading it once the copy is done does
+    not stall the device's queue. The slot goes back to ``slots`` once read, so a steady state allocates no host
+    buffer and creates no event."""
 
     def __init__(self, norm: torch.Tensor | None, slots: list | None = None):
         self._host, self._event, self._value, self._stepped = None, None, math.nan, norm is not None
         self._slots = slots
         if norm is None:
             return
-        if norm.is_cuda:
-            if slots:
-                self._host, self._event = slots.pop()
-            else:
-                self._host, self._event = torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
+        if slots:
+            self._host, self._event = slots.pop()
+        elif norm.is_cuda:
+            self._host, self._event = torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
+        else:
+            self._host = torch.empty(1, dtype=torch.float64)  # the norm's buffer is the next step's too: a copy
+        if self._event is not None:
             self._host.copy_(norm.reshape(1), non_blocking=True)
             self._event.record()
         else:
-            self._host = norm.reshape(1).double().clone()  # the norm's buffer is the next step's too
+            self._host.copy_(norm.reshape(1))
 
     def ready(self) -> bool:
         """Whether the norm is on the host (so reading it does not wait)."""
@@ -408,7 +411,7 @@ class _Verdict:
                 self._event.synchronize()
             # Host memory (pinned on CUDA, the tensor itself on the CPU): a plain read, no device copy or dispatch.
             self._value = ctypes.c_double.from_address(self._host.data_ptr()).value
-            if self._event is not None and self._slots is not None and len(self._slots) < _VERDICT_SLOTS:
+            if self._slots is not None and len(self._slots) < _VERDICT_SLOTS:
                 self._slots.append((self._host, self._event))
             self._host, self._event = None, None
         return self._value
@@ -418,12 +421,13 @@ class _Verdict:
 
 
 class _StepScalars:
-    """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (and its planned
-    all-reduce), the norm, the skip flag and the clipping coefficient (0-dim views, as the fused steps take them),
+    """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (its planned
+    norm over ``numel`` owned gradients and its planned all-reduce), the norm, the skip flag and the clipping coefficient (0-dim views, as the fused steps take them),
     and the verdicts' pinned slots."""
 
-    def __init__(self, comm, device: torch.device):
+    def __init__(self, comm, device: torch.device, numel: int):
         self.total = torch.zeros(1, dtype=torch.float64, device=device)
+        self.squared_norm = kernels.SquaredNorm(numel, self.total)
         self.norm = torch.zeros(1, dtype=torch.float64, device=device)
         self.flags = torch.zeros(2, dtype=torch.float32, device=device)
         self.found_inf, self.clip = self.flags[0], self.flags[1]
@@ -715,7 +719,7 @@ class _FlatShardOptimizer(ShardedOptimizer):
             total = torch.as_tensor(self.gradient_norm_fn(), dtype=torch.float64, device=self._grad.device)
             scalars.total.copy_(total.reshape(1).square())
         else:
-            scalars.total.copy_(kernels.squared_norm(self._grad).reshape(1))
+            scalars.squared_norm(self._grad)  # into scalars.total
             scalars.all_reduce.start().wait()  # one float64 on every rank (planned once: no per-step check)
         # The norm, the skip flag and the clipping coefficient in one launch, into buffers kept from step to step.
         max_norm = self.config.max_grad_norm
@@ -730,10 +734,11 @@ class _FlatShardOptimizer(ShardedOptimizer):
         return loss
 
     def _scalars_on(self, device: torch.device) -> _StepScalars:
-        """The step's scalar buffers on ``device`` (made on the first step, and again if the gradients moved)."""
+        """The step's scalar buffers on ``device`` (made on the first step, and again if the gradients moved or
+        grew)."""
         scalars = self._scalars
-        if scalars is None or scalars.total.device != device:
-            scalars = self._scalars = _StepScalars(self.comm, device)
+        if scalars is None or scalars.total.device != device or scalars.squared_norm.numel < self._grad.numel():
+            scalars = self._scalars = _StepScalars(self.comm, device, self._grad.numel())
         return scalars
 
     @property
