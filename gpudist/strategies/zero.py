@@ -421,9 +421,9 @@ class _Verdict:
 
 
 class _StepScalars:
-    """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (its planned
-    norm over ``numel`` owned gradients and its planned all-reduce), the norm, the skip flag and the clipping coefficient (0-dim views, as the fused steps take them),
-    and the verdicts' pinned slots."""
+    """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (its planned norm
+    over ``numel`` owned gradients and its planned all-reduce), the norm, the skip flag and the clipping coefficient
+    (0-dim views, as the fused steps take them), and the verdicts' host slots."""
 
     def __init__(self, comm, device: torch.device, numel: int):
         self.total = torch.zeros(1, dtype=torch.float64, device=device)
