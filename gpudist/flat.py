@@ -24,6 +24,7 @@ from .kernels.bucket import FLOAT_DTYPES
 
 __all__ = [
     "SHARD_ALIGN",
+    "VECTOR_BYTES",
     "BufferSpec",
     "FlatBuffer",
     "GradientBucket",
@@ -34,10 +35,22 @@ __all__ = [
     "padded_range",
     "padded_shard",
     "shard_range",
+    "vector_align",
 ]
 
 SHARD_ALIGN = 16
 """Elements every padded shard is a multiple of: 64 bytes of fp32, a 128-bit vector for 16-bit types times four."""
+
+
+VECTOR_BYTES = 16
+"""Bytes of the widest load or store the kernels issue per thread (128 bits): a tensor that starts at a multiple of
+this in its buffer takes their vector path (torch's multi-tensor copies too) where the buffer itself is aligned."""
+
+
+def vector_align(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in :data:`VECTOR_BYTES` (fp32: 4, bf16/fp16: 8, fp64: 2): the ``align`` of a
+    :class:`~gpudist.kernels.FlatLayout` whose every tensor starts on a vector boundary."""
+    return max(1, VECTOR_BYTES // torch.empty((), dtype=dtype).element_size())
 
 
 def padded_shard(numel: int, world_size: int, align: int = SHARD_ALIGN) -> int:
@@ -75,11 +88,17 @@ class FlatBuffer:
 
     @classmethod
     def empty_like(
-        cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None, zero: bool = True, capacity: int = 0
+        cls,
+        tensors: Sequence[torch.Tensor],
+        dtype: torch.dtype | None = None,
+        zero: bool = True,
+        capacity: int = 0,
+        align: int = 1,
     ):
-        """A new buffer for ``tensors``' layout, of ``max(layout.total, capacity)`` elements; the padding after the
-        tensors is zeroed even when ``zero`` is False."""
-        layout = FlatLayout.of(list(tensors))
+        """A new buffer for ``tensors``' layout (each starting at a multiple of ``align`` elements), of
+        ``max(layout.total, capacity)`` elements; the padding after the tensors is zeroed even when ``zero`` is False
+        (the gaps between them only with ``zero``)."""
+        layout = FlatLayout.of(list(tensors), align)
         first = tensors[0]
         alloc = torch.zeros if zero else torch.empty
         data = alloc(max(layout.total, capacity), dtype=dtype or first.dtype, device=first.device)
@@ -205,11 +224,18 @@ class BufferSpec:
 
     @classmethod
     def of(
-        cls, params: Sequence[torch.nn.Parameter], op: str, lo: int = 0, hi: int | None = None, size: int = 0
+        cls,
+        params: Sequence[torch.nn.Parameter],
+        op: str,
+        lo: int = 0,
+        hi: int | None = None,
+        size: int = 0,
+        align: int = 1,
     ) -> BufferSpec:
-        """Elements ``[lo, hi)`` of the parameters' flat layout (all of it by default), in a buffer of
-        ``max(hi - lo, size)`` elements (``size``: a padded buffer, its padding after the elements)."""
-        layout = FlatLayout.of(list(params))
+        """Elements ``[lo, hi)`` of the parameters' flat layout (all of it by default; each parameter starting at a
+        multiple of ``align`` elements), in a buffer of ``max(hi - lo, size)`` elements (``size``: a padded buffer,
+        its padding after the elements)."""
+        layout = FlatLayout.of(list(params), align)
         hi = layout.total if hi is None else hi
         spans = []
         for p, offset, numel in zip(params, layout.offsets, layout.numels, strict=True):

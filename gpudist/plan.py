@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flat import assign_buckets, padded_shard
+from .flat import assign_buckets, padded_shard, vector_align
+from .kernels import FlatLayout
 from .strategies.layout import ParallelLayout
 from .strategies.pipeline.schedule import (
     ALL_SCHEDULES,
@@ -689,11 +690,15 @@ class _Meta:
         return _BYTES[self.dtype]
 
 
-def _buckets(numels: list[int], dtype: torch.dtype, bucket_mb: float, first_mb: float = 1.0) -> list[int]:
-    """Elements of each gradient bucket in launch order (DDP/ZeRO-1/ZeRO-2's :func:`assign_buckets`)."""
+def _buckets(
+    numels: list[int], dtype: torch.dtype, bucket_mb: float, first_mb: float = 1.0, aligned: bool = False
+) -> list[int]:
+    """Elements of each gradient bucket in launch order (DDP/ZeRO-1/ZeRO-2's :func:`assign_buckets`); ``aligned``:
+    with DDP's padding, every gradient at a 16-byte start (:func:`~gpudist.flat.vector_align`)."""
     metas = [_Meta(n, dtype) for n in numels]
     groups = assign_buckets(metas, int(bucket_mb * (1 << 20)), int(first_mb * (1 << 20)))
-    return [sum(numels[i] for i in g) for g in groups]
+    align = vector_align(dtype) if aligned else 1
+    return [FlatLayout([(numels[i],) for i in sorted(g)], align).total for g in groups]
 
 
 def _ring(op: str, payload: float, n: int) -> float:
@@ -803,7 +808,8 @@ def _data_parallel_traffic(
     for a flat list of trainable parameters (one data-parallel group's view of them)."""
     pbytes = _BYTES[w.param_dtype]
     wire = _BYTES[_DTYPES[cfg.comm_dtype]] if cfg.comm_dtype else pbytes
-    buckets = _buckets(numels, w.param_dtype, cfg.bucket_mb, cfg.first_bucket_mb)
+    aligned = cfg.strategy == "ddp"  # DDPModel's buckets (hybrid's DDPOptimizer and ZeRO pack theirs back to back)
+    buckets = _buckets(numels, w.param_dtype, cfg.bucket_mb, cfg.first_bucket_mb, aligned)
     numel = sum(numels)
     ops: list[tuple[str, float, int]] = []
     counted = 0
@@ -820,7 +826,7 @@ def _data_parallel_traffic(
         ops.append(("reduce_scatter", rs, len(buckets)))
         counted += rs
     else:
-        ar = numel * wire
+        ar = (sum(buckets) if aligned else numel) * wire
         ops.append(("all_reduce", ar, len(buckets)))
         counted += ar
     if stage == 1:
@@ -847,13 +853,14 @@ def _predict_data_parallel(cfg: Config, w: _Work) -> Prediction:
     if cfg.strategy in ("ddp", "zero1", "zero2"):
         counted, _, ops = _data_parallel_traffic(w, cfg, numels, n)
         if cfg.strategy == "ddp":
+            buckets = _buckets(numels, w.param_dtype, cfg.bucket_mb, cfg.first_bucket_mb, aligned=True)
             mem["parameters"] = numel * pbytes
-            mem["gradients"] = numel * pbytes
+            mem["gradients"] = sum(buckets) * pbytes  # the buckets, each gradient at a 16-byte start
             torch_state = k * numel * pbytes + (4 * m.param_tensors if w.optimizer.startswith("adam") else 0)
             mem["optimizer_state"] = torch_state
             mem["master"] = 0
             wire = _BYTES[_DTYPES[cfg.comm_dtype]] if cfg.comm_dtype else pbytes
-            mem["communication_buffers"] = numel * wire if wire != pbytes else 0
+            mem["communication_buffers"] = sum(buckets) * wire if wire != pbytes else 0
         else:
             buckets = _buckets(numels, w.param_dtype, cfg.bucket_mb, cfg.first_bucket_mb)
             if cfg.strategy == "zero1":

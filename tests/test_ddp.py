@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import gpudist
 from gpudist import CommunicationError, DDPModel, DDPOptimizer, ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
+from gpudist.flat import FlatLayout, vector_align
 from gpudist.strategies import ddp as ddp_module
 from gpudist.testing import run_ranks
 
@@ -155,20 +156,26 @@ def test_ddp_matches_torch_ddp_on_gloo():
 
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 def test_bytes_per_step_and_no_double_reduction(wire):
-    """Catches DDPOptimizer reducing gradients that DDPModel already reduced (2x bytes), and a bf16 wire that
-    still sends fp32: bytes per step equal one all-reduce of the gradients in the wire dtype."""
+    """Catches DDPOptimizer reducing gradients that DDPModel already reduced (2x bytes), a bf16 wire that still
+    sends fp32, and a bucket whose gradients are not on 16-byte starts: bytes per step equal one all-reduce of the
+    gradient bucket in the wire dtype, each gradient at a multiple of 4 fp32 elements (the model's odd-sized
+    tensors make that more than the parameter count), and the memory table counts the same bucket."""
     state = initial_state()
     n_params = sum(t.numel() for k, t in state.items())
+    bucket = FlatLayout.of(list(state.values()), vector_align(torch.float32)).total  # one bucket at the default cap
+    assert bucket > n_params, "the model should have tensors whose sizes are not multiples of 4"
     per_elem = 2 if wire is torch.bfloat16 else 4
     results = run_ranks(train_ddp, 2, "inmemory", state=state, steps=3, config_kw={"communication_dtype": wire})
     for r in results:
-        assert r["bytes"] == [n_params * per_elem] * 3
-        assert r["meta"]["bytes_per_step"] == n_params * per_elem
+        assert r["buckets"] == [bucket * per_elem]
+        assert r["bytes"] == [bucket * per_elem] * 3
+        assert r["meta"]["bytes_per_step"] == bucket * per_elem
         assert r["meta"]["parameter_count"] == n_params and r["meta"]["strategy"] == "ddp"
         memory = r["meta"]["memory_per_rank"]
-        assert memory["parameters"] == memory["gradients"] == n_params * 4  # gradients are the bucket views
+        assert memory["parameters"] == n_params * 4
+        assert memory["gradients"] == bucket * 4  # gradients are the bucket views
         assert memory["optimizer_state"] >= 2 * n_params * 4  # Adam: exp_avg + exp_avg_sq (+ step scalars)
-        assert memory["communication_buffers"] == (n_params * 2 if wire is torch.bfloat16 else 0)
+        assert memory["communication_buffers"] == (bucket * 2 if wire is torch.bfloat16 else 0)
     if wire is torch.bfloat16:  # bf16 gradients on the wire: close to fp32 training, not equal
         # Rounding a gradient to bf16 moves it by a relative u_bf16 = 2^-9; Adam's update is lr times a ratio of
         # moving averages of gradients, each off by at most a few u_bf16, so each step moves a parameter by at most
@@ -521,3 +528,44 @@ def test_buffers_follow_rank0_and_predict_is_local():
 def test_communication_failure_is_a_communication_error():
     """The error class users catch: mismatches and timeouts are CommunicationErrors."""
     assert issubclass(gpudist.CommunicationTimeoutError, CommunicationError)
+
+
+def _grad_addresses(comm, dtype: torch.dtype, strategy: str) -> dict:
+    net = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7), nn.Linear(7, 1)).to(dtype)  # odd sizes: 15, 3, 21, 7, 7, 1
+    values = torch.Generator().manual_seed(0)  # the ranks are threads: not torch's one global generator
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=values) * 0.5)
+    model_cls, opt_cls = gpudist.strategies.DATA_PARALLEL_PAIRS[strategy]
+    config = ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)  # several buckets
+    model = model_cls(net, config)
+    opt = opt_cls(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    for step in range(2):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + comm.rank)).to(dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return {
+        "offsets": [p.grad.data_ptr() - model.flat_grads.data_ptr() for p in model.module.parameters()],
+        "buckets": len(model._buckets),
+        "params": [p.detach().float().clone() for p in model.module.parameters()],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ddp_gradients_start_on_16_byte_boundaries(dtype):
+    """Catches DDP buckets laid out back to back (an odd-sized tensor puts every later gradient off the 128-bit
+    vector path of the copies and kernels over the bucket, bf16 most), and padding that breaks training (ZeRO-1,
+    which shares the flat order with its optimizer, stays back to back): every gradient of a model with odd-sized
+    tensors starts at a multiple of 16 bytes in the gradient buffer, over several buckets, and the same two steps
+    as ZeRO-1 (unaligned) give the same parameters."""
+    ddp = run_ranks(_grad_addresses, 2, "inmemory", dtype=dtype, strategy="ddp")
+    zero1 = run_ranks(_grad_addresses, 2, "inmemory", dtype=dtype, strategy="zero1")
+    assert ddp[0]["buckets"] >= 2
+    assert all(offset % 16 == 0 for offset in ddp[0]["offsets"]), ddp[0]["offsets"]
+    assert any(offset % 16 for offset in zero1[0]["offsets"]), "ZeRO-1's gradients follow its flat parameter order"
+    if dtype != torch.float32:  # bf16: ZeRO-1 steps an fp32 master, DDP's SGD the bf16 parameters (not comparable)
+        assert all(p.isfinite().all() for p in ddp[0]["params"])
+        return
+    for a, b in zip(ddp[0]["params"], zero1[0]["params"], strict=True):  # the same arithmetic: bit for bit
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -29,6 +29,7 @@ from ..flat import (
     broadcast_tensors,
     flatten_parameters,
     padded_shard,
+    vector_align,
 )
 from ..topology import Topology
 from .model import ShardedModel
@@ -62,31 +63,43 @@ class AllReduceBuckets(BucketCollective):
     hook_op = "all_reduce"
     """The collective a comm hook replaces for each bucket."""
 
-    def __init__(self, comm, config, named, *, capacity: int = 0, topology: Topology | None = None):
+    def __init__(
+        self, comm, config, named, *, capacity: int = 0, topology: Topology | None = None, aligned: bool = False
+    ):
         self.comm, self.config, self.topology = comm, config, topology
         self.world_size = comm.world_size
         self.views = config.gradient_as_bucket_view
         self.copies_on_arrival = self.views  # without views the launch packs param.grad itself
         self.hook = None
+        self.aligned = aligned
         params = [p for _, p in named]
         # With gradient views and one dtype/device, the buckets are slices of one gradient buffer in parameter
         # order, so any range of the flat gradients is a view (ZeRO-1 steps its range of it with no copy).
         self.flat_grads = None
         if self.views and len({(p.dtype, p.device) for p in params}) == 1:
-            numel = sum(p.numel() for p in params)
-            self.flat_grads = torch.zeros(max(numel, capacity), dtype=params[0].dtype, device=params[0].device)
-        starts = [0]
-        for p in params:
-            starts.append(starts[-1] + p.numel())
+            layout = FlatLayout.of(params, self._align(params[0].dtype))
+            self.flat_grads = torch.zeros(max(layout.total, capacity), dtype=params[0].dtype, device=params[0].device)
         self.buckets = []
         for b, indices in enumerate(bucket_groups(params, config)):
-            storage = None if self.flat_grads is None else self.flat_grads[starts[indices[0]] : starts[indices[-1] + 1]]
+            storage = None
+            if self.flat_grads is not None:
+                first, last = layout.offsets[indices[0]], layout.offsets[indices[-1]] + layout.numels[indices[-1]]
+                storage = self.flat_grads[first:last]  # tensor starts are aligned: its layout is the same in it
             self.buckets.append(self._bucket(b, [params[i] for i in indices], [named[i][0] for i in indices], storage))
         self._pieces: dict[int, torch.Tensor] = {}
         self.plan()
 
+    def _align(self, dtype: torch.dtype) -> int:
+        """Elements every gradient starts at a multiple of in its bucket: a 16-byte vector's (``aligned``: DDP, whose
+        buckets only it reads) or 1 (ZeRO-1: its buckets view the optimizer's flat order, back to back)."""
+        return vector_align(dtype) if self.aligned else 1
+
     def _bucket(self, index: int, params: list, names: list[str], storage: torch.Tensor | None) -> GradientBucket:
-        grads = FlatBuffer.empty_like(params) if storage is None else FlatBuffer(FlatLayout.of(params), storage)
+        align = self._align(params[0].dtype)
+        if storage is None:
+            grads = FlatBuffer.empty_like(params, align=align)
+        else:
+            grads = FlatBuffer(FlatLayout.of(params, align), storage)
         wire_dtype = self.config.communication_dtype or grads.data.dtype
         wire = grads.data if wire_dtype == grads.data.dtype else torch.empty_like(grads.data, dtype=wire_dtype)
         bucket = GradientBucket(index, params, names, grads, wire)
@@ -133,11 +146,14 @@ class AllReduceBuckets(BucketCollective):
 
     def buffer_specs(self) -> dict[int, BufferSpec]:
         if self.topology is None:
-            return {b.index: BufferSpec.of(b.params, self.hook_op) for b in self.buckets}
+            return {b.index: BufferSpec.of(b.params, self.hook_op, align=b.grads.layout.align) for b in self.buckets}
         intra = self.topology.intra
         return {
             b.index: BufferSpec.of(
-                b.params, self.hook_op, *shard_range(b.grads.data.numel(), intra.world_size, intra.rank)
+                b.params,
+                self.hook_op,
+                *shard_range(b.grads.data.numel(), intra.world_size, intra.rank),
+                align=b.grads.layout.align,
             )
             for b in self.buckets
         }
@@ -365,6 +381,12 @@ class DDPModel(ShardedModel):
     """Whether the flat parameter and gradient buffers are padded to whole even shards (ZeRO-1:
     :func:`gpudist.flat.padded_shard`, so its optimizer's range is a view of both)."""
 
+    _aligned_gradients = True
+    """Whether each gradient starts on a 16-byte boundary in its bucket (:func:`gpudist.flat.vector_align`; at most
+    15 bytes of zeros per parameter, communicated with the bucket), so every copy into a bucket and every kernel over
+    it takes its vector path in fp32 and bf16 alike. DDP: its buckets are its own. ZeRO-1/2: no (ZeRO-1's buckets
+    view the flat parameter order its optimizer and checkpoints share; ZeRO-2 packs a send buffer)."""
+
     def initialize_sharding(self) -> None:
         module, comm, config = self.module, self.comm, self.config
         self._check_same_model()
@@ -382,7 +404,9 @@ class DDPModel(ShardedModel):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._param_ids = {id(p) for p in self._params}
-        self._collective = self._collective_type(comm, config, named, capacity=capacity, topology=self._topology)
+        self._collective = self._collective_type(
+            comm, config, named, capacity=capacity, topology=self._topology, aligned=self._aligned_gradients
+        )
         self._buckets = self._collective.buckets
         self.flat_grads = self._collective.flat_grads
         """With gradient views and one dtype/device, the buckets are slices of this one gradient buffer in parameter

@@ -130,6 +130,7 @@ class ZeRO1Model(DDPModel):
     strategy = "zero1"
     _flat_parameters = True
     _pads_to_shards = True
+    _aligned_gradients = False
 
     def memory_per_rank(self) -> dict[str, int]:
         mem = super().memory_per_rank()
@@ -154,6 +155,7 @@ class ReduceScatterBuckets(BucketCollective):
         named: ``(name, parameter)`` of the trainable parameters (one dtype and device), in the module's order.
         capacity: Unused (the owned buffer is padded per bucket).
         topology: Must be None (a hierarchical all-reduce is DDP's).
+        aligned: Unused (the send buffer is packed, the owned pieces are in the flat parameter order).
     """
 
     hook_op = "reduce_scatter"
@@ -162,7 +164,7 @@ class ReduceScatterBuckets(BucketCollective):
     end of backward held a full copy of the gradients at the peak, and the memory freed at once went back to the OS
     and had to be faulted in again the next step."""
 
-    def __init__(self, comm, config, named, *, capacity: int = 0, topology=None):
+    def __init__(self, comm, config, named, *, capacity: int = 0, topology=None, aligned: bool = False):
         self.comm, self.config = comm, config
         self.world_size, self.rank = comm.world_size, comm.rank
         self.hook = None
@@ -330,6 +332,7 @@ class ZeRO2Model(DDPModel):
     strategy = "zero2"
     _collective_type = ReduceScatterBuckets
     _flat_parameters = True
+    _aligned_gradients = False
 
     def initialize_sharding(self) -> None:
         kinds = {(p.dtype, p.device) for p in self.module.parameters() if p.requires_grad}
