@@ -139,13 +139,15 @@ def test_hierarchical_ddp_bytes_follow_the_formulas():
     hier_runs = run_ranks(_train, WORLD, state=state, kind="hierarchical", steps=2)
     total = sum(t.numel() for t in state.values())
     for rank, (_, per_step, _, buckets, step_bytes) in enumerate(hier_runs):
-        assert len(buckets) > 1 and sum(buckets) == total
+        # each gradient starts on a 16-byte boundary in its bucket: at most 3 fp32 zeros after each tensor
+        sent = sum(buckets)
+        assert len(buckets) > 1 and total <= sent < total + 4 * len(state)
         local = rank % PER_NODE
         inter = sum(split_sizes(n, PER_NODE)[local] for n in buckets) * 4
-        assert per_step[-1] == {"intra": 2 * total * 4, "inter": inter, "world": 0}
-        assert step_bytes == 2 * total * 4 + inter
-    for _, per_step, _, _, _ in flat_runs:
-        assert per_step[-1] == {"intra": 0, "inter": 0, "world": total * 4}
+        assert per_step[-1] == {"intra": 2 * sent * 4, "inter": inter, "world": 0}
+        assert step_bytes == 2 * sent * 4 + inter
+    for _, per_step, _, buckets, _ in flat_runs:
+        assert per_step[-1] == {"intra": 0, "inter": 0, "world": sum(buckets) * 4}
 
 
 def _misuse(comm):

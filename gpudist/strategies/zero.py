@@ -396,7 +396,9 @@ class _Verdict:
         elif norm.is_cuda:
             self._host, self._event = torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
         else:
-            self._host = torch.empty(1, dtype=torch.float64, device="cpu")  # the norm's buffer is the next step's too: a copy
+            self._host = torch.empty(
+                1, dtype=torch.float64, device="cpu"
+            )  # the norm's buffer is the next step's too: a copy
         if self._event is not None:
             self._host.copy_(norm.reshape(1), non_blocking=True)
             self._event.record()
