@@ -215,7 +215,7 @@ def _train_compressed(comm, state, warmup_steps: int, steps: int, width: int = 0
         opt.zero_grad()
         after = topo.link_bytes()
         per_step.append({k: after[k] - before[k] for k in after})
-    return model.gather_full_parameters(), per_step
+    return model.gather_full_parameters(), per_step, sum(model.bucket_sizes()) // 4
 
 
 def test_inter_node_only_compression():
@@ -226,11 +226,13 @@ def test_inter_node_only_compression():
     state = initial_state()
     expected = reference_pair(single_process, state, torch.optim.SGD, **SGD)
     total = sum(t.numel() for t in state.values())
-    for params, per_step in run_ranks(_train_compressed, WORLD, state=state, warmup_steps=STEPS, steps=STEPS):
+    runs = run_ranks(_train_compressed, WORLD, state=state, warmup_steps=STEPS, steps=STEPS)
+    for params, per_step, buckets in runs:  # buckets: elements, each gradient 16-byte aligned in its bucket
         assert_matches_reference(params, *expected, what="hierarchical DDP, dense hook during warm-up")
-        assert per_step[-1]["world"] == 0 and per_step[-1]["intra"] == 2 * total * 4
+        assert total <= buckets < total + 4 * len(state)
+        assert per_step[-1]["world"] == 0 and per_step[-1]["intra"] == 2 * buckets * 4
     width = 128
-    for _, per_step in run_ranks(_train_compressed, WORLD, state=state, warmup_steps=1, steps=2, width=width):
+    for _, per_step, _ in run_ranks(_train_compressed, WORLD, state=state, warmup_steps=1, steps=2, width=width):
         dense, compressed = per_step
         assert dense["intra"] == compressed["intra"] == 2 * (width + 1) * width * 4
         # Dense: the piece's 4 bytes per element. int8's two phases (reduce-scatter, all-gather) each send a byte
