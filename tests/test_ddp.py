@@ -569,3 +569,22 @@ def test_ddp_gradients_start_on_16_byte_boundaries(dtype):
         return
     for a, b in zip(ddp[0]["params"], zero1[0]["params"], strict=True):  # the same arithmetic: bit for bit
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _packed_buckets(comm) -> list[bool]:
+    net = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7), nn.Linear(7, 1))  # odd sizes: gaps in every bucket
+    config = ShardingConfiguration(comm, gradient_as_bucket_view=False, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
+    model = DDPModel(net, config)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(comm.rank))
+    model(x).square().mean().backward()
+    return [
+        torch.equal(view, p.grad) for b in model._buckets for p, view in zip(b.params, b.grads.views(), strict=True)
+    ]
+
+
+def test_packed_ddp_buckets_follow_their_aligned_layout():
+    """Catches the pack without gradient views laying gradients back to back in a bucket whose layout (its views, the
+    comm hook's spans) puts each on a 16-byte start: after backward every bucket view equals its parameter's
+    (reduced) gradient."""
+    for matches in run_ranks(_packed_buckets, 2, "inmemory"):
+        assert matches and all(matches), matches

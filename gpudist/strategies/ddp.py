@@ -222,7 +222,8 @@ class AllReduceBuckets(BucketCollective):
         # fresh gradient into its view, the cast to a low-precision wire) and the wire is SUMmed, or the transport
         # averages (_reduction says which, per bucket). A comm hook averages by itself.
         if not self.views:
-            kernels.pack(self._grads_of(bucket), bucket.grads.data, scale=1.0 if hooked or lowp else 1.0 / n)
+            grads, data, scale = self._grads_of(bucket), bucket.grads.data, 1.0 if hooked or lowp else 1.0 / n
+            kernels.pack(grads, data, scale=scale, layout=bucket.grads.layout)  # the bucket's (aligned) layout
         elif bucket.fresh:
             self._absorb(bucket)
         if hooked and self.topology is not None:
@@ -291,7 +292,7 @@ class AllReduceBuckets(BucketCollective):
         if bucket.wire is not bucket.grads.data and self.hook is None:
             bucket.grads.data.copy_(bucket.wire)
         if not self.views:
-            kernels.unpack(bucket.grads.data, self._grads_of(bucket))
+            kernels.unpack(bucket.grads.data, self._grads_of(bucket), layout=bucket.grads.layout)
 
     @staticmethod
     def _grads_of(bucket: GradientBucket) -> list[torch.Tensor]:
