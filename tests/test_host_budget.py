@@ -65,10 +65,12 @@ def counted(monkeypatch) -> collections.Counter:
     return counts
 
 
-def _steady_steps(comm, strategy: str, counts: collections.Counter, meet: threading.Barrier) -> None:
+def _warmed_up(comm, strategy: str):
+    """``strategy``'s model and optimizer on six Linear(16, 16) in buckets of ~2 KB (three), and a training step,
+    taken three times (the warm-up: plans and buffers made)."""
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.002)  # three buckets
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.002, first_bucket_mb=0.002)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     model = model_cls(net, config)
     opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
@@ -79,8 +81,13 @@ def _steady_steps(comm, strategy: str, counts: collections.Counter, meet: thread
         opt.step()
         opt.zero_grad()
 
-    for _ in range(3):  # warm-up: plans and buffers made
+    for _ in range(3):
         step()
+    return model, step
+
+
+def _steady_steps(comm, strategy: str, counts: collections.Counter, meet: threading.Barrier) -> None:
+    _, step = _warmed_up(comm, strategy)
     meet.wait()  # the ranks are threads: met outside gpudist, so that meeting counts nothing
     if comm.rank == 0:
         counts.clear()
@@ -157,21 +164,7 @@ class _Allocations(TorchDispatchMode):
 
 
 def _allocating_steps(comm, strategy: str, counts: collections.Counter, sizes: dict, meet: threading.Barrier):
-    torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.002)
-    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-    model = model_cls(net, config)
-    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    x = torch.randn(4, 16)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    for _ in range(3):  # warm-up: plans and buffers made
-        step()
+    model, step = _warmed_up(comm, strategy)
     mine: collections.Counter = collections.Counter()
     meet.wait()
     with _Allocations(mine):
