@@ -162,8 +162,10 @@ class GradientBucket:
     arrival_scale: float | None = None
     """DDP with gradient views: what a gradient is multiplied by as it reaches its view (the 1/N of the average), or
     None (decided when the buckets are built and when a comm hook is registered)."""
-    fresh: list[int] = field(default_factory=list)
-    """DDP with gradient views: slots whose fresh gradient (not in its view yet) is copied in at the bucket's launch."""
+    on_arrival: bool = True
+    """Whether the collective's ``arrived`` runs for each gradient as it arrives (the reducer's hook skips the call
+    when False: DDP's buckets whose launch takes every fresh gradient at once; decided when the buckets are built
+    and when a comm hook is registered)."""
     batched_copy: bool = False
     """DDP with gradient views: whether fresh gradients wait for one multi-tensor copy at the bucket's launch (CPU and
     CUDA: ``gpudist.strategies.ddp._BATCHED_COPY_DEVICES``) instead of being copied as each arrives (decided when the

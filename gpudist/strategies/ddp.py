@@ -69,7 +69,6 @@ class AllReduceBuckets(BucketCollective):
         self.comm, self.config, self.topology = comm, config, topology
         self.world_size = comm.world_size
         self.views = config.gradient_as_bucket_view
-        self.copies_on_arrival = self.views  # without views the launch packs param.grad itself
         self.hook = None
         self.aligned = aligned
         params = [p for _, p in named]
@@ -122,6 +121,9 @@ class AllReduceBuckets(BucketCollective):
         flat = self.topology is None and self.hook is None
         for bucket in self.buckets:
             bucket.arrival_scale = self._arrival_scale(bucket)
+            # Views whose fresh gradients are copied at the launch, unscaled: nothing to do per gradient (the launch
+            # finds them all, _absorb). Without views the launch packs param.grad itself.
+            bucket.on_arrival = self.views and not (bucket.batched_copy and bucket.arrival_scale is None)
             bucket.reduce = self.comm.plan_all_reduce(bucket.wire, self._reduction(bucket)) if flat else None
 
     def _reduction(self, bucket: GradientBucket) -> ReductionOperation:
@@ -190,8 +192,7 @@ class AllReduceBuckets(BucketCollective):
             if scale is not None:
                 torch.mul(grad, scale, out=view)
             elif bucket.batched_copy:
-                bucket.fresh.append(j)
-                return
+                return  # the launch finds it
             else:
                 view.copy_(grad)
         elif scale is not None:
@@ -207,13 +208,18 @@ class AllReduceBuckets(BucketCollective):
             param.grad = view
 
     def _absorb(self, bucket: GradientBucket) -> None:
-        """Copy the bucket's fresh gradients (:meth:`arrived`) into their views in one multi-tensor copy, and make
-        each ``param.grad`` its view again."""
-        fresh, params, views = bucket.fresh, bucket.params, bucket.views
-        torch._foreach_copy_([views[j] for j in fresh], [params[j].grad for j in fresh])
-        for j in fresh:
-            params[j].grad = views[j]
-        fresh.clear()
+        """Copy the bucket's fresh gradients into their views in one multi-tensor copy, and make each ``param.grad``
+        its view again. Fresh: every ``param.grad`` that is not its view object, found here in one pass over the
+        bucket (a list comprehension, where a call per gradient from autograd cost a function call each); a gradient
+        that is its view's storage under another tensor object is copied onto itself, harmlessly. Nothing is kept
+        between gradients and launch, so a backward that failed half way leaves nothing to reset: its gradients stay
+        in ``param.grad`` and the next launch finds them."""
+        params, views = bucket.params, bucket.views
+        fresh = [j for j, p in enumerate(params) if p.grad is not views[j]]
+        if fresh:
+            torch._foreach_copy_([views[j] for j in fresh], [params[j].grad for j in fresh])
+            for j in fresh:
+                params[j].grad = views[j]
 
     def launch(self, bucket: GradientBucket, earlier: list[tuple[GradientBucket, Work]]) -> Work:
         n = self.world_size
@@ -224,7 +230,7 @@ class AllReduceBuckets(BucketCollective):
         if not self.views:
             grads, data, scale = self._grads_of(bucket), bucket.grads.data, 1.0 if hooked or lowp else 1.0 / n
             kernels.pack(grads, data, scale=scale, layout=bucket.grads.layout)  # the bucket's (aligned) layout
-        elif bucket.fresh:
+        elif bucket.batched_copy:
             self._absorb(bucket)
         if hooked and self.topology is not None:
             return self._hooked_hierarchical_all_reduce(bucket)
@@ -300,10 +306,6 @@ class AllReduceBuckets(BucketCollective):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in bucket.params]
-
-    def reset(self) -> None:
-        for bucket in self.buckets:
-            bucket.fresh.clear()  # (a backward that failed half way: its fresh gradients stay in param.grad)
 
     def zero_grad(self, set_to_none: bool) -> None:
         for bucket in self.buckets:

@@ -68,13 +68,11 @@ class BucketCollective:
 
     Attributes:
         buckets: The buckets in launch order (index ``i`` at position ``i``), built by the subclass at wrap time.
-        copies_on_arrival: Whether :meth:`arrived` does anything (the reducer skips the call when it does not).
         max_in_flight: How many launched collectives may be in flight before the oldest is finished during
             backward (each holding a full-size buffer), or None: all of them until the end of backward.
     """
 
     buckets: list[GradientBucket]
-    copies_on_arrival = True
     max_in_flight: int | None = None
 
     def arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
@@ -140,13 +138,13 @@ class Reducer:
     def _hook(self, bucket: GradientBucket, j: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate hook of slot ``j`` of ``bucket``: everything it needs is bound here, at wrap time (the
         hot path: once per parameter per backward, on autograd's thread)."""
-        arrived = self.collective.arrived if self.collective.copies_on_arrival else None
+        arrived = self.collective.arrived
         ready, size, end = bucket.ready, len(bucket.params), self.end
 
         def on_grad_ready(param: torch.Tensor) -> None:
             if not self.sync:
                 return
-            if arrived is not None:
+            if bucket.on_arrival:  # (DDP's views: False, the launch takes the bucket's fresh gradients at once)
                 arrived(bucket, j, param)
             if not end.queued:  # the first gradient of this backward: decide what holds for all of it
                 end.arm()
@@ -193,7 +191,7 @@ class Reducer:
         collective = self.collective
         for bucket in self.buckets:
             for j, p in enumerate(bucket.params):
-                if collective.copies_on_arrival:
+                if bucket.on_arrival:
                     collective.arrived(bucket, j, p)
                 bucket.ready.add(j)
 
