@@ -196,8 +196,8 @@ class ReduceScatterBuckets(BucketCollective):
         ]
         """Each bucket's reduce-scatter, checked now and started every step on its new send buffer (the buffer is
         the bucket's own packed copy, so the transport may reduce in it)."""
-        self._held: list[list[torch.Tensor | None]] = [[None] * len(b.params) for b in self.buckets]
-        """The gradients that arrived for each bucket this backward (slot order), until the bucket launches."""
+        for bucket in self.buckets:
+            bucket.on_arrival = False  # the launch takes the bucket's gradients out of param.grad at once
         like = self.owned_grads
         self._padding = [
             torch.zeros(self.world_size * b.part.shard - b.part.numel, dtype=like.dtype, device=like.device)
@@ -221,15 +221,6 @@ class ReduceScatterBuckets(BucketCollective):
     def overlaps(self) -> bool:
         return self.config.overlap_communication  # the send buffers are reduced and freed during backward
 
-    def arrived(self, bucket: GradientBucket, j: int, param: torch.Tensor) -> None:
-        """Take the gradient out of ``param.grad`` until the bucket launches (:meth:`launch` copies the bucket's
-        gradients into its send buffer at once). The hot path, once per parameter inside autograd: two attribute
-        writes, where a copy into a slot of the send buffer cost a view and a copy call each (on the 2-core CPU, 5.9
-        us of Python per parameter in backward against 3.4 for DDP's batched copy, same model, interleaved). A
-        bucket's gradients are alive until its launch either way (in the send buffer or here)."""
-        self._held[bucket.index][j] = param.grad
-        param.grad = None
-
     def launch(self, bucket: GradientBucket, earlier: list[tuple[GradientBucket, Work]]) -> Work:
         part = bucket.part
         sent = self._send_buffer(bucket)
@@ -245,16 +236,22 @@ class ReduceScatterBuckets(BucketCollective):
         return work
 
     def _send_buffer(self, bucket: GradientBucket) -> torch.Tensor:
-        """The bucket's gradients back to back, then its padding, in a new buffer (one multi-tensor copy, C++), in the
-        wire dtype. The 1/N of the average is applied to this rank's reduced piece as it is written out
+        """The bucket's gradients, taken out of ``param.grad`` (full gradients live only until their bucket is in its
+        send buffer: ZeRO-2's memory), back to back, then its padding, in a new buffer (one multi-tensor copy, C++), in
+        the wire dtype. The 1/N of the average is applied to this rank's reduced piece as it is written out
         (:meth:`finished`), 1/N of the elements, not here; only an fp16 wire is scaled first, so that the sum of N
-        gradients cannot overflow it."""
-        held = self._held[bucket.index]
-        for j, grad in enumerate(held):
-            if grad is None:  # unused in this backward (find_unused_parameters), nothing from no_sync: zeros
-                held[j] = torch.zeros_like(bucket.params[j])
+        gradients cannot overflow it.
+
+        Nothing runs per gradient as it arrives (``on_arrival`` is False): the bucket's gradients are taken here, in
+        one pass, instead of by a call from autograd's hook for each (docs/results.md#host-time has the two side
+        by side)."""
+        params = bucket.params
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for j in [j for j, grad in enumerate(held) if grad is None]:
+            held[j] = torch.zeros_like(params[j])  # unused in this backward (find_unused_parameters): zeros
         sent = torch._utils._flatten_dense_tensors([*held, self._padding[bucket.index]])
-        held[:] = [None] * len(held)  # the full gradients are in the send buffer now; let them go
         if self.hook is not None:
             return sent
         if self._scale_first:
@@ -279,10 +276,6 @@ class ReduceScatterBuckets(BucketCollective):
         else:  # several synced backward passes before a step add up, as plain gradients do
             piece.add_(received, alpha=scale)
         bucket.in_flight = None
-
-    def reset(self) -> None:
-        for held in self._held:
-            held[:] = [None] * len(held)
 
     def owned_gradients(self) -> torch.Tensor:
         for bucket in self.buckets:
