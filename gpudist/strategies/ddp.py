@@ -185,14 +185,11 @@ class AllReduceBuckets(BucketCollective):
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in: scaled ones now,
-            # in the same pass (as torch DDP's mul_out into its bucket); unscaled ones with the bucket's others in one
-            # multi-tensor copy when the bucket launches (_absorb: on a GPU a launch or two instead of one per
-            # gradient; on the CPU one C++ loop instead of a Python call each, see _BATCHED_COPY_DEVICES).
+            # zero_grad(set_to_none=True) dropped the view: autograd made a new tensor. Copy it in, scaled in the same
+            # pass (as torch DDP's mul_out into its bucket). (Unscaled ones on a batched-copy device never come here:
+            # their bucket's launch copies them all at once, _absorb; see on_arrival in plan.)
             if scale is not None:
                 torch.mul(grad, scale, out=view)
-            elif bucket.batched_copy:
-                return  # the launch finds it
             else:
                 view.copy_(grad)
         elif scale is not None:

@@ -144,7 +144,7 @@ class Reducer:
         def on_grad_ready(param: torch.Tensor) -> None:
             if not self.sync:
                 return
-            if bucket.on_arrival:  # (DDP's views: False, the launch takes the bucket's fresh gradients at once)
+            if bucket.on_arrival:  # (False where the bucket's launch takes its gradients at once)
                 arrived(bucket, j, param)
             if not end.queued:  # the first gradient of this backward: decide what holds for all of it
                 end.arm()
