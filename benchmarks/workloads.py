@@ -9,7 +9,9 @@
   strategy steps of the pytest-benchmark tier (``benchmarks/test_strategies.py``), sized so that the tier runs in
   minutes. ``gpt-host`` (24 layers of width 32, a vocabulary of 256, sequences of 16) has 0.3M parameters in the same
   292 tensors: its compute is negligible, so a step's time is the libraries' own host work
-  (``benchmarks/host_overhead.py``).
+  (``benchmarks/host_overhead.py``). ``gpt-d1024`` (12 layers of width 1024, a vocabulary of 32768, sequences of
+  512) has 185.2M parameters in 148 tensors: the GPU's model, trained under bf16 autocast by ``gpudist bench gpu``
+  (the H200 run of 2026-11-28 timed a 217M GPT of this shape with an untied head).
 
 ``make(name, **overrides)`` builds one (seeded, so every rank and every variant starts from the same values) and
 ``batch(name, size, generator)`` gives its inputs and targets; ``loss(name, model, inputs, targets)`` the training
@@ -93,6 +95,7 @@ WORKLOADS = {
     "gpt-deep": {"layers": 24, "width": 192, "heads": 6},
     "gpt-small": {"layers": 4, "width": 128, "heads": 4, "vocab": 4096, "seq": 64},
     "gpt-host": {"layers": 24, "width": 32, "heads": 2, "vocab": 256, "positions": 64, "seq": 16},
+    "gpt-d1024": {"layers": 12, "width": 1024, "heads": 16, "vocab": 32768, "positions": 512, "seq": 512},
 }
 
 

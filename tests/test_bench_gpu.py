@@ -171,9 +171,36 @@ def test_strategy_step_times_on_cpu():
     finally:
         dist.destroy_process_group()
     assert row["errors"] == {}
-    assert set(row["step_ms"]) == {"gpudist_ddp", "torch_ddp", "gpudist_fsdp", "fsdp2"}
-    assert set(row["peer_over_gpudist"]) == {"torch_ddp/gpudist_ddp", "fsdp2/gpudist_fsdp"}
+    assert set(row["step_ms"]) == {"gpudist_ddp", "torch_ddp", "gpudist_zero2", "torch_zero", "gpudist_fsdp", "fsdp2"}
+    assert set(row["peer_over_gpudist"]) == {"torch_ddp/gpudist_ddp", "torch_zero/gpudist_zero2", "fsdp2/gpudist_fsdp"}
     assert row["final_loss_relative_spread"] < 1e-5, row["final_loss"]
+
+
+def test_strategy_step_times_under_bf16_autocast_on_cpu():
+    """The GPU's 185M GPT row (``gpt-d1024`` under bf16 autocast) shrunk to a tiny GPT on the CPU. Catches the
+    autocast setting not reaching the step (the losses would equal the fp32 row's), a variant that cannot be built
+    with it, and variants that then train different functions: they start from the same seed on the same batch, so
+    their losses after the same steps agree to bf16 rounding (2^-8, a few steps)."""
+    import torch.distributed as dist
+
+    from gpudist.comm import GlooCommunicationBackend
+
+    assert G.GPUSettings().autocast.get("gpt-d1024") == "bfloat16" and "gpt-d1024" in G.GPUSettings().workloads
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = GlooCommunicationBackend()
+        tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
+        rows = [
+            G.strategy_rows(comm, dist.group.WORLD, torch.device("cpu"), "gpt-d1024", 2, 1, 2, tiny, autocast=dtype)
+            for dtype in (torch.bfloat16, None)
+        ]
+    finally:
+        dist.destroy_process_group()
+    row, fp32 = rows
+    assert row["errors"] == {} and row["autocast"] == "bfloat16" and fp32["autocast"] is None
+    assert all(abs(row["final_loss"][k] - fp32["final_loss"][k]) > 1e-6 for k in row["final_loss"]), (row, fp32)
+    assert len(row["step_ms"]) == 6 and len(row["peer_over_gpudist"]) == 3
+    assert row["final_loss_relative_spread"] < 4 * 2**-8, row["final_loss"]
 
 
 def _raises(settings):

@@ -160,11 +160,14 @@ class GPUSettings:
     """A subset of ``gpudist.bench.kernels.OPS``; None: all of them."""
     collective_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
     """Collective sizes in bytes (fp32): 64 KiB is latency-bound, 256 MiB saturates NVLink."""
-    workloads: tuple[str, ...] = ("mlp", "gpt")
+    workloads: tuple[str, ...] = ("mlp", "gpt", "gpt-d1024")
     """Models from ``benchmarks/workloads.py`` for the strategy step times."""
-    batch: dict[str, int] = field(default_factory=lambda: {"mlp": 256, "gpt": 8, "gpt-deep": 8})
-    """Samples per rank per step on the GPU (GPT: sequences of 128 tokens); the CPU benchmarks' batches (32, 2)
-    leave an H100 idle between launches."""
+    batch: dict[str, int] = field(default_factory=lambda: {"mlp": 256, "gpt": 8, "gpt-deep": 8, "gpt-d1024": 8})
+    """Samples per rank per step on the GPU (GPT: sequences of 128 tokens, gpt-d1024 of 512); the CPU benchmarks'
+    batches (32, 2) leave an H100 idle between launches."""
+    autocast: dict[str, str] = field(default_factory=lambda: {"gpt-d1024": "bfloat16"})
+    """Workloads trained under ``torch.autocast`` to that dtype (the 185M GPT as such models are trained: there the
+    kernels finish sooner and the host's share of a step shows, 2026-11-28's H200 run)."""
     model_overrides: dict = field(default_factory=dict)
     """Keyword arguments for ``workloads.make``/``batch`` (the CPU tests shrink the model)."""
     rounds: int = 7
@@ -182,13 +185,15 @@ class GPUSettings:
             "kernels": 150.0,
             "collectives": 90.0,
             "host": 60.0,
-            "strategies": 150.0,
+            "strategies": 240.0,
             "gate": 120.0,
         }
     )
     """Seconds each part may take before its process is stopped and the part recorded as timed out (measured on an
     H200, 2026-11-28: the whole GPU tier 41 s, kernels 25 s, collectives 13 s, strategies 20 s, the benchmark tier
-    16 s; each limit leaves room for Triton's first compiles)."""
+    16 s; each limit leaves room for Triton's first compiles). The strategies part has had the 185M GPT under bf16
+    autocast since (six variants of 185M parameters, each with its Adam state: about 25 GB; its time on a GPU is not
+    measured yet, hence the wider limit)."""
     repo: str | None = None
     """The repository root (holding ``tests/`` and ``benchmarks/``); None: found from the working directory."""
 
@@ -495,13 +500,15 @@ def host_part(settings: GPUSettings) -> dict:
 
 
 def _strategy_variants(
-    comm, torch_group, device: torch.device, workload: str, x, y, overrides: dict
+    comm, torch_group, device: torch.device, workload: str, x, y, overrides: dict, autocast: torch.dtype | None = None
 ) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor], dict[str, str]]:
-    """(name -> one training step, name -> its last loss, name -> why it could not be built): gpudist DDP and FSDP
-    over ``comm``, torch DDP and FSDP2 over ``torch_group``, each from the same seeded model with fused AdamW,
-    stepping on the same batch. A variant that fails to build on any rank is left out on every rank."""
+    """(name -> one training step, name -> its last loss, name -> why it could not be built): gpudist DDP, ZeRO-2 and
+    FSDP over ``comm``, torch DDP, DDP + ZeroRedundancyOptimizer and FSDP2 over ``torch_group``, each from the same
+    seeded model with fused AdamW, stepping on the same batch (forward and loss under ``autocast`` to that dtype when
+    given, as such models are trained). A variant that fails to build on any rank is left out on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     from benchmarks import peers
@@ -520,9 +527,9 @@ def _strategy_variants(
         model = model_cls(net(), config, **wrap)
         return model, opt_cls(peers.adamw(model.parameters(), fused=True), config)
 
-    def torch_ddp():
+    def ddp_module():
         ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(
+        return DistributedDataParallel(
             net(),
             device_ids=ids,
             process_group=torch_group,
@@ -530,7 +537,22 @@ def _strategy_variants(
             gradient_as_bucket_view=True,
             static_graph=True,
         )
+
+    def torch_ddp():
+        model = ddp_module()
         return model, peers.adamw(model.parameters(), fused=True)
+
+    def torch_zero():
+        model = ddp_module()
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            process_group=torch_group,
+            lr=peers.LR,
+            fused=True,
+            parameters_as_bucket_view=True,
+        )
+        return model, opt
 
     def fsdp2():
         model, mesh = net(), DeviceMesh.from_group(torch_group, device.type)
@@ -542,6 +564,8 @@ def _strategy_variants(
     builders = {
         "gpudist_ddp": lambda: gpudist_pair("ddp"),
         "torch_ddp": torch_ddp,
+        "gpudist_zero2": lambda: gpudist_pair("zero2"),
+        "torch_zero": torch_zero,
         "gpudist_fsdp": lambda: gpudist_pair("fsdp"),
         "fsdp2": fsdp2,
     }
@@ -561,9 +585,15 @@ def _strategy_variants(
 
     losses: dict[str, torch.Tensor] = {}
 
+    def forward(model) -> torch.Tensor:
+        if autocast is None:
+            return W.loss(workload, model, x, y)
+        with torch.autocast(device.type, dtype=autocast):
+            return W.loss(workload, model, x, y)
+
     def step_of(name, model, opt):
         def step() -> None:
-            loss = W.loss(workload, model, x, y)
+            loss = forward(model)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -574,20 +604,28 @@ def _strategy_variants(
     return {name: step_of(name, *pair) for name, pair in built.items()}, losses, errors
 
 
-PEERS = (("gpudist_ddp", "torch_ddp"), ("gpudist_fsdp", "fsdp2"))
+PEERS = (("gpudist_ddp", "torch_ddp"), ("gpudist_zero2", "torch_zero"), ("gpudist_fsdp", "fsdp2"))
 
 
 def strategy_rows(
-    comm, torch_group, device: torch.device, workload: str, batch: int, steps: int, rounds: int, overrides: dict
+    comm,
+    torch_group,
+    device: torch.device,
+    workload: str,
+    batch: int,
+    steps: int,
+    rounds: int,
+    overrides: dict,
+    autocast: torch.dtype | None = None,
 ) -> dict:
     """On every rank: median step time of each variant (interleaved rounds, each at its slowest rank), the loss each
     reached after the same number of steps (the variants train the same function, so these agree to rounding),
-    and peer time / gpudist time (> 1: gpudist faster)."""
+    and peer time / gpudist time (> 1: gpudist faster). ``autocast``: forward and loss under that dtype."""
     from benchmarks import workloads as W
 
     generator = torch.Generator().manual_seed(1234 + comm.rank)  # each rank its own batch, as benchmarks/peers.py
     x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
-    steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides)
+    steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides, autocast)
     times = interleaved_times(comm, steps_by_name, steps, rounds) if steps_by_name else {}
     final = {name: float(loss) for name, loss in losses.items()}
     spread = (max(final.values()) - min(final.values())) / abs(statistics.mean(final.values())) if final else None
@@ -595,6 +633,7 @@ def strategy_rows(
         "workload": workload,
         "model": W.describe(W.make(workload, **overrides)),
         "batch_per_rank": batch,
+        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
         "world_size": comm.world_size,
         "step_ms": {name: t * 1e3 for name, t in times.items()},
         "final_loss": final,
@@ -615,9 +654,20 @@ def _strategies_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     for workload in settings.workloads:
         batch = settings.batch.get(workload, 8)
         overrides = settings.model_overrides
+        autocast = settings.autocast.get(workload)
         try:
             rows.append(
-                strategy_rows(nccl, group, nccl.device, workload, batch, settings.steps, settings.rounds, overrides)
+                strategy_rows(
+                    nccl,
+                    group,
+                    nccl.device,
+                    workload,
+                    batch,
+                    settings.steps,
+                    settings.rounds,
+                    overrides,
+                    None if autocast is None else getattr(torch, autocast),
+                )
             )
         except Exception as e:  # the next workload still runs (unless the groups are broken: then it fails too)
             rows.append({"workload": workload, "error": _error_text(e)})
@@ -637,7 +687,9 @@ def strategies_part(settings: GPUSettings) -> dict:
             "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25) "
             "over torch's NCCL group, AdamW(fused=True)",
             "fsdp2": "fully_shard per unit (each Linear of the MLP, each GPT block) and the root, AdamW(fused=True)",
+            "torch_zero": "the same DDP + ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True)",
             "gpudist_ddp": "DDPModel + DDPOptimizer(AdamW(fused=True)), 25 MiB buckets, gpudist's NCCL backend",
+            "gpudist_zero2": "ZeRO2Model + ZeRO2Optimizer(AdamW), 25 MiB buckets, gpudist's NCCL backend",
             "gpudist_fsdp": "FSDPModel (same units) + ZeRO3Optimizer, gpudist's NCCL backend",
         },
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
