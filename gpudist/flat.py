@@ -50,7 +50,7 @@ this in its buffer takes their vector path (torch's multi-tensor copies too) whe
 def vector_align(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in :data:`VECTOR_BYTES` (fp32: 4, bf16/fp16: 8, fp64: 2): the ``align`` of a
     :class:`~gpudist.kernels.FlatLayout` whose every tensor starts on a vector boundary."""
-    return max(1, VECTOR_BYTES // torch.empty((), dtype=dtype).element_size())
+    return max(1, VECTOR_BYTES // dtype.itemsize)
 
 
 def padded_shard(numel: int, world_size: int, align: int = SHARD_ALIGN) -> int:

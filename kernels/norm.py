@@ -38,13 +38,11 @@ def _squared_norm_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
 
 
 def squared_norm_triton(x: torch.Tensor) -> torch.Tensor:
-    """Triton launcher of :func:`squared_norm`."""
+    """Triton launcher of :func:`squared_norm`: a one-off :class:`SquaredNorm` into a new fp32 scalar."""
     n = x.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    partials = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.float32, device=x.device)
-    _squared_norm_kernel[(partials.numel(),)](x, partials, n, BLOCK=BLOCK, num_warps=8)
-    return partials.sum()
+    return SquaredNorm(n, torch.empty((), dtype=torch.float32, device=x.device))._triton(x, n)
 
 
 def squared_norm_reference(x: torch.Tensor) -> torch.Tensor:
@@ -114,14 +112,18 @@ class SquaredNorm:
         if n == 0:
             return self.out.zero_()
         if use_triton(x):
-            partials = self._partials[: -(-n // BLOCK)]
-            _squared_norm_kernel[(partials.numel(),)](x, partials, n, BLOCK=BLOCK, num_warps=8)
-            return torch.sum(partials, dim=0, dtype=self.out.dtype, out=self.out)
+            return self._triton(x, n)
         if x.dtype == torch.float32:
             torch.dot(x, x, out=self._dot)
         else:  # the reference widens a 16-bit buffer first (a copy; the CPU path only)
             self._dot.copy_(squared_norm_reference(x))
         return self.out if self._dot is self.out else self.out.copy_(self._dot)
+
+    def _triton(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The kernel's partial sums of ``x``'s ``n`` (> 0) elements, summed into ``out``."""
+        partials = self._partials[: -(-n // BLOCK)]
+        _squared_norm_kernel[(partials.numel(),)](x, partials, n, BLOCK=BLOCK, num_warps=8)
+        return torch.sum(partials, dim=0, dtype=self.out.dtype, out=self.out)
 
 
 # -- the step's scalars from the global squared norm ---------------------------------------------------------------
