@@ -8,6 +8,8 @@ non-finite, which is how the fused optimizer steps detect non-finite gradients.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._triton import tl, triton
@@ -18,23 +20,38 @@ __all__ = [
     "clip_scalars",
     "clip_scalars_reference",
     "clip_scalars_triton",
+    "global_norm_scalars",
+    "split_f64",
     "squared_norm",
     "squared_norm_reference",
     "squared_norm_triton",
 ]
 
-# One partial sum per 8192 elements: 64M elements give 8192 partials, whose sum torch finishes in
-# a single small reduction. Partials plus a fixed-order second stage keep the result
-# deterministic (no atomics), which identical replicas across ranks need.
+# One partial sum per 8192 elements; the program that finishes last (a ticket counter) sums the partials in a fixed
+# order, in the output's dtype: one launch, and a deterministic result (no floating-point atomics), which identical
+# replicas across ranks need. 64M elements give 8192 partials, which the last program reads in 8 blocks of FINAL.
 BLOCK = 8192
+FINAL = 1024
 
 
 @triton.jit
-def _squared_norm_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+def _squared_norm_kernel(x_ptr, partial_ptr, ticket_ptr, out_ptr, n, BLOCK: tl.constexpr, FINAL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
+    # Every thread's part of the partial is stored before the ticket is taken; the ticket's release (acq_rel, GPU
+    # scope) makes the partial visible to the program that takes the last ticket, whose acquire orders its reads.
+    tl.debug_barrier()
+    programs = tl.num_programs(0)
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == programs - 1:
+        acc = tl.zeros([FINAL], dtype=out_ptr.dtype.element_ty)
+        for start in range(0, programs, FINAL):
+            idx = start + tl.arange(0, FINAL)
+            # volatile: read from L2, past any stale copy in this SM's L1
+            acc += tl.load(partial_ptr + idx, mask=idx < programs, other=0.0, volatile=True).to(acc.dtype)
+        tl.store(out_ptr, tl.sum(acc, axis=0))
+        tl.atomic_xchg(ticket_ptr, 0)  # every program has taken its ticket: ready for the next launch
 
 
 def squared_norm_triton(x: torch.Tensor) -> torch.Tensor:
@@ -79,10 +96,11 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class SquaredNorm:
-    """:func:`squared_norm` planned for buffers of up to ``numel`` elements, written into ``out``: the Triton path's
-    partial sums live in a buffer kept here, and the sum of the partials (or the torch reference's dot) is written
-    into ``out``, so a call allocates nothing (a ZeRO step's norm, every step). The buffer comes with each call and
-    is not checked (the caller passes its own fixed gradient buffer).
+    """:func:`squared_norm` planned for buffers of up to ``numel`` elements, written into ``out``: the Triton path is
+    one launch whose partial sums and ticket counter live here (so calls on one plan must not run concurrently on
+    two streams), and the torch reference's dot goes into ``out`` too, so a call allocates nothing (a ZeRO step's
+    norm, every step). The buffer comes with each call and is not checked (the caller passes its own fixed
+    gradient buffer).
 
     Args:
         numel: The most elements a call's buffer holds.
@@ -101,6 +119,7 @@ class SquaredNorm:
             raise ValueError(f"SquaredNorm writes one float32 or float64 element, got out {got}")
         self.numel, self.out = numel, out.view(())
         self._partials = torch.empty(-(-numel // BLOCK), dtype=torch.float32, device=out.device)
+        self._ticket = torch.zeros(1, dtype=torch.int32, device=out.device)  # reset by the last program of each call
         self._dot = self.out if out.dtype == torch.float32 else torch.empty((), dtype=torch.float32, device=out.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,10 +139,10 @@ class SquaredNorm:
         return self.out if self._dot is self.out else self.out.copy_(self._dot)
 
     def _triton(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """The kernel's partial sums of ``x``'s ``n`` (> 0) elements, summed into ``out``."""
-        partials = self._partials[: -(-n // BLOCK)]
-        _squared_norm_kernel[(partials.numel(),)](x, partials, n, BLOCK=BLOCK, num_warps=8)
-        return torch.sum(partials, dim=0, dtype=self.out.dtype, out=self.out)
+        """One launch: the partial sums of ``x``'s ``n`` (> 0) elements, and their sum into ``out``."""
+        grid = (-(-n // BLOCK),)
+        _squared_norm_kernel[grid](x, self._partials, self._ticket, self.out, n, BLOCK=BLOCK, FINAL=FINAL, num_warps=8)
+        return self.out
 
 
 # -- the step's scalars from the global squared norm ---------------------------------------------------------------
@@ -132,21 +151,45 @@ CLIP_EPS = 1e-6
 """Added to the norm before dividing (torch.nn.utils.clip_grad_norm_'s constant)."""
 
 
+def split_f64(x: float) -> tuple[float, float]:
+    """``x`` as two fp32 numbers whose fp64 sum is ``x`` to 48 bits: a Triton launch passes Python floats as fp32,
+    so a float64 constant (the clipping threshold) travels in two parts and :func:`global_norm_scalars` adds them
+    back in fp64. Beyond fp32's range the high part is fp32's largest finite value (the low part 0)."""
+    hi = torch.tensor(x, dtype=torch.float64).float().item()
+    if not math.isfinite(hi):
+        return math.copysign(torch.finfo(torch.float32).max, x), 0.0
+    return hi, torch.tensor(x - hi, dtype=torch.float64).float().item()
+
+
 @triton.jit
-def _clip_scalars_kernel(total_ptr, norm_ptr, flags_ptr, max_norm, HAS_CLIP: tl.constexpr, EPS: tl.constexpr):
+def global_norm_scalars(total_ptr, max_norm_hi, max_norm_lo, HAS_CLIP: tl.constexpr, EPS: tl.constexpr):
+    """From the global squared norm at ``total_ptr``: the norm (fp64), whether it is finite, and (``HAS_CLIP``) the
+    clipping coefficient ``min(1, max_norm / (norm + EPS))`` in fp32, else 1.0 (``EPS`` is :data:`CLIP_EPS`). What
+    :func:`clip_scalars` writes and what a fused step reads in place of its flags, so both decide alike."""
     norm = tl.sqrt(tl.load(total_ptr).to(tl.float64))
-    tl.store(norm_ptr, norm)
     finite = norm - norm == 0  # NaN and Inf give NaN here
+    clip = 1.0
+    if HAS_CLIP:
+        max_norm = tl.cast(max_norm_hi, tl.float64) + tl.cast(max_norm_lo, tl.float64)
+        clip = tl.minimum(max_norm / (norm + EPS), 1.0).to(tl.float32)
+    return norm, finite, clip
+
+
+@triton.jit
+def _clip_scalars_kernel(
+    total_ptr, norm_ptr, flags_ptr, max_norm_hi, max_norm_lo, HAS_CLIP: tl.constexpr, EPS: tl.constexpr
+):
+    norm, finite, clip = global_norm_scalars(total_ptr, max_norm_hi, max_norm_lo, HAS_CLIP, EPS)
+    tl.store(norm_ptr, norm)
     tl.store(flags_ptr, tl.where(finite, 0.0, 1.0).to(tl.float32))
     if HAS_CLIP:
-        tl.store(flags_ptr + 1, tl.minimum(max_norm / (norm + EPS), 1.0).to(tl.float32))
+        tl.store(flags_ptr + 1, clip)
 
 
 def clip_scalars_triton(total: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor, max_norm: float | None) -> None:
     """Triton launcher of :func:`clip_scalars`."""
-    _clip_scalars_kernel[(1,)](
-        total, norm, flags, float(max_norm or 0.0), HAS_CLIP=max_norm is not None, EPS=CLIP_EPS, num_warps=1
-    )
+    hi, lo = split_f64(max_norm or 0.0)
+    _clip_scalars_kernel[(1,)](total, norm, flags, hi, lo, HAS_CLIP=max_norm is not None, EPS=CLIP_EPS, num_warps=1)
 
 
 def clip_scalars_reference(

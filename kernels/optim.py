@@ -13,6 +13,9 @@ Every step takes:
   non-finite flag all-reduced across ranks so that every rank skips together). When it is None and
   ``check_finite`` is True the step computes it from ``squared_norm(grad)`` (one extra read of the
   gradient). A skipped step writes nothing.
+- ``squared_norm`` (and ``max_norm``): the global squared gradient norm as a 1-element device tensor; the kernel
+  derives the skip flag and the clipping coefficient from it itself (``global_norm_scalars``), so a ZeRO step is
+  the norm (one launch), its all-reduce and the step, with no launch for the scalars in between.
 The return value is that flag as an fp32 0-dim tensor (1.0 = skipped). Reading it with
 ``.item()`` synchronizes with the device; the kernel itself never does. The caller owns the step
 count: increment it only for steps that were applied.
@@ -30,7 +33,7 @@ import torch
 
 from ._triton import cast_rne, tl, triton
 from .dispatch import use_triton
-from .norm import squared_norm
+from .norm import CLIP_EPS, clip_scalars, global_norm_scalars, split_f64, squared_norm
 
 __all__ = [
     "AdamStep",
@@ -50,22 +53,35 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR: tl.constexpr, MAXIMIZE: tl.constexpr):
+def _load_grad(
+    g_ptr, offs, mask, grad_scale, scale_ptr, clip, HAS_SCALE_TENSOR: tl.constexpr, HAS_CLIP: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+):  # fmt: skip
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
     if HAS_SCALE_TENSOR:
         g = g * tl.load(scale_ptr).to(tl.float32)
+    if HAS_CLIP:
+        g = g * clip
     if MAXIMIZE:
         g = -g
     return g
 
 
 @triton.jit
-def _step_mask(pid, n, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+def _step_mask(
+    pid, n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_CLIP: tl.constexpr, CLIP_EPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The program's offsets and mask (all off when the step is skipped), and the clipping coefficient."""
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if HAS_SKIP:
         # A skipped step masks every load and store: nothing is read or written.
         n = tl.where(tl.load(skip_ptr) == 0, n, 0)
-    return offs, offs < n
+    clip = 1.0
+    if HAS_NORM:  # the step's scalars from the global squared norm, here rather than in a launch of their own
+        _, finite, clip = global_norm_scalars(total_ptr, max_norm_hi, max_norm_lo, HAS_CLIP, CLIP_EPS)
+        n = tl.where(finite, n, 0)
+    return offs, offs < n, clip
 
 
 @triton.jit
@@ -77,8 +93,11 @@ def _adam_kernel(
     out_ptr,
     scale_ptr,
     skip_ptr,
+    total_ptr,
     n,
     grad_scale,
+    max_norm_hi,
+    max_norm_lo,
     weight_decay,
     decay,
     beta1_weight,
@@ -92,11 +111,17 @@ def _adam_kernel(
     MAXIMIZE: tl.constexpr,
     HAS_SCALE_TENSOR: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    CLIP_EPS: tl.constexpr,
     HAS_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
-    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
+    offs, mask, clip = _step_mask(
+        tl.program_id(0), n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS,
+        BLOCK,
+    )  # fmt: skip
+    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, clip, HAS_SCALE_TENSOR, HAS_CLIP, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
@@ -125,8 +150,11 @@ def _sgd_kernel(
     out_ptr,
     scale_ptr,
     skip_ptr,
+    total_ptr,
     n,
     grad_scale,
+    max_norm_hi,
+    max_norm_lo,
     weight_decay,
     momentum,
     one_minus_dampening,
@@ -138,11 +166,17 @@ def _sgd_kernel(
     MAXIMIZE: tl.constexpr,
     HAS_SCALE_TENSOR: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    CLIP_EPS: tl.constexpr,
     HAS_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs, mask = _step_mask(tl.program_id(0), n, skip_ptr, HAS_SKIP, BLOCK)
-    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, HAS_SCALE_TENSOR, MAXIMIZE)
+    offs, mask, clip = _step_mask(
+        tl.program_id(0), n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS,
+        BLOCK,
+    )  # fmt: skip
+    g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, clip, HAS_SCALE_TENSOR, HAS_CLIP, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     if HAS_WEIGHT_DECAY:
         g = g + weight_decay * p  # grad.add(param, alpha=weight_decay)
@@ -171,10 +205,20 @@ def _skip_flag(grad, found_inf, check_finite) -> torch.Tensor | None:
     return None
 
 
-def _result(flag: torch.Tensor | None, device) -> torch.Tensor:
-    if flag is None:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return (flag.reshape(()) != 0).float()
+def _result(flag: torch.Tensor | None, device, squared_norm: torch.Tensor | None = None) -> torch.Tensor:
+    result = torch.zeros((), dtype=torch.float32, device=device) if flag is None else (flag.reshape(()) != 0).float()
+    if squared_norm is not None:  # skipped as well when the global norm is not finite
+        result = torch.maximum(result, (~torch.isfinite(squared_norm.reshape(()))).float())
+    return result
+
+
+def _norm_flags(squared_norm: torch.Tensor, max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The skip flag and (with ``max_norm``) the clipping coefficient from the global squared norm, as new
+    1-element tensors: what the kernels compute in place, for the torch paths."""
+    norm = torch.empty(1, dtype=torch.float64, device=squared_norm.device)
+    flags = torch.empty(2, dtype=torch.float32, device=squared_norm.device)
+    clip_scalars(squared_norm, norm, flags, max_norm)
+    return flags[0:1], flags[1:2] if max_norm is not None else None
 
 
 def _adam_scalars(step, lr, beta1, beta2, weight_decay):
@@ -208,26 +252,29 @@ def adam_step_triton(
     found_inf,
     check_finite,
     param_out,
+    squared_norm,
+    max_norm,
 ):
     """Triton launcher of :func:`adam_step` (inputs already validated)."""
-    skip = _skip_flag(grad, found_inf, check_finite)
+    skip = _skip_flag(grad, found_inf, check_finite and squared_norm is None)
     _adam_launch(
-        param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, step=step, lr=lr, beta1=beta1,
-        beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-        maximize=maximize, grad_scale=grad_scale,
+        param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, squared_norm, max_norm, step=step,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
     )  # fmt: skip
-    return _result(skip, param.device)
+    return _result(skip, param.device, squared_norm)
 
 
 def _adam_launch(
-    param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, *, step, lr, beta1, beta2, eps,
-    weight_decay, decoupled_weight_decay, maximize, grad_scale,
+    param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, squared_norm, max_norm, *, step, lr, beta1,
+    beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale,
 ):  # fmt: skip
     """The Adam kernel's launch (:func:`adam_step_triton`'s and :class:`AdamStep`'s): nothing for an empty shard."""
     n = param.numel()
     if not n:
         return
     s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+    max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
     _adam_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         grad,
@@ -236,8 +283,11 @@ def _adam_launch(
         param_out if param_out is not None else param,
         grad_scale_tensor if grad_scale_tensor is not None else param,
         skip if skip is not None else param,
+        squared_norm if squared_norm is not None else param,
         n,
         float(grad_scale),
+        max_norm_hi,
+        max_norm_lo,
         weight_decay,
         s["decay"],
         s["beta1_weight"],
@@ -251,6 +301,9 @@ def _adam_launch(
         MAXIMIZE=maximize,
         HAS_SCALE_TENSOR=grad_scale_tensor is not None,
         HAS_SKIP=skip is not None,
+        HAS_NORM=squared_norm is not None,
+        HAS_CLIP=max_norm is not None,
+        CLIP_EPS=CLIP_EPS,
         HAS_OUT=param_out is not None,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
@@ -264,7 +317,10 @@ def _torch_step(body):
     ``found_inf``), so the step makes no host sync; otherwise the frame reads the flag on the host first."""
 
     @functools.wraps(body)
-    def step(param, grad, *buffers, found_inf, check_finite, param_out, **hyper):
+    def step(param, grad, *buffers, found_inf, check_finite, param_out, squared_norm=None, max_norm=None, **hyper):
+        if squared_norm is not None:  # the skip flag and clip coefficient as new tensors (one launch)
+            flag, hyper["clip"] = _norm_flags(squared_norm, max_norm)
+            found_inf = flag if found_inf is None else torch.maximum((found_inf.reshape(1) != 0).float(), flag)
         skip = _skip_flag(grad, found_inf, check_finite)
         on_device = getattr(body, "skips_on_device", None)
         if on_device is not None and on_device(param, *buffers):
@@ -297,10 +353,11 @@ def adam_step_reference(
     maximize,
     grad_scale,
     grad_scale_tensor,
+    clip=None,
 ):
     """torch reference of :func:`adam_step`: torch.optim.Adam's single-tensor arithmetic, in place (the oracle)."""
     s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
-    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype)
+    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype, clip)
     if weight_decay != 0:
         if decoupled_weight_decay:
             param.mul_(s["decay"])
@@ -327,7 +384,7 @@ def _adam_step_torch_body(param, grad, exp_avg, exp_avg_sq, found_inf=None, **hy
     if not _same_dtype(param, exp_avg, exp_avg_sq):
         return adam_step_reference.__wrapped__(param, grad, exp_avg, exp_avg_sq, **hyper)
     fused = torch._fused_adamw_ if hyper["decoupled_weight_decay"] else torch._fused_adam_
-    g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
+    g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype, hyper.get("clip"))
     step_tensor = torch.tensor(float(hyper["step"]), device=param.device)
     fused(
         [param],
@@ -369,25 +426,28 @@ def sgd_step_triton(
     found_inf,
     check_finite,
     param_out,
+    squared_norm,
+    max_norm,
 ):
     """Triton launcher of :func:`sgd_step` (inputs already validated)."""
-    skip = _skip_flag(grad, found_inf, check_finite)
+    skip = _skip_flag(grad, found_inf, check_finite and squared_norm is None)
     _sgd_launch(
-        param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, lr=lr, momentum=momentum,
-        dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize, first_step=first_step,
-        grad_scale=grad_scale,
+        param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, squared_norm, max_norm, lr=lr,
+        momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
+        first_step=first_step, grad_scale=grad_scale,
     )  # fmt: skip
-    return _result(skip, param.device)
+    return _result(skip, param.device, squared_norm)
 
 
 def _sgd_launch(
-    param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, *, lr, momentum, dampening, nesterov,
-    weight_decay, maximize, first_step, grad_scale,
+    param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, squared_norm, max_norm, *, lr, momentum,
+    dampening, nesterov, weight_decay, maximize, first_step, grad_scale,
 ):  # fmt: skip
     """The SGD kernel's launch (:func:`sgd_step_triton`'s and :class:`SGDStep`'s): nothing for an empty shard."""
     n = param.numel()
     if not n:
         return
+    max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
     _sgd_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         grad,
@@ -395,8 +455,11 @@ def _sgd_launch(
         param_out if param_out is not None else param,
         grad_scale_tensor if grad_scale_tensor is not None else param,
         skip if skip is not None else param,
+        squared_norm if squared_norm is not None else param,
         n,
         float(grad_scale),
+        max_norm_hi,
+        max_norm_lo,
         weight_decay,
         momentum,
         1 - dampening,
@@ -408,6 +471,9 @@ def _sgd_launch(
         MAXIMIZE=maximize,
         HAS_SCALE_TENSOR=grad_scale_tensor is not None,
         HAS_SKIP=skip is not None,
+        HAS_NORM=squared_norm is not None,
+        HAS_CLIP=max_norm is not None,
+        CLIP_EPS=CLIP_EPS,
         HAS_OUT=param_out is not None,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
@@ -429,9 +495,10 @@ def sgd_step_reference(
     first_step,
     grad_scale,
     grad_scale_tensor,
+    clip=None,
 ):
     """torch reference of :func:`sgd_step`: torch.optim.SGD's single-tensor arithmetic, in place (the oracle)."""
-    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype)
+    g = _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, param.dtype, clip)
     if weight_decay != 0:
         g = g.add(param, alpha=weight_decay)
     if momentum != 0:
@@ -448,7 +515,7 @@ def _sgd_step_torch_body(param, grad, momentum_buffer, found_inf=None, **hyper):
     momentum, vs ~4 ms for the single-tensor ops) when the buffers allow; it takes the skip flag as a tensor."""
     if not _same_dtype(param, momentum_buffer):
         return sgd_step_reference.__wrapped__(param, grad, momentum_buffer, **hyper)
-    g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype)
+    g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype, hyper.get("clip"))
     momentum = hyper["momentum"]
     torch._fused_sgd_(
         [param],
@@ -470,13 +537,15 @@ _sgd_step_torch_body.skips_on_device = _same_dtype
 _sgd_step_torch = _torch_step(_sgd_step_torch_body)
 
 
-def _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, dtype) -> torch.Tensor:
-    """The gradient the update uses, in the parameter's dtype; a new tensor only when something changes it."""
+def _scaled_grad(grad, grad_scale, grad_scale_tensor, maximize, dtype, clip=None) -> torch.Tensor:
+    """The gradient the update uses, in the parameter's dtype; a new tensor only when something changes it. The
+    factors apply in the kernels' order (number, scale tensor, clipping coefficient), so the rounding agrees."""
     g = grad.to(dtype)
     if grad_scale != 1.0:
         g = g * grad_scale
-    if grad_scale_tensor is not None:
-        g = g * grad_scale_tensor.reshape(()).to(dtype)
+    for factor in (grad_scale_tensor, clip):
+        if factor is not None:
+            g = g * factor.reshape(()).to(dtype)
     return -g if maximize else g
 
 
@@ -493,7 +562,7 @@ def _check_buffers(param: torch.Tensor, buffers: dict[str, torch.Tensor | None])
     for name, t in buffers.items():
         if t is None:
             continue
-        if name in ("grad_scale_tensor", "found_inf"):
+        if name in ("grad_scale_tensor", "found_inf", "squared_norm"):
             if t.numel() != 1 or t.device != param.device:
                 raise ValueError(
                     f"{name} must be a 1-element tensor on {param.device}, got {tuple(t.shape)} on {t.device}"
@@ -509,6 +578,15 @@ def _check_buffers(param: torch.Tensor, buffers: dict[str, torch.Tensor | None])
             raise ValueError(f"{name} is on {t.device} but param is on {param.device}; keep the shard on one device")
         if not t.is_floating_point():
             raise TypeError(f"{name} has dtype {t.dtype}; fused steps take float buffers")
+
+
+def _check_clip(squared_norm: torch.Tensor | None, max_norm: float | None) -> None:
+    if max_norm is None:
+        return
+    if squared_norm is None:
+        raise ValueError(f"max_norm={max_norm!r} clips by the global norm: pass squared_norm (its square) too")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a number > 0")
 
 
 def _check_hyper(**values) -> None:
@@ -536,6 +614,8 @@ def adam_step(
     found_inf: torch.Tensor | None = None,
     check_finite: bool = True,
     param_out: torch.Tensor | None = None,
+    squared_norm: torch.Tensor | None = None,
+    max_norm: float | None = None,
 ) -> torch.Tensor:
     """One Adam (or, with ``decoupled_weight_decay``, AdamW) step on a flat shard, in place.
 
@@ -565,6 +645,12 @@ def adam_step(
             the gradient).
         param_out: Also receives the new parameters, cast to its dtype (e.g. a bf16 copy for the next
             all-gather); None: not written.
+        squared_norm: An optional 1-element tensor on ``param``'s device holding the global squared gradient norm
+            (e.g. all-reduced across ranks): the kernel itself skips the step when its square root is not finite
+            (in place of ``check_finite``) and, with ``max_norm``, multiplies the gradient by the clipping
+            coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``; so norm,
+            non-finite check and clip take no launch of their own.
+        max_norm: The clipping threshold (> 0) for ``squared_norm``; None: no clipping.
 
     Returns:
         The skip flag, an fp32 0-dim tensor on ``param``'s device: 1.0 when the step was skipped, else 0.0.
@@ -574,7 +660,8 @@ def adam_step(
         ValueError: When ``param`` is not a 1-D contiguous tensor, a buffer differs from it in shape or device or
             is not contiguous, ``grad_scale_tensor`` or ``found_inf`` is not a 1-element tensor on its device,
             ``step`` is not an int >= 1, ``lr``, ``eps``, ``weight_decay`` or ``grad_scale`` is not a finite
-            number >= 0, or ``beta1`` or ``beta2`` is not in [0, 1).
+            number >= 0, ``beta1`` or ``beta2`` is not in [0, 1), or ``max_norm`` is not > 0 or comes without
+            ``squared_norm``.
     """
     _check_buffers(
         param,
@@ -585,8 +672,10 @@ def adam_step(
             "param_out": param_out,
             "grad_scale_tensor": grad_scale_tensor,
             "found_inf": found_inf,
+            "squared_norm": squared_norm,
         },
     )
+    _check_clip(squared_norm, max_norm)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step={step!r} must be the 1-based number of this step (an int >= 1)")
     _check_hyper(lr=lr, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
@@ -612,6 +701,8 @@ def adam_step(
         found_inf=found_inf,
         check_finite=check_finite,
         param_out=param_out,
+        squared_norm=squared_norm,
+        max_norm=max_norm,
     )
 
 
@@ -632,6 +723,8 @@ def sgd_step(
     found_inf: torch.Tensor | None = None,
     check_finite: bool = True,
     param_out: torch.Tensor | None = None,
+    squared_norm: torch.Tensor | None = None,
+    max_norm: float | None = None,
 ) -> torch.Tensor:
     """One SGD step (momentum, dampening, Nesterov, weight decay) on a flat shard, in place.
 
@@ -660,6 +753,12 @@ def sgd_step(
             the gradient).
         param_out: Also receives the new parameters, cast to its dtype (e.g. a bf16 copy for the next
             all-gather); None: not written.
+        squared_norm: An optional 1-element tensor on ``param``'s device holding the global squared gradient norm
+            (e.g. all-reduced across ranks): the kernel itself skips the step when its square root is not finite
+            (in place of ``check_finite``) and, with ``max_norm``, multiplies the gradient by the clipping
+            coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``; so norm,
+            non-finite check and clip take no launch of their own.
+        max_norm: The clipping threshold (> 0) for ``squared_norm``; None: no clipping.
 
     Returns:
         The skip flag, an fp32 0-dim tensor on ``param``'s device: 1.0 when the step was skipped, else 0.0.
@@ -669,8 +768,8 @@ def sgd_step(
         ValueError: When ``param`` is not a 1-D contiguous tensor, a buffer differs from it in shape or device or
             is not contiguous, ``grad_scale_tensor`` or ``found_inf`` is not a 1-element tensor on its device,
             ``lr``, ``momentum``, ``dampening``, ``weight_decay`` or ``grad_scale`` is not a finite number >= 0,
-            ``momentum`` is not 0 without a ``momentum_buffer``, or ``nesterov`` is set without ``momentum > 0``
-            and ``dampening == 0``.
+            ``momentum`` is not 0 without a ``momentum_buffer``, ``nesterov`` is set without ``momentum > 0``
+            and ``dampening == 0``, or ``max_norm`` is not > 0 or comes without ``squared_norm``.
     """
     _check_buffers(
         param,
@@ -680,8 +779,10 @@ def sgd_step(
             "param_out": param_out,
             "grad_scale_tensor": grad_scale_tensor,
             "found_inf": found_inf,
+            "squared_norm": squared_norm,
         },
     )
+    _check_clip(squared_norm, max_norm)
     _check_hyper(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, grad_scale=grad_scale)
     if momentum != 0 and momentum_buffer is None:
         raise ValueError(f"momentum={momentum} needs a momentum_buffer of the shard's size (torch.zeros_like(param))")
@@ -706,6 +807,8 @@ def sgd_step(
         found_inf=found_inf,
         check_finite=check_finite,
         param_out=param_out,
+        squared_norm=squared_norm,
+        max_norm=max_norm,
     )
 
 
@@ -762,22 +865,26 @@ class AdamStep:
         grad_scale: float = 1.0,
         grad_scale_tensor: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
+        squared_norm: torch.Tensor | None = None,
+        max_norm: float | None = None,
     ) -> None:
-        """One step with ``grad``, as :func:`adam_step` with ``check_finite=False`` (nothing is checked here)."""
+        """One step with ``grad``, as :func:`adam_step` with ``check_finite=False`` (nothing is checked here). The
+        Triton path reads ``squared_norm`` in the kernel; the torch path computes the flags first (the function's
+        path, which allocates them)."""
         param, exp_avg, exp_avg_sq = self.buffers
         if self._triton:
             _adam_launch(
-                param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, step=step, lr=lr,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, squared_norm,
+                max_norm, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
             )  # fmt: skip
             return
         hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-        if not self._fused:  # buffers of mixed dtypes: the function's path
+        if not self._fused or squared_norm is not None:  # mixed dtypes, or flags to compute: the function's path
             adam_step(
                 param, grad, exp_avg, exp_avg_sq, step=step, **hyper, decoupled_weight_decay=decoupled_weight_decay,
                 maximize=maximize, grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf,
-                check_finite=False, param_out=self.param_out,
+                check_finite=False, param_out=self.param_out, squared_norm=squared_norm, max_norm=max_norm,
             )  # fmt: skip
             return
         scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
@@ -825,24 +932,27 @@ class SGDStep:
         grad_scale: float = 1.0,
         grad_scale_tensor: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
+        squared_norm: torch.Tensor | None = None,
+        max_norm: float | None = None,
     ) -> None:
-        """One step with ``grad``, as :func:`sgd_step` with ``check_finite=False`` (nothing is checked here)."""
+        """One step with ``grad``, as :func:`sgd_step` with ``check_finite=False`` (nothing is checked here), and
+        ``squared_norm`` as :meth:`AdamStep.__call__` takes it."""
         param, buf = self.buffers
         if momentum != 0 and buf is None:
             raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
         if self._triton:
             _sgd_launch(
-                param, grad, buf, self.param_out, grad_scale_tensor, found_inf, lr=lr, momentum=momentum,
-                dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
-                first_step=first_step, grad_scale=grad_scale,
+                param, grad, buf, self.param_out, grad_scale_tensor, found_inf, squared_norm, max_norm, lr=lr,
+                momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+                maximize=maximize, first_step=first_step, grad_scale=grad_scale,
             )  # fmt: skip
             return
         hyper = {"lr": lr, "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
-        if not self._fused:
+        if not self._fused or squared_norm is not None:
             sgd_step(
                 param, grad, buf, **hyper, weight_decay=weight_decay, maximize=maximize, first_step=first_step,
                 grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=False,
-                param_out=self.param_out,
+                param_out=self.param_out, squared_norm=squared_norm, max_norm=max_norm,
             )  # fmt: skip
             return
         scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype

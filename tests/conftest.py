@@ -5,6 +5,7 @@ read when a kernel is decorated, so it must be set here, before any test imports
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -39,6 +40,25 @@ def device(request, kernel_impl):
         pytest.skip("Triton kernels are compiled for CUDA in this process; the cuda cases test them")
     # With its index: a tensor's device is cuda:0, never plain cuda, and torch.device("cuda") != "cuda:0".
     return torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device(dev)
+
+
+@pytest.fixture
+def serial_interpreter(monkeypatch):
+    """The Triton kernels forced, in Triton's interpreter, for ranks that run as threads. The interpreter patches the
+    language module while a kernel runs, so two rank threads must not run kernels at once: one at a time (a test-only
+    lock; processes need none)."""
+    if not _triton.interpreter_active():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 on a machine without CUDA)")
+    from triton.runtime import interpreter
+
+    lock, run = threading.Lock(), interpreter.GridExecutor.__call__
+
+    def one_at_a_time(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", one_at_a_time)
+    monkeypatch.setenv("GPUDIST_KERNELS", "triton")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -58,6 +58,8 @@ SM90 = {"registers": 65536, "register_unit": 256, "warps": 64, "blocks": 32, "sh
 # A global memory instruction: LDG/STG, then modifiers (E, EL, CONSTANT, 128, U16, ...), e.g. "LDG.E.128".
 _MEMORY_OP = re.compile(r"\b(LDG|STG|LDL|STL)((?:\.[A-Z0-9_]+)*)")
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# The instructions that order memory between threads and programs: barriers, fences, atomics, L1 invalidation.
+_ORDERING_OP = re.compile(r"\b((?:BAR|MEMBAR|ATOMG|RED|CCTL)(?:\.[A-Z0-9_]+)+)")
 
 
 def decode(value):
@@ -164,8 +166,10 @@ def sass_report(cubin: bytes, num_warps: int, shared_bytes: int) -> dict:
     ``cuobjdump -res-usage -sass`` gives the register count (``REG``), the per-thread stack and local memory
     (spilled registers land there), static shared memory, and the SASS. Global accesses are counted by the
     width each thread moves per instruction: ``{"128": 8, "32": 2}`` is eight LDG.E.128 and two LDG.E.
-    ``local_accesses`` counts LDL/STL, the instructions a spill or a local array produces. ``n_spills`` of the
-    compiled kernel's metadata is filled only when a GPU loads it, so registers come from the cubin here.
+    ``local_accesses`` counts LDL/STL, the instructions a spill or a local array produces. ``ordering`` lists the
+    barriers, fences, atomics and cache invalidations in program order (what a cross-program handshake rests on).
+    ``n_spills`` of the compiled kernel's metadata is filled only when a GPU loads it, so registers come from the
+    cubin here.
     """
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.cubin"
@@ -189,6 +193,7 @@ def sass_report(cubin: bytes, num_warps: int, shared_bytes: int) -> dict:
         "local_accesses": local_accesses,
         "shared_bytes": shared,
         "num_warps": num_warps,
+        "ordering": _ORDERING_OP.findall(done.stdout),
         "loads": dict(sorted(widths["LDG"].items(), key=lambda kv: -int(kv[0]))),
         "stores": dict(sorted(widths["STG"].items(), key=lambda kv: -int(kv[0]))),
         **occupancy_sm90(registers, num_warps, shared),
@@ -213,6 +218,8 @@ def compile_spec(spec: dict, target: str, aligned: bool = False) -> tuple[dict, 
         compiled = triton.compile(source(spec, gpu, aligned), target=gpu, options=options)
         row["ok"] = bool(compiled.asm.get("cubin"))
         row["ptx_lines"] = compiled.asm["ptx"].count("\n")
+        # PTX writes an fp64 immediate as 0d + 16 hex digits: which float64 constants survived compilation
+        row["f64_constants"] = sorted(set(re.findall(r"\b0d([0-9A-F]{16})\b", compiled.asm["ptx"])))
     except Exception as e:
         row["ok"], row["error"] = False, f"{type(e).__name__}: {str(e)[:2000]}"
     return row, compiled

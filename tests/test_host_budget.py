@@ -175,24 +175,6 @@ def _allocating_steps(comm, strategy: str, counts: collections.Counter, sizes: d
     sizes[comm.rank] = ALLOCATIONS[strategy](model)
 
 
-@pytest.fixture
-def serial_interpreter(monkeypatch):
-    """Triton's interpreter patches the language module while a kernel runs, so two rank threads must not run
-    kernels at once: one at a time (a test-only lock; processes need none)."""
-    if not _triton.interpreter_active():
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 on a machine without CUDA)")
-    from triton.runtime import interpreter
-
-    lock, run = threading.Lock(), interpreter.GridExecutor.__call__
-
-    def one_at_a_time(self, *args, **kwargs):
-        with lock:
-            return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", one_at_a_time)
-    monkeypatch.setenv("GPUDIST_KERNELS", "triton")
-
-
 @pytest.mark.parametrize("strategy", list(ALLOCATIONS))
 def test_a_steady_state_step_allocates_only_what_the_strategy_frees(strategy, serial_interpreter):
     """Catches gpudist's own code allocating in a steady-state step other than what the strategy frees by design (on a

@@ -270,12 +270,13 @@ def test_squared_norm_nonfinite(device, kernel_impl):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter: inf - inf
-@pytest.mark.parametrize("max_norm", [None, 1.0, 0.25])
+@pytest.mark.parametrize("max_norm", [None, 1.0, 0.25, 0.3])
 def test_clip_scalars_follow_clip_grad_norm(device, kernel_impl, max_norm):
     """The norm, the skip flag and the clipping coefficient of a ZeRO step in one launch: the norm as sqrt in float64,
-    the coefficient as torch.nn.utils.clip_grad_norm_ computes it (1 below the threshold), the flag set for NaN and
-    Inf. Catches a coefficient that is not clamped at 1, a flag that misses NaN (NaN compares false both ways), the
-    epsilon forgotten, and the coefficient slot written without clipping."""
+    the coefficient as torch.nn.utils.clip_grad_norm_ computes it in float64 (1 below the threshold), rounded once to
+    float32. Catches a coefficient that is not clamped at 1, a flag that misses NaN (NaN compares false both ways),
+    the epsilon forgotten, the coefficient slot written without clipping, and a threshold (0.3) or epsilon rounded
+    to float32 on its way into the kernel (a Triton launch passes Python floats as fp32)."""
     for total in (4.0, 0.0, 1e-12, 0.0625, 1e30, float("inf"), float("nan")):
         norm = torch.empty(1, dtype=torch.float64, device=device)
         flags = torch.full((2,), -7.0, device=device)
@@ -286,11 +287,23 @@ def test_clip_scalars_follow_clip_grad_norm(device, kernel_impl, max_norm):
         if finite:
             assert norm.item() == expected
             clip = -7.0 if max_norm is None else min(1.0, max_norm / (expected + 1e-6))
-            assert flags[1].item() == pytest.approx(clip, rel=unit_roundoff(torch.float32))  # float32 rounding
+            assert flags[1].item() == torch.tensor(clip, dtype=torch.float64).float().item()
         else:
             assert not math.isfinite(norm.item())
     with pytest.raises(ValueError, match="max_norm=0"):
         K.clip_scalars(torch.ones(1, device=device), norm, flags, 0.0)
+
+
+def test_split_f64_carries_a_threshold_in_two_fp32_halves():
+    """Catches ``max_norm`` reaching the kernels as one fp32 (a Triton launch rounds Python floats to fp32; 0.3 would
+    be off by 1e-8 relative) and a threshold beyond fp32's range turning into Inf - Inf = NaN in the kernel."""
+    f32_max = torch.finfo(torch.float32).max
+    for x in (0.3, 1.0, 1e-7, 123456.789, 2.0**-130):
+        hi, lo = K.norm.split_f64(x)
+        for half in (hi, lo):
+            assert torch.tensor(half, dtype=torch.float64).float().item() == half, "a half that is not an fp32"
+        assert abs((hi + lo) - x) <= x * 2.0**-47
+    assert K.norm.split_f64(1e39) == (f32_max, 0.0) and K.norm.split_f64(1e300) == (f32_max, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- optimizer steps
@@ -569,6 +582,55 @@ def test_nonfinite_gradient_skips_step(device, kernel_impl, optimizer):
     assert not torch.equal(param, before[0])
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter: inf - inf
+@pytest.mark.parametrize("max_norm", [None, 0.3])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_steps_take_the_global_norm_as_clip_scalars_reads_it(device, kernel_impl, optimizer, max_norm):
+    """A step given the global squared norm (``squared_norm``, ``max_norm``) decides the skip and the clipping
+    coefficient itself: bit for bit what :func:`clip_scalars` flags passed as ``found_inf``/``grad_scale_tensor``
+    give, for a norm above the threshold, one below, Inf and NaN, with a scale tensor as well, through the function
+    and the plan. Catches the kernel's coefficient rounding differently from clip_scalars (epsilon or threshold in
+    fp32), the factors applied in another order, a non-finite norm that does not skip, and the plan dropping the
+    norm."""
+    n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 4099
+    g = _gen(21)
+    start = torch.randn(n, generator=g).to(device)
+    grad = torch.randn(n, generator=g).to(device)
+    scale = torch.tensor([0.5], device=device)
+    for total in (16.0, 0.01, float("inf"), float("nan")):
+        squared = torch.tensor([total], dtype=torch.float64, device=device)
+        norm, flags = torch.empty(1, dtype=torch.float64, device=device), torch.ones(2, device=device)
+        K.clip_scalars(squared, norm, flags, max_norm)
+        clip = flags[1:2] if max_norm is not None else None
+        runs = []
+        for how in ("flags", "norm", "plan"):
+            state = [start.clone(), start.abs() + 0.1, start.abs() + 0.2]
+            if how == "flags":
+                # scale * clip is exact (scale is a power of two), so one tensor multiplies as the two factors do
+                kw = {"found_inf": flags[0:1], "grad_scale_tensor": scale if clip is None else scale * clip}
+            else:
+                kw = {"squared_norm": squared, "max_norm": max_norm, "grad_scale_tensor": scale}
+            if optimizer == "adam":
+                kw.update(step=2, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+                if how == "plan":
+                    K.AdamStep(state[0], grad, state[1], state[2])(grad, **kw)
+                else:
+                    skipped = adam_step(state[0], grad, state[1], state[2], **kw, check_finite=False)
+                    assert skipped.item() == (0.0 if math.isfinite(total) else 1.0)
+            else:
+                kw.update(lr=1e-2, momentum=0.9)
+                if how == "plan":
+                    K.SGDStep(state[0], grad, state[1])(grad, **kw)
+                else:
+                    skipped = sgd_step(state[0], grad, state[1], **kw, check_finite=False)
+                    assert skipped.item() == (0.0 if math.isfinite(total) else 1.0)
+            runs.append(state)
+        for state in runs[1:]:
+            for x, y in zip(runs[0], state, strict=True):
+                assert torch.equal(x, y), (total, max_norm)
+        assert torch.equal(runs[0][0], start) == (not math.isfinite(total))
+
+
 def test_optimizer_steps_reject_bad_input():
     """Catches a mis-sized state buffer or nonsense hyper-parameters reaching the kernel."""
     p = torch.zeros(10)
@@ -586,6 +648,12 @@ def test_optimizer_steps_reject_bad_input():
         sgd_step(p, torch.zeros(10), torch.zeros(10), lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="1-D contiguous flat shard"):
         sgd_step(torch.zeros(2, 5), torch.zeros(2, 5), lr=0.1)
+    with pytest.raises(ValueError, match=r"max_norm=1\.0 clips by the global norm: pass squared_norm"):
+        sgd_step(p, torch.zeros(10), lr=0.1, max_norm=1.0)
+    with pytest.raises(ValueError, match=r"max_norm=-1\.0 must be a number > 0"):
+        sgd_step(p, torch.zeros(10), lr=0.1, squared_norm=torch.ones(1), max_norm=-1.0)
+    with pytest.raises(ValueError, match="squared_norm must be a 1-element tensor"):
+        adam_step(p, *[torch.zeros(10)] * 3, step=1, lr=0.1, squared_norm=torch.ones(2))
 
 
 @pytest.mark.gpu

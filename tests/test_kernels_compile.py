@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,8 @@ def _drive_every_op() -> None:
         {"param_out": torch.empty(N, dtype=bf16)},
         {"bf16_grad": True},
     ]
+    norm = {"squared_norm": torch.tensor([4.0], dtype=torch.float64)}
+    adam += [norm, {**norm, "max_norm": 1.0}]  # the step reads the global norm: skip flag and clip in the kernel
     for kw in adam:
         grad = _randn(N, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         K.adam_step(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N), step=1, lr=1e-2, **kw)
@@ -128,6 +131,7 @@ def _drive_every_op() -> None:
         {"maximize": True, "grad_scale_tensor": torch.tensor([2.0])},
         {"found_inf": torch.zeros(1)},
         {"param_out": torch.empty(N, dtype=bf16)},
+        {"squared_norm": torch.tensor([4.0], dtype=torch.float64), "max_norm": 1.0},
     ]
     for kw in sgd:
         buf = torch.zeros(N) if kw.get("momentum") else None
@@ -172,6 +176,13 @@ def test_every_kernel_compiles_for_hopper_and_ampere(monkeypatch, tmp_path):
     rows = _compile(specs, tmp_path, targets=TARGETS)
     failed = [f"{r['kernel']} @ {r['target']} {r['args']}: {r.get('error')}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
+    # The clipping epsilon reaches every kernel that clips as the float64 1e-6, a constant (a Python float launch
+    # argument would arrive rounded to fp32): the interpreter keeps Python floats in float64, so only the compiled
+    # code shows this.
+    eps = struct.pack(">d", 1e-6).hex().upper()
+    clipping = [r for r in rows if r["args"].get("HAS_CLIP") is True]
+    assert {r["kernel"] for r in clipping} == {"_clip_scalars_kernel", "_adam_kernel", "_sgd_kernel"}
+    assert all(eps in r["f64_constants"] for r in clipping), [(r["kernel"], r["f64_constants"]) for r in clipping]
 
 
 # ------------------------------------------------------------------------------------ the aligned specializations
@@ -187,8 +198,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _drive_hot_ops(launches: list[dict]) -> None:
     """Launch each hot kernel the way the library does on aligned shards, naming each launch's variant.
 
-    Default block sizes and warps, one dtype per pack/unpack call (one launch each), ``found_inf`` given to the
-    optimizer steps so that they launch no ``squared_norm`` of their own.
+    Default block sizes and warps, one dtype per pack/unpack call (one launch each), ``found_inf`` (or the global
+    squared norm, as ZeRO's step passes it) given to the optimizer steps so that they launch no ``squared_norm`` of
+    their own.
     """
     f32, bf16 = torch.float32, torch.bfloat16
     n = ALIGNED_N
@@ -213,13 +225,18 @@ def _drive_hot_ops(launches: list[dict]) -> None:
         "adamw": {"weight_decay": 0.1, "decoupled_weight_decay": True},
         "adam bf16 grad": {"bf16_grad": True},
         "adam bf16 param_out, scale tensor": {"param_out": torch.empty(n, dtype=bf16), "grad_scale_tensor": 2.0},
+        "adamw global norm, clip": {"weight_decay": 0.1, "decoupled_weight_decay": True, "clip": True},
     }
     for variant, kw in adam.items():
         grad = _randn(n, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         if "grad_scale_tensor" in kw:
             kw["grad_scale_tensor"] = torch.tensor([kw["grad_scale_tensor"]])
         state = (torch.zeros(n), torch.zeros(n))
-        named(variant, K.adam_step, _randn(n, f32), grad, *state, step=1, lr=1e-2, **no_skip, **kw)
+        if kw.pop("clip", False):  # ZeRO's step: the skip flag and clip coefficient from the global norm, in-kernel
+            kw.update(squared_norm=torch.tensor([4.0], dtype=torch.float64), max_norm=1.0)
+        else:
+            kw.update(no_skip)
+        named(variant, K.adam_step, _randn(n, f32), grad, *state, step=1, lr=1e-2, **kw)
     sgd = {
         "sgd": {},
         "sgd momentum": {"momentum": 0.9},
@@ -289,6 +306,18 @@ def _needs_wide_store(variant: str) -> bool:
     return not (variant.startswith("quantize") and "residual" not in variant and "stochastic" not in variant)
 
 
+def _hands_over_partials(ordering: list[str]) -> bool:
+    """Whether the norm's ticket is taken as the one-launch sum needs: a block barrier (every thread's partial is
+    stored), a GPU-scope fence, the GPU-scope atomic add (the release), then an L1 invalidation (the acquire, before
+    the last program reads the partials), in that order."""
+    want = [lambda op: op.startswith("BAR.SYNC"), lambda op: op.startswith("MEMBAR") and op.endswith("GPU")]
+    want += [lambda op: op.startswith("ATOMG") and ".ADD" in op and "GPU" in op, lambda op: op == "CCTL.IVALL"]
+    for op in ordering:
+        if want and want[0](op):
+            want.pop(0)
+    return not want
+
+
 @pytest.mark.slow
 def test_aligned_kernels_vectorize(monkeypatch, tmp_path):
     """Catches a hot kernel that loses its 128-bit global accesses, spills, or grows past its register ceiling.
@@ -302,7 +331,9 @@ def test_aligned_kernels_vectorize(monkeypatch, tmp_path):
       lost alignment hint, a mask the compiler cannot prove uniform over 16 bytes, or too few elements per
       thread produce (the bucket kernel's masked 4096-element copy compiled to 32-bit LDG.E/STG.E only);
     - no local memory: no LDL/STL, no stack (a spill);
-    - registers at most ``REGISTER_CEILING`` (occupancy, see there).
+    - registers at most ``REGISTER_CEILING`` (occupancy, see there);
+    - the squared norm's one-launch sum: the partials handed to the last program through a release/acquire ticket
+      (``_hands_over_partials``); without the fence the last program could sum partials not yet visible to it.
     It cannot show the speed these buy (``gpudist bench kernels`` on a GPU). With ``GPUDIST_SASS_ROWS`` set it
     also writes its rows there (``python -m tests.kernel_compile --write``).
     """
@@ -329,6 +360,8 @@ def test_aligned_kernels_vectorize(monkeypatch, tmp_path):
             problems.append(f"{name}: no 128-bit global store; stores by width {sass['stores']}")
         if sass["local_accesses"] or sass["local_bytes"] or sass["stack_bytes"]:
             problems.append(f"{name}: local memory (spills): {sass['local_accesses']} LDL/STL, {sass['local_bytes']} B")
+        if row["kernel"] == "_squared_norm_kernel" and not _hands_over_partials(sass["ordering"]):
+            problems.append(f"{name}: no release/acquire around the ticket: {sass['ordering']}")
         if sass["registers"] > REGISTER_CEILING[row["kernel"]]:
             problems.append(
                 f"{name}: {sass['registers']} registers > ceiling {REGISTER_CEILING[row['kernel']]} "

@@ -193,6 +193,31 @@ def test_a_step_skipped_on_the_device_is_not_counted(stage):
         assert_matches_reference(r["params"], *expected)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step(stage, serial_interpreter, monkeypatch):
+    """The GPU's path (Triton kernels, in the interpreter): the fused step reads the global squared norm itself, and
+    no launch computes the scalars in between (``clip_scalars`` is never called). Catches a kernel that drops the
+    clip (0.05 clips every step here), a NaN on one rank that does not skip the step on every rank, and a skipped
+    step still counted in Adam's bias correction, each against single-process training."""
+    calls = []
+    monkeypatch.setattr(gpudist.kernels, "clip_scalars", lambda *a, **k: calls.append(a))
+    state = initial_state()
+    clipped = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="sgd", stage=stage,
+                        config_kw={"max_grad_norm": 0.05})  # fmt: skip
+    cls, kw = OPTIMIZERS["sgd"]
+    expected = reference_pair(single_process, state, cls, max_norm=0.05, **kw)
+    for r in clipped:
+        assert_matches_reference(r["params"], *expected)
+    # ZeRO2Model frees param.grad in backward (nowhere to put the NaN): ZeRO-2's optimizer over the plain module
+    skipped = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="adam", nan_step=1, stage=stage,
+                        wrap_model=stage != 2)  # fmt: skip
+    expected = reference_pair(_skipping_reference, state, skip=1)
+    for r in skipped:
+        assert r["skipped"] == [step == 1 for step in range(STEPS)]
+        assert_matches_reference(r["params"], *expected)
+    assert not calls, "the step's scalars were launched on their own"
+
+
 def test_zero1_rejects_mixed_dtypes():
     """Catches a flat buffer silently mixing dtypes."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero-dtype")

@@ -365,38 +365,43 @@ _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD:
 
 @dataclass(frozen=True)
 class _Scale:
-    """What a fused step multiplies the gradients by and whether it skips, as device tensors (no host sync)."""
+    """What a fused step multiplies the gradients by and whether it skips, as device tensors (no host sync): the
+    flags :func:`~gpudist.kernels.clip_scalars` computed, or the global squared norm the kernels derive them from."""
 
-    clip: torch.Tensor | None
+    clip: torch.Tensor | None = None
     """The clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` (1 element), or None: no clipping."""
-    found_inf: torch.Tensor | None
+    found_inf: torch.Tensor | None = None
     """1.0 when the global norm is not finite (every rank skips), else 0.0 (1 element); None: decided on the host."""
+    squared_norm: torch.Tensor | None = None
+    """The global squared norm (1 element), which the Triton steps read themselves (skip and clip in the kernel)."""
+    max_norm: float | None = None
+    """The clipping threshold that goes with ``squared_norm`` (None: no clipping)."""
 
 
 class _Verdict:
-    """A step's global gradient norm: the device tensor, copied to the host without blocking (pinned memory and an
-    event on CUDA; on the CPU a plain copy), into a slot from ``slots``, so that reading it once the copy is done does
-    not stall the device's queue. The slot goes back to ``slots`` once read, so a steady state allocates no host
-    buffer and creates no event."""
+    """A step's global gradient norm: its square (a float64 device tensor), copied to the host without blocking
+    (pinned memory and an event on CUDA; on the CPU a plain copy), into a slot from ``slots``, so that reading it once
+    the copy is done does not stall the device's queue; the host takes the square root (IEEE, as the device's). The
+    slot goes back to ``slots`` once read, so a steady state allocates no host buffer and creates no event."""
 
-    def __init__(self, norm: torch.Tensor | None, slots: list | None = None):
-        self._host, self._event, self._value, self._stepped = None, None, math.nan, norm is not None
+    def __init__(self, squared_norm: torch.Tensor | None, slots: list | None = None):
+        self._host, self._event, self._value, self._stepped = None, None, math.nan, squared_norm is not None
         self._slots = slots
-        if norm is None:
+        if squared_norm is None:
             return
         if slots:
             self._host, self._event = slots.pop()
-        elif norm.is_cuda:
+        elif squared_norm.is_cuda:
             self._host, self._event = torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
         else:
             self._host = torch.empty(
                 1, dtype=torch.float64, device="cpu"
             )  # the norm's buffer is the next step's too: a copy
         if self._event is not None:
-            self._host.copy_(norm.reshape(1), non_blocking=True)
+            self._host.copy_(squared_norm.reshape(1), non_blocking=True)
             self._event.record()
         else:
-            self._host.copy_(norm.reshape(1))
+            self._host.copy_(squared_norm.reshape(1))
 
     def ready(self) -> bool:
         """Whether the norm is on the host (so reading it does not wait)."""
@@ -408,7 +413,8 @@ class _Verdict:
             if self._event is not None:
                 self._event.synchronize()
             # Host memory (pinned on CUDA, the tensor itself on the CPU): a plain read, no device copy or dispatch.
-            self._value = ctypes.c_double.from_address(self._host.data_ptr()).value
+            squared = ctypes.c_double.from_address(self._host.data_ptr()).value
+            self._value = math.sqrt(squared) if squared >= 0 else math.nan  # NaN stays NaN; Inf stays Inf
             if self._slots is not None and len(self._slots) < _VERDICT_SLOTS:
                 self._slots.append((self._host, self._event))
             self._host, self._event = None, None
@@ -421,11 +427,13 @@ class _Verdict:
 class _StepScalars:
     """The buffers a ZeRO step's scalars live in, kept from step to step: the global squared norm (its planned norm
     over ``numel`` owned gradients and its planned all-reduce), the norm, the skip flag and the clipping coefficient
-    (0-dim views, as the fused steps take them), and the verdicts' host slots."""
+    (0-dim views, as the fused steps take them; the Triton steps read ``total`` instead, ``in_kernel``), and the
+    verdicts' host slots."""
 
     def __init__(self, comm, device: torch.device, numel: int):
         self.total = torch.zeros(1, dtype=torch.float64, device=device)
         self.squared_norm = kernels.SquaredNorm(numel, self.total)
+        self.in_kernel = kernels.use_triton(self.total)
         self.norm = torch.zeros(1, dtype=torch.float64, device=device)
         self.flags = torch.zeros(2, dtype=torch.float32, device=device)
         self.found_inf, self.clip = self.flags[0], self.flags[1]
@@ -719,10 +727,15 @@ class _FlatShardOptimizer(ShardedOptimizer):
         else:
             scalars.squared_norm(self._grad)  # into scalars.total
             scalars.all_reduce.start().wait()  # one float64 on every rank (planned once: no per-step check)
-        # The norm, the skip flag and the clipping coefficient in one launch, into buffers kept from step to step.
         max_norm = self.config.max_grad_norm
+        self._verdict = _Verdict(scalars.total, scalars.slots)
+        if self._kind is not None and scalars.in_kernel:
+            # The Triton steps take the skip flag and the clipping coefficient from the global norm themselves: a
+            # step is the norm (one launch), its all-reduce and the update, with nothing launched in between.
+            self._update_and_gather(_Scale(squared_norm=scalars.total, max_norm=max_norm))
+            return loss
+        # The norm, the skip flag and the clipping coefficient in one launch, into buffers kept from step to step.
         kernels.clip_scalars(scalars.total, scalars.norm, scalars.flags, max_norm)
-        self._verdict = _Verdict(scalars.norm, scalars.slots)
         found_inf, scale = scalars.found_inf, scalars.clip if max_norm is not None else None
         if self._kind is None:  # torch's own step over views cannot take a device flag: decide on the host
             if self.last_step_skipped:
@@ -857,6 +870,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
                     "maximize": h.get("maximize", False),
                     "grad_scale_tensor": scale.clip,
                     "found_inf": scale.found_inf,
+                    "squared_norm": scale.squared_norm,
+                    "max_norm": scale.max_norm,
                 }
                 grad = self._grad[lo:hi]
                 if self._kind == "sgd":
