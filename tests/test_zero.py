@@ -193,7 +193,7 @@ def test_a_step_skipped_on_the_device_is_not_counted(stage):
         assert_matches_reference(r["params"], *expected)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "fsdp"])
 def test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step(stage, serial_interpreter, monkeypatch):
     """The GPU's path (Triton kernels, in the interpreter): the fused step reads the global squared norm itself, and
     no launch computes the scalars in between (``clip_scalars`` is never called). Catches a kernel that drops the
