@@ -9,7 +9,10 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
 - ``calls``: host microseconds per call, issued back to back. ``pack``/``unpack`` of 1, 30 and 300 tensors of 4
   elements (against ``torch.cat(out=)`` + ``mul_``, and ``_foreach_copy_`` into views) and the same through a
   :class:`gpudist.kernels.PackPlan` built once; ``adam_step`` on a 1,024-element shard, and through a
-  :class:`gpudist.kernels.AdamStep` built once (against ``torch._fused_adamw_``); one collective through gpudist's
+  :class:`gpudist.kernels.AdamStep` built once (against ``torch._fused_adamw_``); the same plans on the GPU's (Triton)
+  path with the kernel launch made a no-op (``*_launch_stubbed``: gpudist's own host work per call, to which a GPU
+  adds one Triton launch per dtype; the Adam row as ZeRO calls it, with the global norm and a clip); one
+  collective through gpudist's
   NCCL backend built over the simulated NCCL of tests/fakenccl.py, then given a no-op communicator and a no-op CUDA
   seam (stream hand-off, events), so only the backend's own Python remains: unchecked, async and planned
   (``plan_all_reduce``), against the same no-op call made directly.
@@ -92,7 +95,47 @@ def _pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callabl
         plan = K.PackPlan(tensors, out)
         rows[f"pack_{n}_plan"] = lambda: per_call_us(lambda: plan.pack(0.5), calls)
         rows[f"unpack_{n}_plan"] = lambda: per_call_us(lambda: plan.unpack(0.5), calls)
+        if device == "cpu":
+            with _triton_launches_stubbed():
+                planned = K.PackPlan(tensors, out)  # the GPU's path: its tables built, its launch a no-op
+            rows[f"pack_{n}_plan_launch_stubbed"] = _stubbed(lambda: per_call_us(lambda: planned.pack(0.5), calls))
     return rows
+
+
+class _NullKernel:
+    """A Triton kernel whose launch returns at once: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return _null_launch
+
+
+def _null_launch(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _triton_launches_stubbed():
+    """The Triton path of the pack and Adam plans on CPU tensors, with their kernels' launches made no-ops: what
+    remains is gpudist's own host work per call on the GPU's path, without Triton's launcher (measured on the GPU
+    itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host)."""
+    import gpudist.kernels.bucket as bucket
+    import gpudist.kernels.optim as optim
+
+    saved = (bucket.use_triton, optim.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel)
+    bucket.use_triton = optim.use_triton = lambda tensor: True
+    bucket._bucket_copy_kernel = optim._adam_kernel = _NullKernel()
+    try:
+        yield
+    finally:
+        bucket.use_triton, optim.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel = saved
+
+
+def _stubbed(measure: Callable[[], float]) -> Callable[[], float]:
+    def run() -> float:
+        with _triton_launches_stubbed():
+            return measure()
+
+    return run
 
 
 def _adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], float]]:
@@ -116,9 +159,15 @@ def _adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], fl
     }
     if hasattr(K, "AdamStep"):
         plan = K.AdamStep(p, g, m, v)
-        rows["adam_step_plan"] = lambda: per_call_us(
-            lambda: plan(g, step=1, lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True), calls
-        )
+        hyper = {"step": 1, "lr": 1e-3, "weight_decay": 0.01, "decoupled_weight_decay": True}
+        rows["adam_step_plan"] = lambda: per_call_us(lambda: plan(g, **hyper), calls)
+        if device == "cpu":
+            with _triton_launches_stubbed():
+                planned = K.AdamStep(p, g, m, v)
+            total = torch.ones(1, dtype=torch.float64)  # ZeRO's call: skip and clip from the global squared norm
+            rows["adam_step_plan_launch_stubbed"] = _stubbed(
+                lambda: per_call_us(lambda: planned(g, **hyper, squared_norm=total, max_norm=1.0), calls)
+            )
     return rows
 
 

@@ -8,7 +8,9 @@ non-finite, which is how the fused optimizer steps detect non-finite gradients.
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 
 import torch
 
@@ -151,14 +153,20 @@ CLIP_EPS = 1e-6
 """Added to the norm before dividing (torch.nn.utils.clip_grad_norm_'s constant)."""
 
 
+@functools.lru_cache(maxsize=64)
 def split_f64(x: float) -> tuple[float, float]:
     """``x`` as two fp32 numbers whose fp64 sum is ``x`` to 48 bits: a Triton launch passes Python floats as fp32,
     so a float64 constant (the clipping threshold) travels in two parts and :func:`global_norm_scalars` adds them
-    back in fp64. Beyond fp32's range the high part is fp32's largest finite value (the low part 0)."""
-    hi = torch.tensor(x, dtype=torch.float64).float().item()
+    back in fp64. Beyond fp32's range the high part is fp32's largest finite value (the low part 0). Cached: a
+    training run clips by one threshold, and the step's host time counts."""
+    hi = _F32.unpack(_F32.pack(x))[0]  # rounded to nearest (C's double -> float); beyond fp32's range: Inf
     if not math.isfinite(hi):
-        return math.copysign(torch.finfo(torch.float32).max, x), 0.0
-    return hi, torch.tensor(x - hi, dtype=torch.float64).float().item()
+        return math.copysign(_F32_MAX, x), 0.0
+    return hi, _F32.unpack(_F32.pack(x - hi))[0]
+
+
+_F32 = struct.Struct("f")
+_F32_MAX = _F32.unpack(bytes.fromhex("ffff7f7f"))[0]
 
 
 @triton.jit

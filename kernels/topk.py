@@ -133,7 +133,7 @@ def _take_kernel(acc_ptr, indices_ptr, values_ptr, k, WRITE_BACK: tl.constexpr, 
 
 
 def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, _BLOCK),)
+    return (-(-n // _BLOCK),)
 
 
 def _accumulate_triton(grad: torch.Tensor, residual: torch.Tensor) -> None:
