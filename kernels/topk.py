@@ -1,23 +1,25 @@
-"""Top-k gradient sparsification with error feedback.
+"""Top-k gradient sparsification with error feedback, selected on the device with no host sync.
 
 ``acc = grad + residual``; the ``k`` entries of largest ``|acc|`` are sent as ``(values, indices)`` with the
 indices ascending (deterministic, and friendly to a later scatter-add); ``residual`` becomes ``acc`` with those
 entries removed, in place, so what is not sent now is sent later. Invariant, exact in fp32:
 ``zeros(n).index_put_(indices, values) + new_residual == grad + old_residual``.
 
-Two modes pick the same set (up to ties between equal magnitudes):
+The selection is a radix select over the magnitudes' bit patterns (a non-negative float orders as its bits, and a
+NaN above Inf, as ``torch.topk`` puts it): histogram passes over 11-bit digits from the top find the k-th largest
+key digit by digit, each followed by a one-program kernel that picks the digit's bin and keeps the prefix and the
+remaining count on the device; then a count pass, a scan of the per-program counts, and one compaction pass write
+exactly ``k`` entries in index order. Every shape is known on the host before anything runs (``k``), so nothing is
+read back: no host sync in either mode, and the output stays valid for the collectives that follow.
 
-- ``"exact"``: one pass writes ``acc`` into the residual, ``torch.topk`` runs over all ``n`` magnitudes.
-- ``"threshold"``: a random sample of ``acc`` estimates a magnitude threshold that about ``1.1 k`` entries pass;
-  one pass computes ``acc``, compacts the entries at or above the threshold into a small candidate buffer
-  and removes them from the residual; ``torch.topk`` then runs over the candidates only and the ones not
-  kept go back into the residual. Every entry outside the buffer is below the threshold, hence below every
-  candidate, so the result is the exact top-k. If fewer than ``k`` entries passed, or more than the buffer
-  holds, the candidates are put back and the exact mode finishes the job: rare, and never loses anything.
+- ``"exact"``: three passes, all 31 bits of the magnitude: the true top-k. Ties at the k-th magnitude go to the
+  lowest indices.
+- ``"threshold"``: two passes, the top 22 bits (sign cleared; exponent and 14 mantissa bits): the magnitudes are
+  compared to 2^-14 relative, so an entry within that of the k-th magnitude may stand in for one just above it
+  (ties, lowest indices first). One pass fewer over the gradient.
 
-Host syncs: none in ``"exact"`` mode. ``"threshold"`` mode makes one per call, reading the candidate count:
-``torch.topk`` over the candidates needs their number on the host (a shape), and so does the overflow check.
-The threshold itself stays on the device (the compaction kernel reads it from memory).
+The torch twin (the CPU path, and the oracle) selects the same keys with ``torch.topk`` over the integer keys and
+places them with cumulative sums and a scatter, also without a host sync, so both paths pick the same entries.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import cast_rne, tl, triton
-from .dispatch import use_triton
+from .dispatch import implementation, use_triton
 from .quantize import FLOAT_DTYPES, check_vector
 
 __all__ = [
@@ -41,14 +43,15 @@ __all__ = [
 
 MODES = ("exact", "threshold")
 INDEX_DTYPES = (torch.int64, torch.int32)
-# Elementwise passes: 1024 elements (4 warps x 8 per thread) per program. Not tuned on a GPU yet.
+# Elementwise work: 1024 elements (4 warps x 8 per thread) per block, 16 blocks per program, so a histogram pass
+# adds one 2048-bin histogram to the global one per 16K elements. Not tuned on a GPU yet.
 _BLOCK = 1024
-# Threshold estimate. The sample is drawn with replacement; m0 = s * k / n of its entries are expected above
-# the true k-th magnitude. Its size s: at least 4096 draws and 256 n / k (m0 >= 256, a 6% spread, unless
-# capped), at most 2**16 (a gather and a kthvalue of 65536 fp32 are small next to a pass over a bucket).
-_MIN_SAMPLE = 4096
-_MAX_SAMPLE = 1 << 16
-_SAMPLE_PER_K = 256
+_ITERS = 16
+_CHUNK = _BLOCK * _ITERS
+_BINS = 2048
+# (shift, width) of each radix pass: bits 30..20, 19..9, 8..0 of the magnitude's bit pattern (bit 31, the sign, is
+# cleared). "threshold" stops after the first two.
+_PASSES = {"exact": ((20, 11), (9, 11), (0, 9)), "threshold": ((20, 11), (9, 11))}
 
 
 @dataclass(frozen=True)
@@ -60,211 +63,273 @@ class TopKResult:
     indices: torch.Tensor
     """Positions of the selected entries, ascending (int64 unless ``index_dtype`` says otherwise)."""
     threshold: torch.Tensor | None
-    """Magnitude threshold used in ``"threshold"`` mode (a 1-element float32 tensor on the gradient's device); None
-    in ``"exact"`` mode or when nothing was selected."""
-    candidates: int
-    """How many entries passed the threshold (``"threshold"`` mode), else ``k``."""
+    """The k-th largest magnitude as the selection saw it (exact; in ``"threshold"`` mode rounded down to 14
+    mantissa bits), a 1-element float32 tensor on the gradient's device; None when nothing was selected."""
 
 
 # ------------------------------------------------------------------------------------------------ kernels
 
 
 @triton.jit
-def _accumulate_kernel(grad_ptr, residual_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    acc = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(residual_ptr + offs, cast_rne(acc, residual_ptr.dtype.element_ty), mask=mask)
+def _magnitude_key(acc):
+    """The sort key of ``|acc|``: its fp32 bit pattern with the sign cleared (an int32 >= 0; NaN above Inf)."""
+    return acc.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _threshold_compact_kernel(
-    grad_ptr,
-    residual_ptr,
-    cand_values_ptr,
-    cand_indices_ptr,
-    counter_ptr,
-    n,
-    threshold_ptr,
-    capacity,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    threshold = tl.load(threshold_ptr)  # on the device: the estimate never goes through the host
-    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # acc is rounded to the residual's dtype first: candidates and residual then hold the same numbers.
-        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = cast_rne(grad.to(tl.float32) + residual, residual_ptr.dtype.element_ty)
+def _radix_histogram_kernel(
+    grad_ptr, acc_ptr, state_ptr, hist_ptr, n, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FUSE_ADD: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """Add the histogram of digit ``bits[SHIFT : SHIFT + WIDTH]`` of the keys whose higher bits match the prefix so
+    far (``state[0]``) into ``hist``; with ``FUSE_ADD`` (the first pass), ``acc = grad + acc`` is formed and stored
+    first, rounded to ``acc``'s dtype."""
+    prefix = tl.load(state_ptr).to(tl.int32)
+    local = tl.zeros([2 * BINS], dtype=tl.int32)
+    for i in range(ITERS):
+        offs = (tl.program_id(0).to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+        if FUSE_ADD:
+            acc = cast_rne(tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc.to(tl.float32),
+                           acc_ptr.dtype.element_ty)  # fmt: skip
+            tl.store(acc_ptr + offs, acc, mask=mask)
+        key = _magnitude_key(acc)
+        match = mask & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
+        digit = (key >> SHIFT) & ((1 << WIDTH) - 1)
+        # Keys off the prefix land in bin BINS (past the digits), which is never added: a histogram without a mask
+        local += tl.histogram(tl.where(match, digit, BINS), 2 * BINS)
+    bins = tl.arange(0, 2 * BINS)
+    tl.atomic_add(hist_ptr + bins, local.to(tl.int64), mask=bins < BINS, sem="relaxed")
+
+
+@triton.jit
+def _radix_select_kernel(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, FIRST: tl.constexpr, BINS: tl.constexpr):
+    """One program: the bin of the digit histogram that holds the k-th largest remaining key; its digit joins the
+    prefix (``state[0]``), the keys in higher bins leave the count still wanted (``state[1]``), and the histogram
+    is cleared for the next pass."""
+    bins = tl.arange(0, BINS)
+    counts = tl.load(hist_ptr + bins)
+    above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)  # keys in strictly higher bins
+    if FIRST:
+        prefix, wanted = tl.zeros([], dtype=tl.int64), k
     else:
-        acc = grad
-    magnitude = tl.abs(acc.to(tl.float32))
-    # Zeros never pass, even at threshold 0 (a mostly-zero gradient): they would only crowd the buffer.
-    hit = (mask & (magnitude >= threshold) & (magnitude > 0.0)).to(tl.int32)
-    # One atomic per program reserves a contiguous range; the prefix sum places each hit inside it.
-    start = tl.atomic_add(counter_ptr, tl.sum(hit, axis=0).to(tl.int64))
-    slot = start + tl.cumsum(hit, axis=0) - hit
-    taken = (hit != 0) & (slot < capacity)
-    tl.store(cand_values_ptr + slot, acc, mask=taken)
-    tl.store(cand_indices_ptr + slot, offs, mask=taken)
-    if HAS_RESIDUAL:
-        # Hits that did not fit stay in the residual, so an overflow loses nothing.
-        tl.store(residual_ptr + offs, tl.where(taken, 0.0, acc), mask=mask)
+        prefix, wanted = tl.load(state_ptr), tl.load(state_ptr + 1)
+    holds = (above < wanted) & (above + counts >= wanted)  # exactly one bin (1 <= wanted <= keys matching)
+    digit = tl.max(tl.where(holds, bins, -1), axis=0)
+    tl.store(state_ptr, prefix | (digit.to(tl.int64) << SHIFT))
+    tl.store(state_ptr + 1, wanted - tl.sum(tl.where(bins == digit, above, 0), axis=0))
+    cleared = tl.arange(0, 2 * BINS)
+    tl.store(hist_ptr + cleared, tl.zeros([2 * BINS], dtype=tl.int64))
 
 
 @triton.jit
-def _take_kernel(acc_ptr, indices_ptr, values_ptr, k, WRITE_BACK: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < k
-    idx = tl.load(indices_ptr + offs, mask=mask, other=0)
-    acc = tl.load(acc_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    value = cast_rne(acc, values_ptr.dtype.element_ty)
-    tl.store(values_ptr + offs, value, mask=mask)
-    if WRITE_BACK:
-        # Zero when values and residual share a dtype; otherwise the rounding of the cast stays behind.
-        tl.store(acc_ptr + idx, cast_rne(acc - value.to(tl.float32), acc_ptr.dtype.element_ty), mask=mask)
+def _radix_count_kernel(acc_ptr, state_ptr, counts_ptr, n, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                        ITERS: tl.constexpr):  # fmt: skip
+    """Per program: how many keys are above the selected one and how many equal it (compared from bit SHIFT up)."""
+    kth = tl.load(state_ptr).to(tl.int32) >> SHIFT
+    above = tl.zeros([], dtype=tl.int32)
+    equal = tl.zeros([], dtype=tl.int32)
+    for i in range(ITERS):
+        offs = (tl.program_id(0).to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        key = _magnitude_key(tl.load(acc_ptr + offs, mask=mask, other=0.0)) >> SHIFT
+        above += tl.sum((mask & (key > kth)).to(tl.int32), axis=0)
+        equal += tl.sum((mask & (key == kth)).to(tl.int32), axis=0)
+    tl.store(counts_ptr + 2 * tl.program_id(0), above)
+    tl.store(counts_ptr + 2 * tl.program_id(0) + 1, equal)
 
 
-# --------------------------------------------------------------------------- the three passes, both ways
-# Each pass has a Triton launcher and a torch twin; the selection logic around them is shared.
+@triton.jit
+def _scan_kernel(counts_ptr, before_ptr, programs, BLOCK: tl.constexpr):
+    """One program: exclusive prefix sums over the programs of both counts (above, equal), in int64."""
+    above = tl.zeros([], dtype=tl.int64)
+    equal = tl.zeros([], dtype=tl.int64)
+    for start in range(0, programs, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < programs
+        a = tl.load(counts_ptr + 2 * idx, mask=mask, other=0).to(tl.int64)
+        e = tl.load(counts_ptr + 2 * idx + 1, mask=mask, other=0).to(tl.int64)
+        tl.store(before_ptr + 2 * idx, above + tl.cumsum(a, axis=0) - a, mask=mask)
+        tl.store(before_ptr + 2 * idx + 1, equal + tl.cumsum(e, axis=0) - e, mask=mask)
+        above += tl.sum(a, axis=0)
+        equal += tl.sum(e, axis=0)
 
 
-def _grid(n: int) -> tuple[int]:
-    return (-(-n // _BLOCK),)
+@triton.jit
+def _radix_compact_kernel(
+    acc_ptr, state_ptr, before_ptr, values_ptr, indices_ptr, n, SHIFT: tl.constexpr, WRITE_BACK: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """Write the selected entries at their places in the output (index order): every key above the selected one,
+    and the first ``state[1]`` keys equal to it. With ``WRITE_BACK`` the residual keeps what the value's cast to
+    its dtype rounded off (zero when they share a dtype)."""
+    kth = tl.load(state_ptr).to(tl.int32) >> SHIFT
+    wanted = tl.load(state_ptr + 1)
+    above_run = tl.load(before_ptr + 2 * tl.program_id(0))
+    equal_run = tl.load(before_ptr + 2 * tl.program_id(0) + 1)
+    for i in range(ITERS):
+        offs = (tl.program_id(0).to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+        key = _magnitude_key(acc) >> SHIFT
+        above = (mask & (key > kth)).to(tl.int32)
+        equal = (mask & (key == kth)).to(tl.int32)
+        # ranks inside the block in int32 (at most BLOCK), added to the program's int64 running counts
+        equal_rank = equal_run + (tl.cumsum(equal, axis=0) - equal)
+        taken = (above != 0) | ((equal != 0) & (equal_rank < wanted))
+        slot = above_run + (tl.cumsum(above, axis=0) - above) + tl.minimum(equal_rank, wanted)
+        value = cast_rne(acc.to(tl.float32), values_ptr.dtype.element_ty)
+        tl.store(values_ptr + slot, value, mask=taken)
+        tl.store(indices_ptr + slot, offs.to(indices_ptr.dtype.element_ty), mask=taken)
+        if WRITE_BACK:
+            left = acc.to(tl.float32) - value.to(tl.float32)
+            tl.store(acc_ptr + offs, cast_rne(left, acc_ptr.dtype.element_ty), mask=taken)
+        above_run += tl.sum(above, axis=0)
+        equal_run += tl.sum(equal, axis=0)
 
 
-def _accumulate_triton(grad: torch.Tensor, residual: torch.Tensor) -> None:
-    _accumulate_kernel[_grid(grad.numel())](grad, residual, grad.numel(), BLOCK=_BLOCK)
+# --------------------------------------------------------------------------------------------- both paths
 
 
-def _accumulate_reference(grad: torch.Tensor, residual: torch.Tensor) -> None:
-    residual.copy_(grad.float() + residual.float())
-
-
-def _compact_triton(
-    grad: torch.Tensor, residual: torch.Tensor | None, threshold: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    acc_dtype = grad.dtype if residual is None else residual.dtype
-    values = torch.empty(capacity, dtype=acc_dtype, device=grad.device)
-    indices = torch.empty(capacity, dtype=torch.int64, device=grad.device)
-    counter = torch.zeros(1, dtype=torch.int64, device=grad.device)
-    _threshold_compact_kernel[_grid(grad.numel())](
-        grad,
-        grad if residual is None else residual,  # never read when HAS_RESIDUAL is False
-        values,
-        indices,
-        counter,
-        grad.numel(),
-        threshold,
-        capacity,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=_BLOCK,
+def _outputs(acc: torch.Tensor, k: int, values_dtype: torch.dtype, index_dtype: torch.dtype):
+    return (
+        torch.empty(k, dtype=values_dtype, device=acc.device),
+        torch.empty(k, dtype=index_dtype, device=acc.device),
     )
-    count = int(counter.item())  # the one host sync: torch.topk needs the candidate count
-    taken = min(count, capacity)
-    return values[:taken], indices[:taken], count
 
 
-def _compact_reference(
-    grad: torch.Tensor, residual: torch.Tensor | None, threshold: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    if residual is None:
-        acc = grad
-    else:
-        _accumulate_reference(grad, residual)
-        acc = residual
-    magnitude = acc.float().abs()
-    hits = ((magnitude >= threshold) & (magnitude > 0)).nonzero().squeeze(1)
-    taken = hits[:capacity]
-    values = acc[taken]
-    if residual is not None:
-        residual[taken] = 0
-    return values, taken, hits.numel()
-
-
-def _take_triton(acc: torch.Tensor, indices: torch.Tensor, values_dtype: torch.dtype, write_back: bool) -> torch.Tensor:
-    values = torch.empty(indices.numel(), dtype=values_dtype, device=acc.device)
-    if indices.numel():
-        _take_kernel[_grid(indices.numel())](acc, indices, values, indices.numel(), WRITE_BACK=write_back, BLOCK=_BLOCK)
-    return values
-
-
-def _take_reference(
-    acc: torch.Tensor, indices: torch.Tensor, values_dtype: torch.dtype, write_back: bool
-) -> torch.Tensor:
-    taken = acc[indices]
-    values = taken.to(values_dtype)
-    if write_back:
-        acc[indices] = (taken.float() - values.float()).to(acc.dtype)
-    return values
-
-
-_TRITON_PASSES = (_accumulate_triton, _compact_triton, _take_triton)
-_REFERENCE_PASSES = (_accumulate_reference, _compact_reference, _take_reference)
-
-
-# ------------------------------------------------------------------------------------------- selection
-
-
-def _estimate_threshold(
-    grad: torch.Tensor, residual: torch.Tensor | None, k: int, generator: torch.Generator | None
-) -> tuple[torch.Tensor, int]:
-    """A magnitude that about ``1.1 k`` entries of ``acc`` reach (a 1-element tensor on the device: no host sync),
-    and a candidate capacity that fits them.
-
-    From the sample's r-th largest magnitude, with r = 1.1 m0 + 3 sqrt(m0) + 1: the number of entries at or
-    above it is about ``r n / s`` with a relative spread of ``1 / sqrt(r)``, so it falls below k only
-    ~3 standard deviations out, and the capacity, ``(r + 4 sqrt(r)) n / s + 256``, overflows ~4 out.
-    """
+def _select_triton(grad, residual, k, mode, index_dtype) -> TopKResult:
+    """The radix select's launches (``0 < k <= n``): histogram and select per pass, count, scan, compact."""
     n = grad.numel()
-    size = min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE, _SAMPLE_PER_K * n // k)))
-    if size == n:  # small tensors: use every entry, and the threshold is exact
-        positions = slice(None)
-    else:
-        positions = torch.randint(n, (size,), generator=generator, device=grad.device)
-    sample = grad[positions].float()
+    acc = grad if residual is None else residual
+    programs = -(-n // _CHUNK)
+    state = torch.zeros(2, dtype=torch.int64, device=grad.device)  # the key's prefix so far, the count still wanted
+    hist = torch.zeros(2 * _BINS, dtype=torch.int64, device=grad.device)
+    passes = _PASSES[mode]
+    for i, (shift, width) in enumerate(passes):
+        _radix_histogram_kernel[(programs,)](
+            grad, acc, state, hist, n, SHIFT=shift, WIDTH=width, FUSE_ADD=i == 0 and residual is not None,
+            BINS=_BINS, BLOCK=_BLOCK, ITERS=_ITERS,
+        )  # fmt: skip
+        _radix_select_kernel[(1,)](hist, state, k, SHIFT=shift, FIRST=i == 0, BINS=_BINS, num_warps=16)
+    shift = passes[-1][0]
+    counts = torch.empty(2 * programs, dtype=torch.int32, device=grad.device)
+    before = torch.empty(2 * programs, dtype=torch.int64, device=grad.device)
+    _radix_count_kernel[(programs,)](acc, state, counts, n, SHIFT=shift, BLOCK=_BLOCK, ITERS=_ITERS)
+    _scan_kernel[(1,)](counts, before, programs, BLOCK=_BLOCK, num_warps=16)
+    values, indices = _outputs(acc, k, grad.dtype, index_dtype)
+    _radix_compact_kernel[(programs,)](
+        acc, state, before, values, indices, n, SHIFT=shift, WRITE_BACK=residual is not None, BLOCK=_BLOCK,
+        ITERS=_ITERS, num_warps=8,
+    )  # fmt: skip
+    return TopKResult(values, indices, state[:1].to(torch.int32).view(torch.float32))
+
+
+def _keys(acc: torch.Tensor, shift: int) -> torch.Tensor:
+    """The magnitude keys the kernels compare (int32 >= 0): fp32 bits of ``|acc|``, from bit ``shift`` up."""
+    return (acc.float().abs().view(torch.int32) & 0x7FFFFFFF) >> shift
+
+
+def _ranked(keys: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys that order as the kernels select, as int64: the key, then the lower position first (ties)."""
+    ranked = keys.long() << 32
+    return ranked.sub_(positions if positions is not None else torch.arange(keys.numel(), device=keys.device))
+
+
+def _key_of(ranked: torch.Tensor) -> torch.Tensor:
+    """The key back from a :func:`_ranked` value (its position subtracted from the low 32 bits)."""
+    return (ranked + 0xFFFFFFFF) >> 32
+
+
+def _finish(grad, residual, acc, indices, kth, shift, index_dtype) -> TopKResult:
+    """Values at the (ascending) ``indices``, the residual's write-back, the threshold."""
+    taken = acc[indices]
+    values = taken.to(grad.dtype)
     if residual is not None:
-        sample = sample + residual[positions].float()
+        residual[indices] = (taken.float() - values.float()).to(residual.dtype)
+    return TopKResult(values, indices.to(index_dtype), (kth.reshape(1) << shift).to(torch.int32).view(torch.float32))
+
+
+def _fold(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``acc = grad + residual``, into the residual (rounded to its dtype); ``grad`` itself without one."""
+    if residual is None:
+        return grad
+    if residual.dtype == torch.float32:  # one fp32 add, rounded once, in place
+        return residual.add_(grad)
+    residual.copy_(grad.float() + residual.float())
+    return residual
+
+
+def _select_reference(grad, residual, k, mode, index_dtype) -> TopKResult:
+    """The same selection in torch ops, with no host sync: ``torch.topk`` over keys ranked as the kernels rank them
+    (magnitude bits, then the lower index), the k positions sorted."""
+    acc, shift = _fold(grad, residual), _PASSES[mode][-1][0]
+    return _ranked_top(grad, residual, acc, _keys(acc, shift), k, shift, index_dtype)
+
+
+def _ranked_top(grad, residual, acc, keys, k, shift, index_dtype, positions=None) -> TopKResult:
+    """The top-k of ``keys`` (of ``acc`` at ``positions``, or all of it) ranked as the kernels rank them."""
+    best = torch.topk(_ranked(keys, positions), k, sorted=False)
+    indices = (best.indices if positions is None else positions[best.indices]).sort().values
+    return _finish(grad, residual, acc, indices, _key_of(best.values.min()), shift, index_dtype)
+
+
+def _select_cpu(grad, residual, k, mode, index_dtype) -> TopKResult:
+    """The CPU's path: as :func:`_select_reference` (the same entries), with host reads where they cost nothing:
+    ``"exact"`` by :func:`_exact_cpu`; ``"threshold"`` over candidates only: a sample's high quantile bounds the k-th
+    key from below, the entries at or above it are found with ``nonzero``, and the ranked top-k is taken among them
+    (every entry left out is below every candidate). Too few candidates, or more than the buffer bound: all entries
+    ranked. 4.2M elements, k = 1%, one thread: see docs/results.md."""
+    n = grad.numel()
+    if mode == "exact":
+        return _exact_cpu(grad, residual, k, index_dtype)
+    if n < 4 * _MIN_SAMPLE:
+        return _select_reference(grad, residual, k, mode, index_dtype)
+    acc, shift = _fold(grad, residual), _PASSES[mode][-1][0]
+    size = max(_MIN_SAMPLE, min(_MAX_SAMPLE, _SAMPLE_PER_K * n // k))
+    sample = acc[torch.randint(n, (size,), generator=torch.Generator().manual_seed(n), device=acc.device)]
     expected = size * k / n
     rank = min(size, math.ceil(1.1 * expected + 3 * math.sqrt(expected)) + 1)
-    threshold = torch.kthvalue(sample.abs(), size - rank + 1).values.reshape(1)
-    capacity = min(n, math.ceil((rank + 4 * math.sqrt(rank)) * n / size) + 256)
-    return threshold, capacity
+    bound = torch.kthvalue(_keys(sample, shift), size - rank + 1).values
+    # key >= bound, compared as floats (the bound's bits, low bits zero): one pass, and NaN (above every key) passes
+    below = acc.abs() < (bound << shift).to(torch.int32).view(torch.float32)
+    positions = below.logical_not_().nonzero().squeeze(1)
+    if not k <= positions.numel() <= 8 * k + 4096:  # an unlucky sample, or ties: the full ranking
+        return _ranked_top(grad, residual, acc, _keys(acc, shift), k, shift, index_dtype)
+    return _ranked_top(grad, residual, acc, _keys(acc[positions], shift), k, shift, index_dtype, positions)
 
 
-def _topk_compress(
-    grad: torch.Tensor,
-    residual: torch.Tensor | None,
-    k: int,
-    mode: str,
-    generator: torch.Generator | None,
-    index_dtype: torch.dtype,
-    passes: tuple,
-) -> TopKResult:
-    accumulate, compact, take = passes
-    n = grad.numel()
-    acc = grad if residual is None else residual  # after the first pass, acc lives in the residual
-    threshold, count = None, k
-    if mode == "threshold" and 0 < k < n:
-        threshold, capacity = _estimate_threshold(grad, residual, k, generator)
-        cand_values, cand_indices, count = compact(grad, residual, threshold, capacity)
-        if residual is not None:  # every candidate goes back; `take` removes the k kept ones again
-            residual[cand_indices] = cand_values
-        if k <= count <= capacity:
-            keep = torch.topk(cand_values.abs(), k, sorted=False).indices
-            selected = cand_indices[keep]
-        else:  # too few passed, or the buffer overflowed: residual == acc again, select exactly
-            selected = torch.topk(acc.abs(), k, sorted=False).indices
-    else:
-        if residual is not None and n:
-            accumulate(grad, residual)
-        selected = torch.topk(acc.abs(), k, sorted=False).indices
-    indices = selected.sort().values
-    values = take(acc, indices, grad.dtype, residual is not None)
-    return TopKResult(values, indices.to(index_dtype), threshold, count)
+def _exact_cpu(grad, residual, k, index_dtype) -> TopKResult:
+    """``"exact"`` on the CPU: ``torch.topk`` of ``k + 1`` over the float magnitudes (what the peer runs; ranking int64
+    keys with the index costs ~40% more). When the smallest of them is strictly below the next, no tie at the k-th
+    magnitude was split and the other ``k`` are the selection; otherwise (a tie, a NaN, ``k = n``) the ranked keys
+    decide."""
+    acc = _fold(grad, residual)
+    if k < acc.numel():
+        magnitude = acc.float().abs()
+        best = torch.topk(magnitude, k + 1, sorted=False)
+        low = torch.topk(best.values, 2, largest=False)  # ascending: the (k+1)-th magnitude, then the k-th
+        if bool(low.values[0] < low.values[1]):
+            kept = torch.ones(k + 1, dtype=torch.bool).index_fill_(0, low.indices[:1], False)
+            indices = best.indices[kept].sort().values
+            return _finish(grad, residual, acc, indices, low.values[1].view(torch.int32), 0, index_dtype)
+    return _ranked_top(grad, residual, acc, _keys(acc, 0), k, 0, index_dtype)
+
+
+# The CPU path's sample (threshold mode): at least 4096 draws and 256 n / k (so about 256 of them above the k-th key,
+# a 6% spread), at most 2**16.
+_MIN_SAMPLE = 4096
+_MAX_SAMPLE = 1 << 16
+_SAMPLE_PER_K = 256
+
+
+def _topk_compress(grad, residual, k, mode, index_dtype, select) -> TopKResult:
+    if k == 0:
+        acc = _fold(grad, residual)
+        values, indices = _outputs(acc, 0, grad.dtype, index_dtype)
+        return TopKResult(values, indices, None)
+    return select(grad, residual, k, mode, index_dtype)
 
 
 def topk_compress_triton(
@@ -273,11 +338,10 @@ def topk_compress_triton(
     k: int,
     mode: str = "exact",
     *,
-    generator: torch.Generator | None = None,
     index_dtype: torch.dtype = torch.int64,
 ) -> TopKResult:
-    """Top-k with the elementwise passes as Triton kernels; the selection itself is ``torch.topk``."""
-    return _topk_compress(grad, residual, k, mode, generator, index_dtype, _TRITON_PASSES)
+    """Top-k as the radix select's Triton kernels (inputs already validated)."""
+    return _topk_compress(grad, residual, k, mode, index_dtype, _select_triton)
 
 
 def topk_compress_reference(
@@ -286,11 +350,10 @@ def topk_compress_reference(
     k: int,
     mode: str = "exact",
     *,
-    generator: torch.Generator | None = None,
     index_dtype: torch.dtype = torch.int64,
 ) -> TopKResult:
-    """Torch version of :func:`topk_compress_triton`; the same generator state gives the same result."""
-    return _topk_compress(grad, residual, k, mode, generator, index_dtype, _REFERENCE_PASSES)
+    """Torch version of :func:`topk_compress_triton`: the same entries, in the same order."""
+    return _topk_compress(grad, residual, k, mode, index_dtype, _select_reference)
 
 
 def topk_compress(
@@ -299,33 +362,30 @@ def topk_compress(
     k: int,
     mode: str = "exact",
     *,
-    generator: torch.Generator | None = None,
     index_dtype: torch.dtype = torch.int64,
 ) -> TopKResult:
     """Select the ``k`` largest-magnitude entries of ``grad + residual``; ``residual`` keeps the rest, in place.
 
-    ``residual=None`` means no error feedback (``acc = grad``, nothing is written). ``mode="threshold"`` is the
-    fast path (see the module docstring); ``generator`` drives its sampling. Values come back in
-    ``grad.dtype``; if ``residual`` is wider, the rounding of that cast stays in the residual.
+    ``residual=None`` means no error feedback (``acc = grad``, nothing is written). ``mode="threshold"`` compares
+    magnitudes to 14 mantissa bits, one pass fewer (see the module docstring). Values come back in ``grad.dtype``;
+    if ``residual`` is wider, the rounding of that cast stays in the residual. Nothing is read back to the host.
 
     Args:
         grad: The 1-D contiguous float32, bfloat16 or float16 values.
         residual: Error feedback, ``grad``'s size and device (float32, bfloat16 or float16); None: none.
         k: How many entries to select, ``0..grad.numel()``.
         mode: ``"exact"`` or ``"threshold"``.
-        generator: A ``torch.Generator`` on ``grad``'s device type for the threshold's sampling; None: torch's
-            default generator.
         index_dtype: ``torch.int64`` or ``torch.int32`` (enough for fewer than ``2**31`` elements).
 
     Returns:
-        The selected values and their ascending indices, with the threshold used and the candidate count.
+        The selected values and their ascending indices, with the k-th magnitude as the selection saw it.
 
     Raises:
-        TypeError: When ``grad`` or ``residual`` is not a tensor or not float32, bfloat16 or float16, ``k`` is not
-            an int, or ``generator`` is not a ``torch.Generator``.
+        TypeError: When ``grad`` or ``residual`` is not a tensor or not float32, bfloat16 or float16, or ``k`` is
+            not an int.
         ValueError: When ``grad`` or ``residual`` is not 1-D and contiguous, ``residual`` differs from ``grad`` in
-            size or device, ``k`` is out of range, ``mode`` is unknown, ``generator`` is on another device type,
-            or ``index_dtype`` is not int64 or int32 or is int32 for too many elements.
+            size or device, ``k`` is out of range, ``mode`` is unknown, or ``index_dtype`` is not int64 or int32
+            or is int32 for too many elements.
     """
     check_vector("grad", grad, FLOAT_DTYPES)
     n = grad.numel()
@@ -337,20 +397,15 @@ def topk_compress(
         raise ValueError(f"k={k} must be between 0 and grad.numel()={n}")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator.device.type != grad.device.type:
-            raise ValueError(
-                f"generator is on {generator.device} but grad is on {grad.device}; "
-                f"pass torch.Generator(device={str(grad.device)!r})"
-            )
     if index_dtype not in INDEX_DTYPES:
         raise ValueError(f"index_dtype={index_dtype} must be torch.int64 or torch.int32")
     if index_dtype == torch.int32 and n > torch.iinfo(torch.int32).max:
         raise ValueError(f"index_dtype=torch.int32 cannot index {n} elements; use torch.int64")
-    impl = topk_compress_triton if use_triton(grad if residual is None else residual) else topk_compress_reference
-    return impl(grad, residual, k, mode, generator=generator, index_dtype=index_dtype)
+    if use_triton(grad if residual is None else residual):
+        return topk_compress_triton(grad, residual, k, mode, index_dtype=index_dtype)
+    # GPUDIST_KERNELS=torch: the reference (no host read, as on a GPU); otherwise on the CPU its faster path
+    select = _select_cpu if grad.device.type == "cpu" and implementation() == "auto" else _select_reference
+    return _topk_compress(grad, residual, k, mode, index_dtype, select)
 
 
 def topk_recall(acc: torch.Tensor, indices: torch.Tensor, k: int) -> float:

@@ -122,14 +122,14 @@ def _runtime_counts(comm) -> dict:
     return {"joins": rt.joins, "ops": rt.ops}
 
 
-def _train_data_parallel(comm, strategy: str) -> dict:
+def _train_data_parallel(comm, strategy: str, spec: str = "topk:1.0") -> dict:
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS["ddp" if strategy == "compression" else strategy]
     wrap = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}  # units to gather, as ZeRO-3's default
     model = model_cls(gpu_net(comm.device), config, **wrap)
     opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
     if strategy == "compression":
-        opt = GradientCompressionOptimizer(opt, config, "topk:1.0")  # k = n: lossless, so it trains as DDP
+        opt = GradientCompressionOptimizer(opt, config, spec)  # topk:1.0, k = n: lossless, so it trains as DDP
 
     def step(i, trace):
         with torch.no_grad():  # the batch is input, not compute of the step
@@ -238,6 +238,21 @@ def test_steady_state_step_stays_within_its_host_sync_budget(strategy):
     for rank, r in enumerate(results):
         sites = _steady(r)[0]
         assert sum(sites.values()) <= HOST_SYNC_BUDGET[strategy], (rank, dict(sites))
+
+
+@pytest.mark.parametrize("mode", ["exact", "threshold"])
+def test_lossy_topk_compression_makes_no_host_sync(mode, monkeypatch):
+    """Top-k at 30% on the asynchronous device, with the kernels' torch references (``GPUDIST_KERNELS=torch``: the
+    GPU's selection in torch ops; the CPU's own threshold path reads its candidate count on the host, where that
+    costs nothing): catches a count or a data-dependent shape read back on the way to the gathers in either mode
+    (the threshold mode's candidate count once was)."""
+    monkeypatch.setenv("GPUDIST_KERNELS", "torch")
+    results = run_nccl(_train_data_parallel, 2, FakeNccl(timeout=60), runtime=AsyncRuntime, strategy="compression",
+                       spec=f"topk:0.3:{mode}")  # fmt: skip
+    for rank, r in enumerate(results):
+        sites = _steady(r)[0]
+        assert sum(sites.values()) == 0, (rank, dict(sites))
+        assert _calls(_steady(r)[1]) == CALLS_PER_STEP["compression"]
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=["even-shards", "uneven-shards"])

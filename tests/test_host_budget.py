@@ -25,8 +25,6 @@ import gpudist.kernels.optim as optim_kernels
 from gpudist.strategies import DATA_PARALLEL_PAIRS
 from gpudist.testing import run_ranks
 
-from .conftest import _triton
-
 STEPS = 2
 
 BUDGET = {  # per rank and steady-state step: what is left, and why

@@ -141,7 +141,7 @@ class CompressedChannel:
     ):
         self.comm, self.compressor, self.numel, self.scatter = comm, compressor, numel, scatter
         self.error_feedback = error_feedback and not compressor.lossless
-        n, world, rank = numel, comm.world_size, comm.rank
+        n, world = numel, comm.world_size
         self.sizes = split_sizes(n, world)
         self.starts = [sum(self.sizes[:r]) for r in range(world)]
         self.sparse = isinstance(compressor, TopKCompressor)
@@ -150,7 +150,6 @@ class CompressedChannel:
         if self.sparse:
             if self.error_feedback:
                 self.worker = torch.zeros(n, dtype=torch.float32, device=device)
-            self.generator = torch.Generator(device=device).manual_seed(0x5EED + rank)
         else:
             assert isinstance(compressor, QuantizingCompressor)
             block = compressor.block_size
@@ -312,9 +311,7 @@ class CompressedChannel:
         comm, world = self.comm, self.comm.world_size
         compressor: TopKCompressor = self.compressor  # type: ignore[assignment]
         k = compressor.k(self.numel)
-        picked = kernels.topk_compress(
-            acc, self.worker, k, compressor.mode, generator=self.generator, index_dtype=torch.int32
-        )
+        picked = kernels.topk_compress(acc, self.worker, k, compressor.mode, index_dtype=torch.int32)
         values = torch.empty(world * k, dtype=torch.float32, device=acc.device)
         indices = torch.empty(world * k, dtype=torch.int32, device=acc.device)
         with self._checked():

@@ -93,9 +93,10 @@ class Compressor(ABC):
 class TopKCompressor(Compressor):
     """Keep the ``ratio x n`` largest-magnitude entries of ``grad + residual``; the rest stays in the residual.
 
-    Wire: fp32 values and int32 indices, ``8 k`` bytes (top-k 1%: 2% of dense fp32). ``mode="threshold"`` selects
-    the same set with a sampled threshold and one compaction pass (fast on a GPU); ``"exact"`` runs ``torch.topk``
-    over all ``n`` magnitudes.
+    Wire: fp32 values and int32 indices, ``8 k`` bytes (top-k 1%: 2% of dense fp32). Both modes select on the device
+    with no host sync (:func:`gpudist.kernels.topk_compress`): ``"exact"`` is the true top-k; ``"threshold"`` compares
+    magnitudes to 14 mantissa bits (2^-14 relative), one pass over the gradient fewer on a GPU, and on the CPU a
+    candidate pass instead of ranking all ``n``.
 
     Args:
         ratio: The fraction of entries sent, in (0, 1] (1.0 is lossless).
