@@ -753,12 +753,8 @@ def sgd_step(
             the gradient).
         param_out: Also receives the new parameters, cast to its dtype (e.g. a bf16 copy for the next
             all-gather); None: not written.
-        squared_norm: An optional 1-element tensor on ``param``'s device holding the global squared gradient norm
-            (e.g. all-reduced across ranks): the kernel itself skips the step when its square root is not finite
-            (in place of ``check_finite``) and, with ``max_norm``, multiplies the gradient by the clipping
-            coefficient ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``; so norm,
-            non-finite check and clip take no launch of their own.
-        max_norm: The clipping threshold (> 0) for ``squared_norm``; None: no clipping.
+        squared_norm, max_norm: The global squared gradient norm and the clipping threshold, as
+            :func:`adam_step` takes them.
 
     Returns:
         The skip flag, an fp32 0-dim tensor on ``param``'s device: 1.0 when the step was skipped, else 0.0.

@@ -1047,15 +1047,27 @@ def stream_trace() -> Iterator[StreamTrace]:
 
 @contextlib.contextmanager
 def installed(fake: FakeNccl, runtime: type = HostRuntime):
-    """Make gpudist's NCCL backend use ``fake`` as CuPy's NCCL and ``runtime`` as its device (for every thread)."""
+    """Make gpudist's NCCL backend use ``fake`` as CuPy's NCCL and ``runtime`` as its device (for every thread).
+
+    On a GPU-like runtime (not :class:`HostRuntime`) the kernels run their torch references unless a test chose
+    otherwise (``GPUDIST_KERNELS``): those are the GPU's algorithms in torch ops, while the CPU's own fast paths may
+    read the host where that costs nothing (top-k's), which on the simulated device would count as host syncs."""
     from gpudist.comm import nccl
+    from gpudist.kernels.dispatch import ENV_VAR
 
     saved = nccl._nccl, nccl._runtime
     nccl._nccl, nccl._runtime = (lambda: fake), runtime
+    chosen = os.environ.get(ENV_VAR)
+    if runtime is not HostRuntime and chosen in (None, "", "auto"):
+        os.environ[ENV_VAR] = "torch"
     try:
         yield fake
     finally:
         nccl._nccl, nccl._runtime = saved
+        if chosen is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = chosen
 
 
 def _rank_on_nccl(comm, body, fake: FakeNccl, checked: bool, kwargs: dict):

@@ -332,7 +332,7 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     parser = argparse.ArgumentParser()
     G.add_arguments(parser)
     full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))
-    assert full.parts == (*G.TEST_PARTS, "kernels") and full.kernel_elements == (1 << 24, 1 << 26)
+    assert full.parts == (*G.TEST_PARTS, "kernels") and full.kernel_elements == (1 << 22, 1 << 24, 1 << 26)
     quick = G.settings_from(parser.parse_args(["--quick", "--rounds", "4"]))
     assert quick.kernel_elements == (1 << 24,) and quick.rounds == 4 and quick.steps < full.steps
     assert sum(quick.collective_bytes) < sum(full.collective_bytes)

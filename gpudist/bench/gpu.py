@@ -154,8 +154,9 @@ class GPUSettings:
     budget: float = 450.0
     """Seconds for the whole run: each part's limit is cut to what is left, and a part with less than
     ``MIN_PART_SECONDS`` left is skipped (a short GPU slot must not end before the JSON is written)."""
-    kernel_elements: tuple[int, ...] = (1 << 24, 1 << 26)
-    """Elements per kernel op (fp32): 16M and 64M, both well past the L2 cache (50 MiB on H100)."""
+    kernel_elements: tuple[int, ...] = (1 << 22, 1 << 24, 1 << 26)
+    """Elements per kernel op: 4M (16 MiB of fp32, inside the H100's 50 MiB L2: where launch and host time show),
+    16M and 64M (past it)."""
     kernel_ops: tuple[str, ...] | None = None
     """A subset of ``gpudist.bench.kernels.OPS``; None: all of them."""
     collective_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24, 1 << 28)

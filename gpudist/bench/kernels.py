@@ -82,18 +82,20 @@ def time_variants(variants: dict[str, Callable[[], object]], device, rounds: int
     return {name: statistics.median(t) for name, t in times.items()}, iters
 
 
-def _model_like_sizes(total: int, layers: int = 8) -> list[int]:
-    """Gradient sizes of a ``layers``-block transformer holding about ``total`` parameters (weights and biases)."""
+def _model_like_sizes(total: int, count: int = 100) -> list[int]:
+    """``count`` gradient sizes of a transformer (12 tensors per block: weights, biases, norms) holding about
+    ``total`` parameters."""
+    layers = -(-count // 12)
     d = max(8, int(math.sqrt(total / (12 * layers))))
     per_layer = [3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d]
-    return per_layer * layers
+    return (per_layer * layers)[:count]
 
 
 # Each op builder returns (bytes read + written, {"gpudist": fn, "torch": fn}, extra info).
 
 
-def _op_pack(n, device, bucket_dtype):
-    tensors = [torch.randn(s, device=device) for s in _model_like_sizes(n)]
+def _op_pack(n, device, bucket_dtype, count=100):
+    tensors = [torch.randn(s, device=device) for s in _model_like_sizes(n, count)]
     out = torch.empty(sum(t.numel() for t in tensors), device=device, dtype=bucket_dtype)
     flat = [t.view(-1) for t in tensors]
     scale = 0.5
@@ -106,8 +108,8 @@ def _op_pack(n, device, bucket_dtype):
     return moved, {"gpudist": lambda: K.pack(tensors, out, scale), "torch": baseline}, {"tensors": len(tensors)}
 
 
-def _op_unpack(n, device, bucket_dtype):
-    tensors = [torch.empty(s, device=device) for s in _model_like_sizes(n)]
+def _op_unpack(n, device, bucket_dtype, count=100):
+    tensors = [torch.empty(s, device=device) for s in _model_like_sizes(n, count)]
     flat = torch.randn(sum(t.numel() for t in tensors), device=device).to(bucket_dtype)
     pieces = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
 
@@ -147,18 +149,18 @@ def _op_sgd(n, device):
     return n * 20, {"gpudist": ours, "torch": opt.step}, {}
 
 
-def _op_norm(n, device):
-    x = torch.randn(n, device=device)
-    baseline = lambda: torch.linalg.vector_norm(x).square()
-    return n * 4, {"gpudist": lambda: K.squared_norm(x), "torch": baseline}, {}
+def _op_norm(n, device, dtype=torch.float32):
+    x = torch.randn(n, device=device).to(dtype)
+    baseline = lambda: torch.linalg.vector_norm(x, dtype=torch.float32).square()
+    return n * x.element_size(), {"gpudist": lambda: K.squared_norm(x), "torch": baseline}, {}
 
 
-def _op_topk(n, device, mode, ratio=0.01):
+def _op_topk(n, device, mode, ratio=0.01, dtype=torch.float32):
     from ..kernels.topk import topk_compress, topk_recall
 
     k = max(1, int(n * ratio))
-    grad = torch.randn(n, device=device)
-    residual = torch.randn(n, device=device) * 0.1
+    grad = torch.randn(n, device=device).to(dtype)
+    residual = (torch.randn(n, device=device) * 0.1).to(dtype)
     r_torch = residual.clone()
 
     def baseline():
@@ -172,14 +174,14 @@ def _op_topk(n, device, mode, ratio=0.01):
     result = topk_compress(grad, residual.clone(), k, mode=mode)
     extra = {"k": k, "ratio": ratio, "recall": topk_recall(acc, result.indices, k)}
     ours = lambda: topk_compress(grad, residual, k, mode=mode)
-    return n * 12, {"gpudist": ours, "torch": baseline}, extra
+    return n * 3 * grad.element_size(), {"gpudist": ours, "torch": baseline}, extra
 
 
-def _op_quantize(n, device, bits, block=256):
+def _op_quantize(n, device, bits, block=256, dtype=torch.float32):
     from ..kernels import quantize as Q
 
     n = n // block * block
-    grad = torch.randn(n, device=device)
+    grad = torch.randn(n, device=device).to(dtype)
     residual = torch.zeros_like(grad)
     r_torch = residual.clone()
     shifts = torch.arange(8, device=device, dtype=torch.uint8)
@@ -201,11 +203,12 @@ def _op_quantize(n, device, bits, block=256):
         blocks.sub_(torch.where(negative, -scale, scale))
         return packed, scale
 
+    size = grad.element_size()  # grad and residual read, residual written; then the codes
     if bits == 8:
         ours = lambda: Q.quantize_int8(grad, residual, block_size=block)
-        return n * 13, {"gpudist": ours, "torch": baseline_int8}, {"block_size": block}
+        return n * (3 * size + 1), {"gpudist": ours, "torch": baseline_int8}, {"block_size": block}
     ours = lambda: Q.quantize_1bit(grad, residual, block_size=block)
-    return n * 12 + n // 8, {"gpudist": ours, "torch": baseline_1bit}, {"block_size": block}
+    return n * 3 * size + n // 8, {"gpudist": ours, "torch": baseline_1bit}, {"block_size": block}
 
 
 def _op_dequantize_accumulate(n, device, block=256):
@@ -224,14 +227,23 @@ OPS: dict[str, Callable] = {
     "pack_bf16": lambda n, d: _op_pack(n, d, torch.bfloat16),
     "unpack_fp32": lambda n, d: _op_unpack(n, d, torch.float32),
     "unpack_bf16": lambda n, d: _op_unpack(n, d, torch.bfloat16),
+    "pack_fp32_300": lambda n, d: _op_pack(n, d, torch.float32, 300),
+    "pack_bf16_300": lambda n, d: _op_pack(n, d, torch.bfloat16, 300),
+    "unpack_fp32_300": lambda n, d: _op_unpack(n, d, torch.float32, 300),
+    "unpack_bf16_300": lambda n, d: _op_unpack(n, d, torch.bfloat16, 300),
     "adam": lambda n, d: _op_adam(n, d, lowp_copy=False),
     "adam_bf16_copy": lambda n, d: _op_adam(n, d, lowp_copy=True),
     "sgd_momentum": _op_sgd,
     "squared_norm": _op_norm,
+    "squared_norm_bf16": lambda n, d: _op_norm(n, d, torch.bfloat16),
     "topk_exact_1pct": lambda n, d: _op_topk(n, d, "exact"),
     "topk_threshold_1pct": lambda n, d: _op_topk(n, d, "threshold"),
+    "topk_exact_1pct_bf16": lambda n, d: _op_topk(n, d, "exact", dtype=torch.bfloat16),
+    "topk_threshold_1pct_bf16": lambda n, d: _op_topk(n, d, "threshold", dtype=torch.bfloat16),
     "quantize_int8": lambda n, d: _op_quantize(n, d, 8),
     "quantize_1bit": lambda n, d: _op_quantize(n, d, 1),
+    "quantize_int8_bf16": lambda n, d: _op_quantize(n, d, 8, dtype=torch.bfloat16),
+    "quantize_1bit_bf16": lambda n, d: _op_quantize(n, d, 1, dtype=torch.bfloat16),
     "dequantize_int8_accumulate": _op_dequantize_accumulate,
 }
 
