@@ -57,33 +57,56 @@ def _bucket_copy_kernel(
     numel = tl.load(numels_ptr + index)
     flat_start = tl.load(offsets_ptr + index)
     tensor_address = tl.load(tensor_ptrs_ptr + index)
-    flat_address = flat_ptr.to(tl.int64) + flat_start * (flat_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    if (start + BLOCK <= numel) & (tensor_address % 16 == 0) & (flat_address % 16 == 0):
-        # A whole chunk between 16-byte aligned addresses (start * element size is a multiple of 16 too): no
-        # mask, and the hints let the compiler use 128-bit loads and stores. The addresses come from a table,
-        # so Triton's launcher cannot see their alignment; the test above is what makes the hints true. Where the
-        # two dtypes differ in width (bf16 tensors, fp32 bucket) both sides are still 128-bit, and Triton moves the
-        # values between the two layouts through 4 KiB of shared memory in the direction that widens.
-        tensor_ptr = tl.multiple_of(tensor_address.to(tl.pointer_type(TENSOR_DTYPE)), 16)
-        flat_chunk_ptr = tl.multiple_of(flat_address.to(tl.pointer_type(flat_ptr.dtype.element_ty)), 16)
-        offs = start + tl.arange(0, BLOCK)
-        if PACK:
-            x = tl.load(tensor_ptr + offs).to(tl.float32) * scale
-            tl.store(flat_chunk_ptr + offs, cast_rne(x, flat_ptr.dtype.element_ty))
-        else:
-            x = tl.load(flat_chunk_ptr + offs).to(tl.float32) * scale
-            tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE))
+    TENSOR_BYTES: tl.constexpr = TENSOR_DTYPE.primitive_bitwidth // 8
+    FLAT_BYTES: tl.constexpr = flat_ptr.dtype.element_ty.primitive_bitwidth // 8
+    flat_address = flat_ptr.to(tl.int64) + flat_start * FLAT_BYTES
+    # The peel: the first h elements of the tensor (h < 16) are copied apart, so that its chunks start where both
+    # sides are on 16-byte boundaries, whatever the tensor's own start. h comes from the narrower dtype's side (more
+    # elements per 16 bytes, so its boundaries are the stricter ones) and holds only if the other side lines up
+    # too; otherwise (the two starts out of phase) h = 0 and the tensor's chunks take the masked path. The same for
+    # every chunk of one tensor, since it depends only on the tensor's two start addresses.
+    if TENSOR_BYTES <= FLAT_BYTES:
+        peel = ((16 - tensor_address % 16) % 16) // TENSOR_BYTES
     else:
-        tensor_ptr = tensor_address.to(tl.pointer_type(TENSOR_DTYPE))
+        peel = ((16 - flat_address % 16) % 16) // FLAT_BYTES
+    lined_up = ((tensor_address + peel * TENSOR_BYTES) % 16 == 0) & ((flat_address + peel * FLAT_BYTES) % 16 == 0)
+    peel = tl.where(lined_up, peel, 0)
+    tensor_ptr = tensor_address.to(tl.pointer_type(TENSOR_DTYPE))
+    if (start == 0) & (peel > 0):  # the peeled head, by the tensor's first chunk
+        offs = tl.arange(0, 16)
+        mask = offs < tl.minimum(peel, numel)
+        _masked_copy(tensor_ptr, flat_ptr + flat_start, offs, mask, scale, TENSOR_DTYPE, PACK)
+    lo = start + peel
+    if lined_up & (lo + BLOCK <= numel):
+        # A whole chunk between 16-byte aligned addresses: no mask, and the hints let the compiler use 128-bit loads
+        # and stores. The addresses come from a table, so Triton's launcher cannot see their alignment; the test
+        # above is what makes the hints true. Where the two dtypes differ in width (bf16 tensors, fp32 bucket) both
+        # sides are still 128-bit, and Triton moves the values between the two layouts through 4 KiB of shared
+        # memory in the direction that widens.
+        tensor_chunk = tl.multiple_of((tensor_address + lo * TENSOR_BYTES).to(tl.pointer_type(TENSOR_DTYPE)), 16)
+        flat_chunk = tl.multiple_of((flat_address + lo * FLAT_BYTES).to(tl.pointer_type(flat_ptr.dtype.element_ty)), 16)
+        offs = tl.arange(0, BLOCK)
+        if PACK:
+            x = tl.load(tensor_chunk + offs).to(tl.float32) * scale
+            tl.store(flat_chunk + offs, cast_rne(x, flat_ptr.dtype.element_ty))
+        else:
+            x = tl.load(flat_chunk + offs).to(tl.float32) * scale
+            tl.store(tensor_chunk + offs, cast_rne(x, TENSOR_DTYPE))
+    else:
         for step in range(0, BLOCK, MASKED_STEP):
-            offs = start + step + tl.arange(0, MASKED_STEP)
-            mask = offs < numel
-            if PACK:
-                x = tl.load(tensor_ptr + offs, mask=mask).to(tl.float32) * scale
-                tl.store(flat_ptr + flat_start + offs, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
-            else:
-                x = tl.load(flat_ptr + flat_start + offs, mask=mask).to(tl.float32) * scale
-                tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
+            offs = lo + step + tl.arange(0, MASKED_STEP)
+            _masked_copy(tensor_ptr, flat_ptr + flat_start, offs, offs < numel, scale, TENSOR_DTYPE, PACK)
+
+
+@triton.jit
+def _masked_copy(tensor_ptr, flat_ptr, offs, mask, scale, TENSOR_DTYPE: tl.constexpr, PACK: tl.constexpr):
+    """Elements ``offs`` (where ``mask``) between the tensor and its place in the flat buffer, scaled and cast."""
+    if PACK:
+        x = tl.load(tensor_ptr + offs, mask=mask).to(tl.float32) * scale
+        tl.store(flat_ptr + offs, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(flat_ptr + offs, mask=mask).to(tl.float32) * scale
+        tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
 
 
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

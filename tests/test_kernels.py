@@ -126,6 +126,30 @@ def test_pack_unpack_match_reference(device, kernel_impl, bucket_dtype, scale):
         assert torch.equal(r, exp), f"tensor {i} of shape {tuple(t.shape)}"
 
 
+@pytest.mark.parametrize("tensor_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bucket_dtype", [torch.float32, torch.bfloat16])
+def test_pack_unpack_peel_tensors_that_start_off_16_byte_boundaries(device, kernel_impl, bucket_dtype, tensor_dtype):
+    """Tensors that start 1-7 elements past a 16-byte boundary, at back-to-back places in the bucket (in phase with
+    their place or not), several 4096-element chunks long, or shorter than the peel. The kernel copies each tensor's
+    head up to the boundary apart and shifts its chunks by it. Catches the head copied twice or not at all, the last
+    chunk running past the tensor's end, and two tensors out of phase taking the peeled path (their chunks would
+    misalign)."""
+    g = _gen(4)
+    base = torch.randn(40_000, generator=g).to(tensor_dtype).to(device)
+    spans = [(1, 9000), (10_003, 2 * 4096 + 5), (20_002, 3), (20_010, 1), (25_005, 4096), (30_007, 9001)]
+    tensors = [base[a : a + n] for a, n in spans]
+    layout = FlatLayout.of(tensors)
+    out = torch.full((layout.total,), float("nan"), dtype=bucket_dtype, device=device)
+    pack(tensors, out, 0.5)
+    expected = torch.cat([(t.float() * 0.5).to(bucket_dtype) for t in tensors])
+    assert torch.equal(out, expected)
+    target = torch.full((40_000,), float("nan"), dtype=tensor_dtype, device=device)
+    shifted = [target[a + 2 : a + 2 + n] for a, n in spans]  # another phase than the packed tensors'
+    unpack(out, shifted, 2.0)
+    for i, (t, r) in enumerate(zip(tensors, shifted, strict=True)):
+        assert torch.equal(r, (out[layout.slice(i)].float() * 2.0).to(tensor_dtype)), f"tensor {i}"
+
+
 def test_pack_with_padding_and_noncontiguous(device, kernel_impl):
     """Catches writes into the padding between aligned tensors and non-contiguous inputs/outputs read as if dense."""
     g = _gen(2)

@@ -1189,7 +1189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--check", action="store_true", help="print which parts would run and what they lack; run nothing"
     )
     parser.add_argument("--require-gpu", action="store_true", help=f"exit {EXIT_NO_GPU} instead of 0 without CUDA")
-    parser.add_argument("--elements", default=None, help="kernel sizes in elements (default 16M,64M)")
+    parser.add_argument("--elements", default=None, help="kernel sizes in elements (default 4M,16M,64M)")
     parser.add_argument("--kernel-ops", default=None, help="subset of the kernel ops (default all)")
     parser.add_argument("--bytes", default=None, help="collective sizes in bytes (default 64K,1M,16M,256M)")
     parser.add_argument("--workloads", default=None, help=f"benchmarks/workloads.py models (default {d.workloads})")
@@ -1214,7 +1214,7 @@ def settings_from(args: argparse.Namespace) -> GPUSettings:
         raise ValueError(f"unknown part(s) {unknown}; available: {', '.join([*PARTS, *PART_GROUPS])}")
     defaults = GPUSettings()
     full = {
-        "elements": "16M,64M",
+        "elements": "4M,16M,64M",
         "bytes": "64K,1M,16M,256M",
         "workloads": ",".join(defaults.workloads),
         "rounds": defaults.rounds,
