@@ -275,7 +275,9 @@ def write_results(path: Path) -> int:
         rows_file = Path(folder) / "rows.json"
         env = dict(os.environ, GPUDIST_SASS_ROWS=str(rows_file))
         test = "tests/test_kernels_compile.py::test_aligned_kernels_vectorize"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow", test], env=env
+        )
         if not rows_file.exists():
             raise SystemExit(f"kernel_compile: {test} wrote no rows (exit {done.returncode})")
         rows = json.loads(rows_file.read_text())
