@@ -11,7 +11,7 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
   :class:`gpudist.kernels.PackPlan` built once; ``adam_step`` on a 1,024-element shard, and through a
   :class:`gpudist.kernels.AdamStep` built once (against ``torch._fused_adamw_``); the same plans on the GPU's (Triton)
   path with the kernel launch made a no-op (``*_launch_stubbed``: gpudist's own host work per call, to which a GPU
-  adds one Triton launch per dtype; the Adam row as ZeRO calls it, with the global norm and a clip); one
+  adds one Triton launch; the Adam row as ZeRO calls it, with the global norm and a clip); one
   collective through gpudist's
   NCCL backend built over the simulated NCCL of tests/fakenccl.py, then given a no-op communicator and a no-op CUDA
   seam (stream hand-off, events), so only the backend's own Python remains: unchecked, async and planned

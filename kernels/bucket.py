@@ -2,7 +2,7 @@
 
 ``pack`` fills a communication bucket from a list of gradients (e.g. fp32 grads into a bf16 bucket,
 multiplied by 1/world on the way); ``unpack`` writes a reduced bucket back. Each is one kernel
-launch for the whole list (one per distinct dtype in the list), driven by a per-chunk table from
+launch for the whole list (its dtypes mixed as they come), driven by a per-chunk table from
 the list's ``FlatLayout``: program ``p`` copies one chunk of one tensor, located through a table
 of data pointers, so a list of 300 small gradients costs one launch instead of 300 copies plus 300
 multiplies (the ``torch.cat`` + ``mul`` baseline of ``benchmarks/kernels.py``).
@@ -17,7 +17,7 @@ import torch
 
 from ._triton import cast_rne, tl, triton
 from .dispatch import use_triton
-from .layout import FlatLayout
+from .layout import FlatLayout, _to_device
 
 __all__ = ["PackPlan", "pack", "pack_reference", "pack_triton", "unpack", "unpack_reference", "unpack_triton"]
 
@@ -45,8 +45,11 @@ def _bucket_copy_kernel(
     chunk_start_ptr,  # int64[chunks]: first element of its chunk inside that tensor
     offsets_ptr,  # int64[len]: where each listed tensor starts in the flat buffer
     numels_ptr,  # int64[len]
+    dtypes_ptr,  # int32[len]: each listed tensor's dtype code (_DTYPE_CODES); read only for a mixed list
     scale,
-    TENSOR_DTYPE: tl.constexpr,
+    HAS_F32: tl.constexpr,  # which tensor dtypes the list holds: one launch copies them all
+    HAS_BF16: tl.constexpr,
+    HAS_F16: tl.constexpr,
     PACK: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
     BLOCK: tl.constexpr,
     MASKED_STEP: tl.constexpr,
@@ -57,6 +60,40 @@ def _bucket_copy_kernel(
     numel = tl.load(numels_ptr + index)
     flat_start = tl.load(offsets_ptr + index)
     tensor_address = tl.load(tensor_ptrs_ptr + index)
+    if HAS_F32 + HAS_BF16 + HAS_F16 == 1:  # one dtype (the usual bucket): one specialization, no table read
+        if HAS_F32:
+            _copy_chunk(tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float32, PACK, BLOCK, MASKED_STEP)
+        if HAS_BF16:
+            _copy_chunk(
+                tensor_address, flat_ptr, flat_start, start, numel, scale, tl.bfloat16, PACK, BLOCK, MASKED_STEP
+            )
+        if HAS_F16:
+            _copy_chunk(tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float16, PACK, BLOCK, MASKED_STEP)
+    else:  # a mixed list: each program takes its tensor's branch (uniform within the program)
+        code = tl.load(dtypes_ptr + index)
+        if HAS_F32:
+            if code == 0:
+                _copy_chunk(
+                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float32, PACK, BLOCK, MASKED_STEP
+                )
+        if HAS_BF16:
+            if code == 1:
+                _copy_chunk(
+                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.bfloat16, PACK, BLOCK, MASKED_STEP
+                )
+        if HAS_F16:
+            if code == 2:
+                _copy_chunk(
+                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float16, PACK, BLOCK, MASKED_STEP
+                )
+
+
+@triton.jit
+def _copy_chunk(
+    tensor_address, flat_ptr, flat_start, start, numel, scale, TENSOR_DTYPE: tl.constexpr, PACK: tl.constexpr,
+    BLOCK: tl.constexpr, MASKED_STEP: tl.constexpr,
+):  # fmt: skip
+    """One program's chunk of one tensor (elements ``start : start + BLOCK``), both directions."""
     TENSOR_BYTES: tl.constexpr = TENSOR_DTYPE.primitive_bitwidth // 8
     FLAT_BYTES: tl.constexpr = flat_ptr.dtype.element_ty.primitive_bitwidth // 8
     flat_address = flat_ptr.to(tl.int64) + flat_start * FLAT_BYTES
@@ -109,7 +146,6 @@ def _masked_copy(tensor_ptr, flat_ptr, offs, mask, scale, TENSOR_DTYPE: tl.const
         tl.store(tensor_ptr + offs, cast_rne(x, TENSOR_DTYPE), mask=mask)
 
 
-_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _POINTER_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -138,35 +174,40 @@ def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
     return entry[0]
 
 
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""A listed tensor's dtype as the kernel's mixed-list branches read it."""
+_DTYPE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _dtype_table(dtypes: tuple[torch.dtype, ...], device: torch.device) -> torch.Tensor:
+    """The dtype codes of a mixed list as an int32 tensor on ``device``, cached by the dtypes (a bucket's list keeps
+    them from step to step)."""
+    key = (str(device), dtypes)
+    table = _DTYPE_TABLES.get(key)
+    if table is None:
+        if len(_DTYPE_TABLES) >= 256:
+            _DTYPE_TABLES.pop(next(iter(_DTYPE_TABLES)))
+        table = _DTYPE_TABLES[key] = _to_device([_DTYPE_CODES[d] for d in dtypes], device).int()
+    return table
+
+
 def _launches(tensors, flat, layout) -> list[tuple]:
     """What the Triton path launches for ``tensors`` <-> ``flat``: one ``(grid, pointers, chunk_tensor, chunk_start,
-    offsets, numels, tensor dtype)`` per distinct dtype of the non-empty tensors (tables cached in the layout and by
-    pointer values)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(i)
-    launches = []
-    for dtype, members in by_dtype.items():
-        select = None if len(members) == len(tensors) else tuple(members)
-        chunk_tensor, chunk_start, offsets, numels = layout.chunk_table(BLOCK, flat.device, select)
-        pointers = _pointer_table([tensors[i] for i in members], flat.device)
-        launches.append(
-            (
-                (chunk_tensor.numel(),),
-                pointers,
-                chunk_tensor,
-                chunk_start,
-                offsets,
-                numels,
-                getattr(tl, _TL_DTYPES[dtype]),
-            )
-        )
-    return launches
+    offsets, numels, dtype codes, dtype flags)`` for the whole list, whatever its dtypes (none when every tensor is
+    empty; tables cached in the layout, by pointer values and by dtypes)."""
+    present = {t.dtype for t in tensors if t.numel()}
+    if not present:
+        return []
+    chunk_tensor, chunk_start, offsets, numels = layout.chunk_table(BLOCK, flat.device)
+    pointers = _pointer_table(tensors, flat.device)
+    codes = _dtype_table(tuple(t.dtype for t in tensors), flat.device) if len(present) > 1 else pointers
+    flags = {"HAS_F32": torch.float32 in present, "HAS_BF16": torch.bfloat16 in present}
+    flags["HAS_F16"] = torch.float16 in present
+    return [((chunk_tensor.numel(),), pointers, chunk_tensor, chunk_start, offsets, numels, codes, flags)]
 
 
 def _launch(launches: list[tuple], flat: torch.Tensor, scale: float, pack_direction: bool) -> None:
-    for grid, pointers, chunk_tensor, chunk_start, offsets, numels, tensor_dtype in launches:
+    for grid, pointers, chunk_tensor, chunk_start, offsets, numels, codes, flags in launches:
         _bucket_copy_kernel[grid](
             pointers,
             flat,
@@ -174,8 +215,9 @@ def _launch(launches: list[tuple], flat: torch.Tensor, scale: float, pack_direct
             chunk_start,
             offsets,
             numels,
+            codes,
             float(scale),
-            TENSOR_DTYPE=tensor_dtype,
+            **flags,
             PACK=pack_direction,
             BLOCK=BLOCK,
             MASKED_STEP=MASKED_STEP,
@@ -252,7 +294,7 @@ class PackPlan:
 
     What the functions work out on every call is worked out here, when a strategy builds its buckets: the checks,
     the layout, which implementation runs, the buffer's views and the copies' sources (torch), the chunk and pointer
-    tables of each launch (Triton). A call then only launches: one kernel per dtype, or one or two multi-tensor
+    tables of each launch (Triton). A call then only launches: one kernel for the list, or one or two multi-tensor
     torch ops, with no Python loop over the tensors (``pack`` of 300 tensors: 819 us of host time per call through
     the function on the 2-core CPU machine, against the plan's ``benchmarks/host_overhead.py`` figure).
 

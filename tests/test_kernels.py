@@ -112,7 +112,7 @@ def test_pack_unpack_match_reference(device, kernel_impl, bucket_dtype, scale):
     g = _gen(1)
     shapes = [(n,) for n in _sizes()] + [(3, 5, 7), (0, 4), (2, 1)]
     tensors = [torch.randn(s, generator=g).to(device) for s in shapes]
-    tensors[1] = tensors[1].bfloat16()  # a mixed-dtype list: one launch per dtype
+    tensors[1] = tensors[1].bfloat16()  # a mixed-dtype list: one launch, a branch per dtype
     layout = FlatLayout.of(tensors)
     out = torch.full((layout.total,), float("nan"), dtype=bucket_dtype, device=device)
     pack(tensors, out, scale)
@@ -170,11 +170,11 @@ def test_pack_with_padding_and_noncontiguous(device, kernel_impl):
 def test_pack_plan_equals_the_functions_call_after_call(device, kernel_impl, bucket_dtype):
     """A PackPlan decides once what pack/unpack work out per call. Catches a plan that reads the tensors' values when
     it is built instead of at each call (the second call would repeat the first), a stale pointer or chunk table,
-    the scale ignored, and a mixed-dtype list whose second launch is skipped."""
+    the scale ignored, and a mixed-dtype list whose second dtype's branch is skipped."""
     g = _gen(3)
     shapes = [(7,), (3, 5), (0,), (1000,), (2, 1), (129,)]
     tensors = [torch.randn(s, generator=g).to(device) for s in shapes]
-    tensors[3] = tensors[3].bfloat16()  # two dtypes: two launches
+    tensors[3] = tensors[3].bfloat16()  # two dtypes: one launch, two branches
     layout = FlatLayout.of(tensors)
     flat = torch.zeros(layout.total, dtype=bucket_dtype, device=device)
     plan = K.PackPlan(tensors, flat)
@@ -191,18 +191,19 @@ def test_pack_plan_equals_the_functions_call_after_call(device, kernel_impl, buc
             assert torch.equal(t, r), f"unpack, call {step}, tensor {i}"
 
 
-def test_pack_plan_launches_once_per_dtype_whatever_the_tensor_count(monkeypatch):
-    """The plan's per-call host work is independent of the tensor count: one Triton launch per dtype with the
-    tables built at construction, no per-tensor Python. Catches a plan that rebuilds its launches (layout, chunk and
-    pointer tables) per call, or launches per tensor. The kernel is stubbed (a call is counted, nothing runs), so
-    this needs neither a GPU nor the interpreter."""
+def test_pack_plan_launches_once_per_bucket_whatever_the_tensor_count_and_dtypes(monkeypatch):
+    """The plan's per-call host work is independent of the tensor count: one Triton launch per call for the whole
+    list, fp32 and bf16 tensors together, with the tables built at construction and no per-tensor Python. Catches a
+    plan that rebuilds its launches (layout, chunk, pointer and dtype tables) per call, launches per tensor or per
+    dtype, or loses a dtype's branch. The kernel is stubbed (a call is counted, nothing runs), so this needs neither
+    a GPU nor the interpreter."""
     import gpudist.kernels.bucket as bucket
 
     calls = []
 
     class _Kernel:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(kwargs["TENSOR_DTYPE"])
+            return lambda *args, **kwargs: calls.append((kwargs["HAS_F32"], kwargs["HAS_BF16"], kwargs["HAS_F16"]))
 
     monkeypatch.setattr(bucket, "_bucket_copy_kernel", _Kernel())
     monkeypatch.setattr(bucket, "use_triton", lambda flat: True)
@@ -218,7 +219,7 @@ def test_pack_plan_launches_once_per_dtype_whatever_the_tensor_count(monkeypatch
         for _ in range(4):
             plan.pack(0.5)
             plan.unpack()
-        assert built == [] and len(calls) == 4 * 2 * 2, (count, len(calls))
+        assert built == [] and calls == [(True, True, False)] * 8, (count, calls)
 
 
 def test_pack_rejects_bad_input():

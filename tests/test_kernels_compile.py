@@ -192,7 +192,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _drive_hot_ops(launches: list[dict]) -> None:
     """Launch each hot kernel the way the library does on aligned shards, naming each launch's variant.
 
-    Default block sizes and warps, one dtype per pack/unpack call (one launch each), ``found_inf`` (or the global
+    Default block sizes and warps, one dtype per pack/unpack call and a mixed fp32/bf16 list (one launch each),
+    ``found_inf`` (or the global
     squared norm, as ZeRO's step passes it) given to the optimizer steps so that they launch no ``squared_norm`` of
     their own.
     """
@@ -211,6 +212,10 @@ def _drive_hot_ops(launches: list[dict]) -> None:
         flat = torch.empty(n + n // 2, dtype=bucket)
         named(f"pack {name}", K.pack, tensors, flat, scale=0.5)
         named(f"unpack {name}", K.unpack, flat, tensors, scale=2.0)
+    mixed = [_randn(n, f32), _randn(n, bf16, 1)]  # one launch for both: a branch per dtype
+    flat = torch.empty(2 * n, dtype=f32)
+    named("pack float32+bfloat16->float32", K.pack, mixed, flat, scale=0.5)
+    named("unpack float32->float32+bfloat16", K.unpack, flat, mixed, scale=2.0)
     for dtype in (f32, bf16):
         named(f"squared_norm {_dtype_name(dtype)}", K.squared_norm, _randn(n, dtype))
     no_skip = {"found_inf": torch.zeros(1)}
