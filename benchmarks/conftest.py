@@ -41,7 +41,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gate-baselines", default=str(gate.BASELINES), help="folder of <device kind>.json baselines")
     group.addoption("--gate-tolerance", type=float, default=None, help="override every baseline's own tolerance")
     group.addoption(
-        "--bench-elements", default=None, help="kernel elements per op, e.g. 64K (default: 4M on CPU, 64M on CUDA)"
+        "--bench-elements",
+        default=None,
+        help="kernel elements per op, e.g. 64K, or several: 4M,16M,64M (one case per size; default: 4M on CPU, 64M "
+        "on CUDA, the size the baselines were recorded at)",
     )
     group.addoption("--bench-rounds", type=int, default=25, help="interleaved rounds per case (default 25)")
     group.addoption(

@@ -24,7 +24,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--elements", default=None, help="elements per op (default 64M on CUDA, 4M on CPU)")
+    parser.add_argument(
+        "--elements", default=None, help="elements per op, comma-separated (default 4M,16M,64M on CUDA, 4M on CPU)"
+    )
     parser.add_argument("--ops", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
@@ -35,7 +37,8 @@ def main() -> None:
     else:
         name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
         out = RESULTS / f"kernels_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.json"
-    elements = parse_size(args.elements) if args.elements else None  # "64M" -> 64 * 2^20 (a count, not bytes)
+    # "64M" -> 64 * 2^20 (a count, not bytes)
+    elements = [parse_size(size) for size in args.elements.split(",")] if args.elements else None
     run_kernels(device, elements, args.ops.split(",") if args.ops else None, args.rounds, json_path=out)
 
 

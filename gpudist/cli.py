@@ -52,7 +52,7 @@ def _bench(args: argparse.Namespace) -> int:
         if unknown:
             print(f"gpudist bench kernels: unknown op(s) {unknown}; available: {', '.join(OPS)}", file=sys.stderr)
             return 2
-        elements = parse_size(args.elements) if args.elements else None
+        elements = [parse_size(size) for size in args.elements.split(",")] if args.elements else None
         run_kernels(args.device, elements, ops, args.rounds, json_path=args.json)
         return 0
     from .bench.collectives import BUS_FACTORS, SWEEP_OPS
@@ -94,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels: a subset of the kernel ops (default all)",
     )
     common.add_argument("--device", default="auto", help="kernels: auto (CUDA if present), cpu or cuda")
-    common.add_argument("--elements", default=None, help="kernels: elements per op (default 64M on CUDA, 4M on CPU)")
+    common.add_argument(
+        "--elements",
+        default=None,
+        help="kernels: elements per op, comma-separated (default 4M,16M,64M on CUDA, 4M on CPU)",
+    )
     common.add_argument("--min-bytes", default="1K")
     common.add_argument("--max-bytes", default="64M")
     common.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
