@@ -868,6 +868,8 @@ class AdamStep:
         Triton path reads ``squared_norm`` in the kernel; the torch path computes the flags first (the function's
         path, which allocates them)."""
         param, exp_avg, exp_avg_sq = self.buffers
+        if max_norm is not None and squared_norm is None:
+            _check_clip(squared_norm, max_norm)  # raises: a threshold without the norm would clip nothing
         if self._triton:
             _adam_launch(
                 param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, squared_norm,
@@ -936,6 +938,8 @@ class SGDStep:
         param, buf = self.buffers
         if momentum != 0 and buf is None:
             raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
+        if max_norm is not None and squared_norm is None:
+            _check_clip(squared_norm, max_norm)  # raises: a threshold without the norm would clip nothing
         if self._triton:
             _sgd_launch(
                 param, grad, buf, self.param_out, grad_scale_tensor, found_inf, squared_norm, max_norm, lr=lr,

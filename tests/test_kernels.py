@@ -679,6 +679,8 @@ def test_optimizer_steps_reject_bad_input():
         sgd_step(p, torch.zeros(10), lr=0.1, squared_norm=torch.ones(1), max_norm=-1.0)
     with pytest.raises(ValueError, match="squared_norm must be a 1-element tensor"):
         adam_step(p, *[torch.zeros(10)] * 3, step=1, lr=0.1, squared_norm=torch.ones(2))
+    with pytest.raises(ValueError, match="pass squared_norm"):  # the plans too, though they check nothing else
+        K.AdamStep(p, torch.zeros(10), torch.zeros(10), torch.zeros(10))(torch.zeros(10), step=1, lr=0.1, max_norm=1.0)
 
 
 @pytest.mark.gpu
