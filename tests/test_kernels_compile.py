@@ -145,9 +145,16 @@ def _drive_every_op() -> None:
             bits, scales = K.quantize_1bit(grad, None if residual is None else residual.clone(), block_size=64)
             K.dequantize_1bit(bits, scales, N, block_size=64, dtype=dtype)
             K.dequantize_1bit_accumulate(bits, scales, torch.zeros(N, dtype=dtype), block_size=64)
-            for mode in ("exact", "threshold"):
-                K.topk_compress(grad, None if residual is None else residual.clone(), 10, mode)
         K.quantize_int8(_randn(N, dtype, 6), torch.zeros(N), block_size=64, stochastic=True, seed=3)
+    # The radix select's passes: each grad dtype, no residual, a residual of each dtype, both modes (their digit
+    # shifts), int32 indices; not every product of these (the compile cost is per specialization).
+    for dtype, residual, mode in (
+        (f32, None, "exact"),
+        (f32, f32, "threshold"),
+        (bf16, bf16, "exact"),
+        (bf16, f32, "threshold"),
+    ):
+        K.topk_compress(_randn(N, dtype, 5), None if residual is None else torch.zeros(N, dtype=residual), 10, mode)
     K.topk_compress(_randn(N, f32, 7), torch.zeros(N), 10, "exact", index_dtype=torch.int32)
 
 
