@@ -247,10 +247,15 @@ def _drive_hot_ops(launches: list[dict]) -> None:
         "sgd": {},
         "sgd momentum": {"momentum": 0.9},
         "sgd nesterov bf16 param_out": {"momentum": 0.9, "nesterov": True, "param_out": torch.empty(n, dtype=bf16)},
+        "sgd momentum global norm, clip": {"momentum": 0.9, "clip": True},
     }
     for variant, kw in sgd.items():
         buf = torch.zeros(n) if kw.get("momentum") else None
-        named(variant, K.sgd_step, _randn(n, f32), _randn(n, f32, 4), buf, lr=1e-2, **no_skip, **kw)
+        if kw.pop("clip", False):  # as ZeRO's step calls it
+            kw.update(squared_norm=torch.tensor([4.0], dtype=torch.float64), max_norm=1.0)
+        else:
+            kw.update(no_skip)
+        named(variant, K.sgd_step, _randn(n, f32), _randn(n, f32, 4), buf, lr=1e-2, **kw)
     for dtype, residual in ((f32, None), (f32, f32), (bf16, bf16)):
         name = _dtype_name(dtype) + (f", {_dtype_name(residual)} residual" if residual else "")
         grad = _randn(n, dtype, 5)
