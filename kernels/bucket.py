@@ -50,6 +50,7 @@ def _bucket_copy_kernel(
     HAS_F32: tl.constexpr,  # which tensor dtypes the list holds: one launch copies them all
     HAS_BF16: tl.constexpr,
     HAS_F16: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,  # the list's one dtype code, or -1 for a mixed list (read per tensor from dtypes_ptr)
     PACK: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
     BLOCK: tl.constexpr,
     MASKED_STEP: tl.constexpr,
@@ -60,32 +61,21 @@ def _bucket_copy_kernel(
     numel = tl.load(numels_ptr + index)
     flat_start = tl.load(offsets_ptr + index)
     tensor_address = tl.load(tensor_ptrs_ptr + index)
-    if HAS_F32 + HAS_BF16 + HAS_F16 == 1:  # one dtype (the usual bucket): one specialization, no table read
-        if HAS_F32:
+    code = DTYPE_CODE
+    if DTYPE_CODE < 0:  # a mixed list: each program takes its tensor's branch (uniform within the program)
+        code = tl.load(dtypes_ptr + index)
+    # One dtype (the usual bucket): ``code`` is a constant, so one branch compiles and no table is read.
+    if HAS_F32:
+        if code == 0:
             _copy_chunk(tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float32, PACK, BLOCK, MASKED_STEP)
-        if HAS_BF16:
+    if HAS_BF16:
+        if code == 1:
             _copy_chunk(
                 tensor_address, flat_ptr, flat_start, start, numel, scale, tl.bfloat16, PACK, BLOCK, MASKED_STEP
             )
-        if HAS_F16:
+    if HAS_F16:
+        if code == 2:
             _copy_chunk(tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float16, PACK, BLOCK, MASKED_STEP)
-    else:  # a mixed list: each program takes its tensor's branch (uniform within the program)
-        code = tl.load(dtypes_ptr + index)
-        if HAS_F32:
-            if code == 0:
-                _copy_chunk(
-                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float32, PACK, BLOCK, MASKED_STEP
-                )
-        if HAS_BF16:
-            if code == 1:
-                _copy_chunk(
-                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.bfloat16, PACK, BLOCK, MASKED_STEP
-                )
-        if HAS_F16:
-            if code == 2:
-                _copy_chunk(
-                    tensor_address, flat_ptr, flat_start, start, numel, scale, tl.float16, PACK, BLOCK, MASKED_STEP
-                )
 
 
 @triton.jit
@@ -175,7 +165,8 @@ def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-"""A listed tensor's dtype as the kernel's mixed-list branches read it."""
+"""A listed tensor's dtype as the kernel's branches read it."""
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_TABLES: dict[tuple, torch.Tensor] = {}
 
 
@@ -200,9 +191,10 @@ def _launches(tensors, flat, layout) -> list[tuple]:
         return []
     chunk_tensor, chunk_start, offsets, numels = layout.chunk_table(BLOCK, flat.device)
     pointers = _pointer_table(tensors, flat.device)
-    codes = _dtype_table(tuple(t.dtype for t in tensors), flat.device) if len(present) > 1 else pointers
-    flags = {"HAS_F32": torch.float32 in present, "HAS_BF16": torch.bfloat16 in present}
-    flags["HAS_F16"] = torch.float16 in present
+    mixed = len(present) > 1
+    codes = _dtype_table(tuple(t.dtype for t in tensors), flat.device) if mixed else pointers
+    flags = {f"HAS_{name}": dtype in present for dtype, name in _DTYPE_NAMES.items()}
+    flags["DTYPE_CODE"] = -1 if mixed else _DTYPE_CODES[next(iter(present))]
     return [((chunk_tensor.numel(),), pointers, chunk_tensor, chunk_start, offsets, numels, codes, flags)]
 
 

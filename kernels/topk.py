@@ -223,12 +223,17 @@ def _select_triton(grad, residual, k, mode, index_dtype) -> TopKResult:
         acc, state, before, values, indices, n, SHIFT=shift, WRITE_BACK=residual is not None, BLOCK=_BLOCK,
         ITERS=_ITERS, num_warps=8,
     )  # fmt: skip
-    return TopKResult(values, indices, state[:1].to(torch.int32).view(torch.float32))
+    return TopKResult(values, indices, _magnitude(state[:1], 0))  # the state's prefix holds the key's bits
 
 
 def _keys(acc: torch.Tensor, shift: int) -> torch.Tensor:
     """The magnitude keys the kernels compare (int32 >= 0): fp32 bits of ``|acc|``, from bit ``shift`` up."""
     return (acc.float().abs().view(torch.int32) & 0x7FFFFFFF) >> shift
+
+
+def _magnitude(key: torch.Tensor, shift: int) -> torch.Tensor:
+    """The float32 magnitude whose key (from bit ``shift`` up) is ``key``, the bits below ``shift`` zero."""
+    return (key << shift).to(torch.int32).view(torch.float32)
 
 
 def _ranked(keys: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,7 +253,7 @@ def _finish(grad, residual, acc, indices, kth, shift, index_dtype) -> TopKResult
     values = taken.to(grad.dtype)
     if residual is not None:
         residual[indices] = (taken.float() - values.float()).to(residual.dtype)
-    return TopKResult(values, indices.to(index_dtype), (kth.reshape(1) << shift).to(torch.int32).view(torch.float32))
+    return TopKResult(values, indices.to(index_dtype), _magnitude(kth.reshape(1), shift))
 
 
 def _fold(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -275,6 +280,13 @@ def _ranked_top(grad, residual, acc, keys, k, shift, index_dtype, positions=None
     return _finish(grad, residual, acc, indices, _key_of(best.values.min()), shift, index_dtype)
 
 
+# The CPU path's sample (threshold mode): at least 4096 draws and 256 n / k (so about 256 of them above the k-th key,
+# a 6% spread), at most 2**16.
+_MIN_SAMPLE = 4096
+_MAX_SAMPLE = 1 << 16
+_SAMPLE_PER_K = 256
+
+
 def _select_cpu(grad, residual, k, mode, index_dtype) -> TopKResult:
     """The CPU's path: as :func:`_select_reference` (the same entries), with host reads where they cost nothing:
     ``"exact"`` by :func:`_exact_cpu`; ``"threshold"`` over candidates only: a sample's high quantile bounds the k-th
@@ -293,7 +305,7 @@ def _select_cpu(grad, residual, k, mode, index_dtype) -> TopKResult:
     rank = min(size, math.ceil(1.1 * expected + 3 * math.sqrt(expected)) + 1)
     bound = torch.kthvalue(_keys(sample, shift), size - rank + 1).values
     # key >= bound, compared as floats (the bound's bits, low bits zero): one pass, and NaN (above every key) passes
-    below = acc.abs() < (bound << shift).to(torch.int32).view(torch.float32)
+    below = acc.abs() < _magnitude(bound, shift)
     positions = below.logical_not_().nonzero().squeeze(1)
     if not k <= positions.numel() <= 8 * k + 4096:  # an unlucky sample, or ties: the full ranking
         return _ranked_top(grad, residual, acc, _keys(acc, shift), k, shift, index_dtype)
@@ -315,13 +327,6 @@ def _exact_cpu(grad, residual, k, index_dtype) -> TopKResult:
             indices = best.indices[kept].sort().values
             return _finish(grad, residual, acc, indices, low.values[1].view(torch.int32), 0, index_dtype)
     return _ranked_top(grad, residual, acc, _keys(acc, 0), k, 0, index_dtype)
-
-
-# The CPU path's sample (threshold mode): at least 4096 draws and 256 n / k (so about 256 of them above the k-th key,
-# a 6% spread), at most 2**16.
-_MIN_SAMPLE = 4096
-_MAX_SAMPLE = 1 << 16
-_SAMPLE_PER_K = 256
 
 
 def _topk_compress(grad, residual, k, mode, index_dtype, select) -> TopKResult:
