@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import workloads as W
 from gpudist import cli
 from gpudist.bench import gpu as G
 
@@ -203,6 +204,32 @@ def test_strategy_step_times_under_bf16_autocast_on_cpu():
     assert row["final_loss_relative_spread"] < 4 * 2**-8, row["final_loss"]
 
 
+def test_profile_rows_on_cpu():
+    """The profile part's rank code on the CPU (Gloo for NCCL, a tiny GPT). Catches a variant left out, the
+    ``AccumulateGrad`` time read from the wrong events (every variant but FSDP's, which frees its gradients into
+    shards, runs one per parameter per step), and the busy-share union counting overlapping intervals twice."""
+    import torch.distributed as dist
+
+    from gpudist.comm import GlooCommunicationBackend
+
+    assert G._busy_share([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
+    assert G._busy_share([(-1, 1), (9, 12)], 0, 10) == pytest.approx(0.2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = GlooCommunicationBackend()
+        tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
+        r = G.profile_rows(comm, dist.group.WORLD, torch.device("cpu"), "gpt-d1024", 2, 2, tiny, torch.bfloat16)
+    finally:
+        dist.destroy_process_group()
+    params = sum(1 for _ in W.make("gpt-d1024", **tiny).parameters())
+    assert r["errors"] == {} and len(r["variants"]) == 6
+    for name, v in r["variants"].items():
+        assert v["wall_ms"] > 0 and v["gpu_busy_share"] is None and v["top_self_cpu_ms"], name
+        if name != "gpudist_fsdp":
+            assert v["accumulate_grad_calls"] == params and v["accumulate_grad_cpu_ms"] > 0, (name, v)
+    assert "GPU busy" in G._part_table("profile", {"status": "ok", "seconds": 1.0, **r})
+
+
 def _raises(settings):
     raise ValueError("cupy missing")
 
@@ -328,7 +355,7 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     strategies, then the benchmarks), ``--parts tests`` not standing for the four test parts, and ``--quick`` not
     shrinking the measurements (an option given explicitly still wins)."""
     assert G.GPUSettings().parts[:4] == ("tests-kernels", "tests-nccl", "tests-host-sync", "tests-strategies")
-    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "gate")
+    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "profile", "gate")
     parser = argparse.ArgumentParser()
     G.add_arguments(parser)
     full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))

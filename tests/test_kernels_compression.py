@@ -194,7 +194,9 @@ def test_topk_ties_zeros_nan_and_inf_against_torch_topk(device, kernel_impl, mod
     odd[9] = float("inf")
     result = topk_compress(odd, None, 5, mode)
     expected = torch.topk(odd.abs(), 5).indices.sort().values
-    assert torch.equal(result.indices, expected) and torch.equal(expected, torch.tensor([5, 7, 9, n // 2, n - 1]))
+    assert torch.equal(result.indices, expected) and torch.equal(
+        expected, torch.tensor([5, 7, 9, n // 2, n - 1], device=device)
+    )
 
 
 @pytest.mark.parametrize("mode", ["exact", "threshold"])

@@ -144,6 +144,7 @@ class GPUSettings:
         "collectives",
         "host",
         "strategies",
+        "profile",
         "gate",
     )
     """The parts to run, in order: correctness first, cheapest first."""
@@ -187,6 +188,7 @@ class GPUSettings:
             "collectives": 90.0,
             "host": 60.0,
             "strategies": 240.0,
+            "profile": 120.0,
             "gate": 120.0,
         }
     )
@@ -700,6 +702,123 @@ def strategies_part(settings: GPUSettings) -> dict:
     }
 
 
+# -- part: where a step's time goes -----------------------------------------------------------------------------------
+
+PROFILE_WORKLOAD = "gpt-d1024"
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+"""The profiled model: the 185M GPT under bf16 autocast, where the host's share of a step shows."""
+
+
+def _busy_share(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """The share of ``[start, end]`` covered by the union of ``intervals`` (a GPU's kernels: its busy time)."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / (end - start) if end > start else 0.0
+
+
+def profile_rows(
+    comm,
+    torch_group,
+    device: torch.device,
+    workload: str,
+    batch: int,
+    steps: int,
+    overrides: dict,
+    autocast: torch.dtype | None = None,
+) -> dict:
+    """Per variant of the strategies part: milliseconds per step wall (synchronized) and to issue (the host's loop
+    alone, nothing waited for), CPU milliseconds per step inside ``AccumulateGrad`` (where per-parameter hooks run,
+    on the thread that launches backward), the GPU's busy share of a profiled step (union of kernel intervals over
+    the wall), and the operators with the most self CPU time. One variant after the other, ``steps`` each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import workloads as W
+
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    generator = torch.Generator().manual_seed(1234 + comm.rank)
+    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
+    steps_by_name, _, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides, autocast)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows = {}
+    for name, step in steps_by_name.items():
+        for _ in range(2):
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        issued = time.perf_counter()
+        sync()
+        done = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            sync()
+        events = list(prof.events())
+        host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        kernels = [
+            (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        first = min(e.time_range.start for e in host)
+        last = max(e.time_range.end for e in host)
+        top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+        accumulate = [e for e in host if e.name == ACCUMULATE_GRAD]  # not the engine's evaluate_function around it
+        rows[name] = {
+            "wall_ms": (done - start) / steps * 1e3,
+            "issue_ms": (issued - start) / steps * 1e3,
+            "profiled_wall_ms": (last - first) / steps / 1e3,
+            "accumulate_grad_cpu_ms": sum(e.cpu_time_total for e in accumulate) / steps / 1e3,
+            "accumulate_grad_calls": len(accumulate) / steps,
+            "gpu_busy_share": _busy_share(kernels, first, last) if kernels else None,
+            "top_self_cpu_ms": {a.key: round(a.self_cpu_time_total / steps / 1e3, 3) for a in top},
+        }
+    return {
+        "workload": workload,
+        "batch_per_rank": batch,
+        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+        "steps": steps,
+        "variants": rows,
+        "errors": errors,
+    }
+
+
+def _profile_body(gloo, nccl, settings: GPUSettings) -> dict:
+    import torch.distributed as dist
+
+    _repo(settings)
+    group = dist.new_group(backend="nccl", device_id=nccl.device)
+    autocast = settings.autocast.get(PROFILE_WORKLOAD)
+    return profile_rows(
+        nccl,
+        group,
+        nccl.device,
+        PROFILE_WORKLOAD,
+        settings.batch.get(PROFILE_WORKLOAD, 8),
+        settings.steps,
+        settings.model_overrides,
+        None if autocast is None else getattr(torch, autocast),
+    )
+
+
+def profile_part(settings: GPUSettings) -> dict:
+    """One profiled run of each strategy variant on the 185M GPT under bf16 autocast (world 1 over NCCL): where a
+    step's host time goes, and how much of the step the GPU is busy."""
+    from ..launch import spawn
+
+    _repo(settings)
+    _cupy_nccl()
+    return spawn(on_nccl, 1, body=_profile_body, settings=settings, timeout=settings.timeouts["profile"])[0]
+
+
 # -- part: the benchmark gate ----------------------------------------------------------------------------------------
 
 
@@ -743,6 +862,7 @@ PARTS: dict[str, Callable[[GPUSettings], dict]] = {
     "collectives": collectives_part,
     "host": host_part,
     "strategies": strategies_part,
+    "profile": profile_part,
     "gate": gate_part,
 }
 PART_GROUPS = {"tests": tuple(TEST_PARTS)}
@@ -908,6 +1028,7 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
             ("benchmarks.workloads", workloads),
         ],
     }
+    checks["profile"] = [*checks["strategies"], ("torch.profiler", lambda: importlib.import_module("torch.profiler"))]
     cuda = torch.cuda.is_available()
     plan = {}
     for name in settings.parts:
@@ -1072,6 +1193,10 @@ def _part_summary(name: str, r: dict) -> str:
             )
             + errs
         )
+    if name == "profile":
+        return "GPU busy share: " + ", ".join(
+            f"{k} {v['gpu_busy_share']:.2f}" for k, v in r["variants"].items() if v["gpu_busy_share"] is not None
+        )
     if name == "host":
         us = {k: v["median"] for k, v in r["us_per_call"].items()}
         pairs = [
@@ -1130,6 +1255,16 @@ def _part_table(name: str, r: dict) -> str:
             lines.append(f"# {r['note']}")
     elif name == "host":
         lines += [f"{k:>40} {v['median']:>9.1f} us (min {v['min']:.1f})" for k, v in r["us_per_call"].items()]
+    elif name == "profile":
+        lines.append(f"  {r['workload']} autocast {r['autocast']}, batch {r['batch_per_rank']}, {r['steps']} steps")
+        lines.append(f"{'variant':>15} {'wall ms':>8} {'issue ms':>8} {'AccGrad ms':>10} {'calls':>6} {'GPU busy':>8}")
+        for k, v in r["variants"].items():
+            busy = "-" if v["gpu_busy_share"] is None else f"{v['gpu_busy_share']:.2f}"
+            lines.append(
+                f"{k:>15} {v['wall_ms']:>8.2f} {v['issue_ms']:>8.2f} {v['accumulate_grad_cpu_ms']:>10.2f} "
+                f"{v['accumulate_grad_calls']:>6.0f} {busy:>8}"
+            )
+        lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in r["errors"].items()]
     elif name == "strategies":
         for row in r["rows"]:
             failures = {"all": row["error"]} if "error" in row else row["errors"]
