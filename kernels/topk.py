@@ -6,17 +6,28 @@ entries removed, in place, so what is not sent now is sent later. Invariant, exa
 ``zeros(n).index_put_(indices, values) + new_residual == grad + old_residual``.
 
 The selection is a radix select over the magnitudes' bit patterns (a non-negative float orders as its bits, and a
-NaN above Inf, as ``torch.topk`` puts it): histogram passes over 11-bit digits from the top find the k-th largest
-key digit by digit, each followed by a one-program kernel that picks the digit's bin and keeps the prefix and the
-remaining count on the device; then a count pass, a scan of the per-program counts, and one compaction pass write
-exactly ``k`` entries in index order. Every shape is known on the host before anything runs (``k``), so nothing is
-read back: no host sync in either mode, and the output stays valid for the collectives that follow.
+NaN above Inf, as ``torch.topk`` puts it), 8-bit digits from the top, each histogram pass followed by a
+one-program kernel that picks the bin holding the k-th largest key and keeps the prefix and the remaining count on
+the device:
 
-- ``"exact"``: three passes, all 31 bits of the magnitude: the true top-k. Ties at the k-th magnitude go to the
+1. a histogram of the exponents (bits 30..23) over every entry (with error feedback, ``acc`` is formed here);
+2. a filter pass copies the entries in the chosen exponent bin (the candidates: about 5% of a Gaussian gradient at
+   k = 1%) to a scratch buffer of ``n / 8``; the later digits are histogrammed over the candidates only (when
+   more than ``n / 8`` match, say for uniform data, they are histogrammed over every entry instead, same result);
+3. a count pass, a scan of the per-program counts, and one compaction pass write exactly ``k`` entries in index
+   order.
+
+Every shape is known on the host before anything runs (``k``, and the scratch's size), so nothing is read back:
+no host sync in either mode, and the output stays valid for the collectives that follow. Passes over the whole
+gradient: four (histogram, filter, count, compaction), whatever the mode. 8-bit digits because Triton 3.6 builds
+``tl.histogram`` from warp ballots, at a cost that grows with bins / 32 per element: 4096 bins made the earlier
+11-bit select 10x slower than ``torch.topk`` on an H200 (2026-11-28).
+
+- ``"exact"``: all 31 bits of the magnitude (four digits): the true top-k. Ties at the k-th magnitude go to the
   lowest indices.
-- ``"threshold"``: two passes, the top 22 bits (sign cleared; exponent and 14 mantissa bits): the magnitudes are
-  compared to 2^-14 relative, so an entry within that of the k-th magnitude may stand in for one just above it
-  (ties, lowest indices first). One pass fewer over the gradient.
+- ``"threshold"``: the top 24 bits (three digits; exponent and 16 mantissa bits): magnitudes are compared to
+  2^-16 relative, so an entry within that of the k-th magnitude may stand in for one just above it (ties, lowest
+  indices first). One histogram pass over the candidates fewer; the passes over every entry are the same.
 
 The torch twin (the CPU path, and the oracle) selects the same keys with ``torch.topk`` over the integer keys and
 places them with cumulative sums and a scatter, also without a host sync, so both paths pick the same entries.
@@ -43,15 +54,17 @@ __all__ = [
 
 MODES = ("exact", "threshold")
 INDEX_DTYPES = (torch.int64, torch.int32)
-# Elementwise work: 1024 elements (4 warps x 8 per thread) per block, 16 blocks per program, so a histogram pass
-# adds one 2048-bin histogram to the global one per 16K elements. Not tuned on a GPU yet.
+# Elementwise work: 1024 elements (4 warps x 8 per thread) per block, 16 blocks per program.
 _BLOCK = 1024
 _ITERS = 16
 _CHUNK = _BLOCK * _ITERS
-_BINS = 2048
-# (shift, width) of each radix pass: bits 30..20, 19..9, 8..0 of the magnitude's bit pattern (bit 31, the sign, is
-# cleared). "threshold" stops after the first two.
-_PASSES = {"exact": ((20, 11), (9, 11), (0, 9)), "threshold": ((20, 11), (9, 11))}
+_DIGIT = 8
+_BINS = 1 << _DIGIT
+# (shift, width) of each radix pass: bits 30..23 (the exponent; sign cleared), 22..15, 14..7, 6..0.
+_PASSES = {"exact": ((23, 8), (15, 8), (7, 8), (0, 7)), "threshold": ((23, 8), (15, 8), (7, 8))}
+# The candidates' scratch: an eighth of the gradient (no fewer than 64K entries, or all of a smaller one).
+_CANDIDATE_SHARE = 8
+_MIN_CANDIDATES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ class TopKResult:
     indices: torch.Tensor
     """Positions of the selected entries, ascending (int64 unless ``index_dtype`` says otherwise)."""
     threshold: torch.Tensor | None
-    """The k-th largest magnitude as the selection saw it (exact; in ``"threshold"`` mode rounded down to 14
+    """The k-th largest magnitude as the selection saw it (exact; in ``"threshold"`` mode rounded down to 16
     mantissa bits), a 1-element float32 tensor on the gradient's device; None when nothing was selected."""
 
 
@@ -78,29 +91,72 @@ def _magnitude_key(acc):
 
 @triton.jit
 def _radix_histogram_kernel(
-    grad_ptr, acc_ptr, state_ptr, hist_ptr, n, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FUSE_ADD: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    grad_ptr, acc_ptr, cand_ptr, state_ptr, hist_ptr, n, cap, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+    FIRST: tl.constexpr, FUSE_ADD: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):  # fmt: skip
     """Add the histogram of digit ``bits[SHIFT : SHIFT + WIDTH]`` of the keys whose higher bits match the prefix so
-    far (``state[0]``) into ``hist``; with ``FUSE_ADD`` (the first pass), ``acc = grad + acc`` is formed and stored
-    first, rounded to ``acc``'s dtype."""
-    prefix = tl.load(state_ptr).to(tl.int32)
-    local = tl.zeros([2 * BINS], dtype=tl.int32)
+    far (``state[0]``) into ``hist``. ``FIRST``: over every entry of ``acc``, formed first as ``grad + acc`` with
+    ``FUSE_ADD`` (rounded to ``acc``'s dtype and stored); otherwise over the ``state[2]`` candidates in ``cand``,
+    or over every entry again when more matched than the scratch holds (``cap``)."""
+    if FIRST:
+        prefix = tl.zeros([], dtype=tl.int32)
+        from_cand = False
+        limit = n
+    else:
+        prefix = tl.load(state_ptr).to(tl.int32)
+        count = tl.load(state_ptr + 2)
+        from_cand = count <= cap
+        limit = tl.where(from_cand, count, n)
+        in_cand = tl.where(from_cand, count, 0)  # the entries to read from cand, and from acc
+        in_acc = tl.where(from_cand, 0, n)
+    local = tl.zeros([BINS], dtype=tl.int32)
+    start = tl.program_id(0).to(tl.int64) * ITERS * BLOCK
+    if start < limit:  # programs past the candidates have nothing to count
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < limit
+            if FIRST:
+                acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+                if FUSE_ADD:
+                    acc = cast_rne(tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc.to(tl.float32),
+                                   acc_ptr.dtype.element_ty)  # fmt: skip
+                    tl.store(acc_ptr + offs, acc, mask=mask)
+            else:
+                acc = tl.where(
+                    from_cand,
+                    tl.load(cand_ptr + offs, mask=offs < in_cand, other=0.0),
+                    tl.load(acc_ptr + offs, mask=offs < in_acc, other=0.0),
+                )
+            key = _magnitude_key(acc)
+            match = mask & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
+            local += tl.histogram((key >> SHIFT) & ((1 << WIDTH) - 1), BINS, mask=match)
+        tl.atomic_add(hist_ptr + tl.arange(0, BINS), local.to(tl.int64), sem="relaxed")
+
+
+@triton.jit
+def _radix_filter_kernel(acc_ptr, cand_ptr, state_ptr, n, cap, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                         ITERS: tl.constexpr):  # fmt: skip
+    """Copy the entries whose key matches the prefix from bit ``SHIFT`` up (the first pass's bin) to ``cand``, in
+    any order (the histograms that read them only count), at most ``cap`` of them; ``state[2]`` counts every match,
+    so a count past ``cap`` tells the later passes to read ``acc`` instead. One atomic per program: a first loop
+    counts, a second (its reads from L2) writes."""
+    prefix = tl.load(state_ptr).to(tl.int32) >> SHIFT
+    start = tl.program_id(0).to(tl.int64) * ITERS * BLOCK
+    total = tl.zeros([], dtype=tl.int32)
     for i in range(ITERS):
-        offs = (tl.program_id(0).to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        key = _magnitude_key(tl.load(acc_ptr + offs, mask=mask, other=0.0))
+        total += tl.sum((mask & ((key >> SHIFT) == prefix)).to(tl.int32), axis=0)
+    slot = tl.atomic_add(state_ptr + 2, total.to(tl.int64), sem="relaxed")
+    for i in range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-        if FUSE_ADD:
-            acc = cast_rne(tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc.to(tl.float32),
-                           acc_ptr.dtype.element_ty)  # fmt: skip
-            tl.store(acc_ptr + offs, acc, mask=mask)
-        key = _magnitude_key(acc)
-        match = mask & ((key >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
-        digit = (key >> SHIFT) & ((1 << WIDTH) - 1)
-        # Keys off the prefix land in bin BINS (past the digits), which is never added: a histogram without a mask
-        local += tl.histogram(tl.where(match, digit, BINS), 2 * BINS)
-    bins = tl.arange(0, 2 * BINS)
-    tl.atomic_add(hist_ptr + bins, local.to(tl.int64), mask=bins < BINS, sem="relaxed")
+        match = (mask & ((_magnitude_key(acc) >> SHIFT) == prefix)).to(tl.int32)
+        at = slot + (tl.cumsum(match, axis=0) - match)
+        tl.store(cand_ptr + at, acc, mask=(match != 0) & (at < cap))
+        slot += tl.sum(match, axis=0)
 
 
 @triton.jit
@@ -119,8 +175,7 @@ def _radix_select_kernel(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, FIRST: tl.
     digit = tl.max(tl.where(holds, bins, -1), axis=0)
     tl.store(state_ptr, prefix | (digit.to(tl.int64) << SHIFT))
     tl.store(state_ptr + 1, wanted - tl.sum(tl.where(bins == digit, above, 0), axis=0))
-    cleared = tl.arange(0, 2 * BINS)
-    tl.store(hist_ptr + cleared, tl.zeros([2 * BINS], dtype=tl.int64))
+    tl.store(hist_ptr + bins, tl.zeros([BINS], dtype=tl.int64))
 
 
 @triton.jit
@@ -200,22 +255,29 @@ def _outputs(acc: torch.Tensor, k: int, values_dtype: torch.dtype, index_dtype: 
 
 
 def _select_triton(grad, residual, k, mode, index_dtype) -> TopKResult:
-    """The radix select's launches (``0 < k <= n``): histogram and select per pass, count, scan, compact."""
+    """The radix select's launches (``0 < k <= n``): the first digit's histogram and select, the candidates'
+    filter, the later digits' histograms and selects, then count, scan and compact."""
     n = grad.numel()
     acc = grad if residual is None else residual
     programs = -(-n // _CHUNK)
-    state = torch.zeros(2, dtype=torch.int64, device=grad.device)  # the key's prefix so far, the count still wanted
-    hist = torch.zeros(2 * _BINS, dtype=torch.int64, device=grad.device)
+    device = grad.device
+    # the key's prefix so far, the count still wanted, the candidates that matched the first digit
+    state = torch.zeros(3, dtype=torch.int64, device=device)
+    hist = torch.zeros(_BINS, dtype=torch.int64, device=device)
+    cap = n if n <= _MIN_CANDIDATES else max(_MIN_CANDIDATES, n // _CANDIDATE_SHARE)
+    cand = torch.empty(cap, dtype=acc.dtype, device=device)
     passes = _PASSES[mode]
     for i, (shift, width) in enumerate(passes):
         _radix_histogram_kernel[(programs,)](
-            grad, acc, state, hist, n, SHIFT=shift, WIDTH=width, FUSE_ADD=i == 0 and residual is not None,
-            BINS=_BINS, BLOCK=_BLOCK, ITERS=_ITERS,
+            grad, acc, cand, state, hist, n, cap, SHIFT=shift, WIDTH=width, FIRST=i == 0,
+            FUSE_ADD=i == 0 and residual is not None, BINS=_BINS, BLOCK=_BLOCK, ITERS=_ITERS,
         )  # fmt: skip
-        _radix_select_kernel[(1,)](hist, state, k, SHIFT=shift, FIRST=i == 0, BINS=_BINS, num_warps=16)
+        _radix_select_kernel[(1,)](hist, state, k, SHIFT=shift, FIRST=i == 0, BINS=_BINS, num_warps=4)
+        if i == 0:
+            _radix_filter_kernel[(programs,)](acc, cand, state, n, cap, SHIFT=shift, BLOCK=_BLOCK, ITERS=_ITERS)
     shift = passes[-1][0]
-    counts = torch.empty(2 * programs, dtype=torch.int32, device=grad.device)
-    before = torch.empty(2 * programs, dtype=torch.int64, device=grad.device)
+    counts = torch.empty(2 * programs, dtype=torch.int32, device=device)
+    before = torch.empty(2 * programs, dtype=torch.int64, device=device)
     _radix_count_kernel[(programs,)](acc, state, counts, n, SHIFT=shift, BLOCK=_BLOCK, ITERS=_ITERS)
     _scan_kernel[(1,)](counts, before, programs, BLOCK=_BLOCK, num_warps=16)
     values, indices = _outputs(acc, k, grad.dtype, index_dtype)
@@ -371,9 +433,10 @@ def topk_compress(
 ) -> TopKResult:
     """Select the ``k`` largest-magnitude entries of ``grad + residual``; ``residual`` keeps the rest, in place.
 
-    ``residual=None`` means no error feedback (``acc = grad``, nothing is written). ``mode="threshold"`` compares
-    magnitudes to 14 mantissa bits, one pass fewer (see the module docstring). Values come back in ``grad.dtype``;
-    if ``residual`` is wider, the rounding of that cast stays in the residual. Nothing is read back to the host.
+    ``residual=None`` means no error feedback (``acc = grad``, nothing is written). ``mode="threshold"``
+    compares magnitudes to 16 mantissa bits, one histogram of the candidates fewer (see the module docstring).
+    Values come back in ``grad.dtype``; if ``residual`` is wider, the rounding of that cast stays in the residual.
+    Nothing is read back to the host.
 
     Args:
         grad: The 1-D contiguous float32, bfloat16 or float16 values.

@@ -304,12 +304,13 @@ REGISTER_CEILING = {
     "_quantize_1bit_kernel": 56,  # 20-42, 1-2 warps
     "_dequantize_int8_kernel": 32,  # 17, 2 warps
     "_dequantize_1bit_kernel": 32,  # 14-16, 2 warps
-    "_radix_histogram_kernel": 56,  # 40-48, 4 warps: the 4096-bin local histogram, 32 per thread
+    "_radix_histogram_kernel": 48,  # 30-32 on triton 3.9, 4 warps: the 256-bin local histogram, 2 per thread
+    "_radix_filter_kernel": 96,  # 71-80, 4 warps: block-wide int32 ranks of the candidates' slots
     "_radix_count_kernel": 40,  # 22-29, 4 warps
     "_radix_compact_kernel": 96,  # 75-80 on triton 3.9, 8 warps: block-wide int32 ranks plus int64 slots (38%)
-    # One program each (occupancy is moot; the ceiling still catches a spill on the way): the 2048-bin select and
-    # the scan over the programs' counts, 16 warps.
-    "_radix_select_kernel": 96,  # 64-82
+    # One program each (occupancy is moot; the ceiling still catches a spill on the way): the 256-bin select
+    # (4 warps) and the scan over the programs' counts (16 warps).
+    "_radix_select_kernel": 48,  # 32
     "_scan_kernel": 112,  # 92
 }
 
@@ -321,12 +322,13 @@ def _needs_wide_store(row: dict) -> bool:
     - quantize without a residual writes only codes and one scale per block: int8 codes are 4 per thread (a
       32-bit store; 16 per thread would leave a 256-element block to 16 threads), 1-bit codes one byte per 8
       elements. With a residual, the residual's store is 128-bit;
-    - the radix select's histogram passes store nothing but the first one's ``acc`` (128-bit); its count pass writes
-      two counts per program, its compaction scatters each entry to its slot, and the scan is one program over the
-      programs' interleaved counts.
+    - the radix select's histogram passes store nothing but the first one's ``acc`` (128-bit); its filter and its
+      compaction scatter each entry to its slot, its count pass writes two counts per program, and the scan is one
+      program over the programs' interleaved counts.
     """
     variant, kernel = row["variant"], row["kernel"]
-    if variant.startswith("squared_norm") or kernel in ("_radix_count_kernel", "_radix_compact_kernel", "_scan_kernel"):
+    scattered = ("_radix_filter_kernel", "_radix_count_kernel", "_radix_compact_kernel", "_scan_kernel")
+    if variant.startswith("squared_norm") or kernel in scattered:
         return False
     if kernel == "_radix_histogram_kernel":
         return row["args"]["FUSE_ADD"]
@@ -335,8 +337,11 @@ def _needs_wide_store(row: dict) -> bool:
 
 def _needs_wide_load(row: dict) -> bool:
     """Whether a launch's SASS must hold a 128-bit global load: all but the radix select's scan (one program over
-    interleaved pairs of counts) and its compaction of 16-bit data (4 elements per thread at 8 warps)."""
+    interleaved pairs of counts), its compaction of 16-bit data (4 elements per thread at 8 warps), and its
+    histograms of the candidates (masked by a count read on the device, which no alignment hint covers)."""
     if row["kernel"] == "_scan_kernel":
+        return False
+    if row["kernel"] == "_radix_histogram_kernel" and not row["args"]["FIRST"]:
         return False
     return not (row["kernel"] == "_radix_compact_kernel" and "bfloat16" in row["variant"])
 

@@ -95,7 +95,7 @@ class TopKCompressor(Compressor):
 
     Wire: fp32 values and int32 indices, ``8 k`` bytes (top-k 1%: 2% of dense fp32). Both modes select on the device
     with no host sync (:func:`gpudist.kernels.topk_compress`): ``"exact"`` is the true top-k; ``"threshold"`` compares
-    magnitudes to 14 mantissa bits (2^-14 relative), one pass over the gradient fewer on a GPU, and on the CPU a
+    magnitudes to 16 mantissa bits (2^-16 relative), one pass over the candidates fewer on a GPU, and on the CPU a
     candidate pass instead of ranking all ``n``.
 
     Args:
