@@ -225,6 +225,7 @@ def test_profile_rows_on_cpu():
     assert r["errors"] == {} and len(r["variants"]) == 6
     for name, v in r["variants"].items():
         assert v["wall_ms"] > 0 and v["gpu_busy_share"] is None and v["top_self_cpu_ms"], name
+        assert set(v["host_ms"]) == set(G.PHASES) and sum(v["host_ms"].values()) <= v["issue_ms"] * 1.001, v
         if name != "gpudist_fsdp":
             assert v["accumulate_grad_calls"] == params and v["accumulate_grad_cpu_ms"] > 0, (name, v)
     assert "GPU busy" in G._part_table("profile", {"status": "ok", "seconds": 1.0, **r})

@@ -595,17 +595,30 @@ def _strategy_variants(
             return W.loss(workload, model, x, y)
 
     def step_of(name, model, opt):
-        def step() -> None:
+        def step(phases: dict[str, float] | None = None) -> None:
+            """One step; ``phases``: add the host seconds of each phase (nothing waits for the device, so on a
+            host-bound step these are where the step's time goes)."""
+            t0 = time.perf_counter()
             loss = forward(model)
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             opt.step()
+            t3 = time.perf_counter()
             opt.zero_grad()
+            t4 = time.perf_counter()
             losses[name] = loss.detach()
+            if phases is not None:
+                for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    phases[phase] = phases.get(phase, 0.0) + seconds
 
         return step
 
     return {name: step_of(name, *pair) for name, pair in built.items()}, losses, errors
 
+
+PHASES = ("forward", "backward", "step", "zero_grad")
+"""The phases of a training step whose host time the profile part reports."""
 
 PEERS = (("gpudist_ddp", "torch_ddp"), ("gpudist_zero2", "torch_zero"), ("gpudist_fsdp", "fsdp2"))
 
@@ -753,9 +766,10 @@ def profile_rows(
         for _ in range(2):
             step()
         sync()
+        phases: dict[str, float] = {}
         start = time.perf_counter()
         for _ in range(steps):
-            step()
+            step(phases)
         issued = time.perf_counter()
         sync()
         done = time.perf_counter()
@@ -775,6 +789,7 @@ def profile_rows(
         rows[name] = {
             "wall_ms": (done - start) / steps * 1e3,
             "issue_ms": (issued - start) / steps * 1e3,
+            "host_ms": {phase: seconds / steps * 1e3 for phase, seconds in phases.items()},
             "profiled_wall_ms": (last - first) / steps / 1e3,
             "accumulate_grad_cpu_ms": sum(e.cpu_time_total for e in accumulate) / steps / 1e3,
             "accumulate_grad_calls": len(accumulate) / steps,
@@ -1257,11 +1272,15 @@ def _part_table(name: str, r: dict) -> str:
         lines += [f"{k:>40} {v['median']:>9.1f} us (min {v['min']:.1f})" for k, v in r["us_per_call"].items()]
     elif name == "profile":
         lines.append(f"  {r['workload']} autocast {r['autocast']}, batch {r['batch_per_rank']}, {r['steps']} steps")
-        lines.append(f"{'variant':>15} {'wall ms':>8} {'issue ms':>8} {'AccGrad ms':>10} {'calls':>6} {'GPU busy':>8}")
+        lines.append(
+            f"{'variant':>15} {'wall ms':>8} {'issue ms':>8} {'fwd':>6} {'bwd':>6} {'step':>6} {'zero':>6} "
+            f"{'AccGrad ms':>10} {'calls':>6} {'GPU busy':>8}"
+        )
         for k, v in r["variants"].items():
             busy = "-" if v["gpu_busy_share"] is None else f"{v['gpu_busy_share']:.2f}"
+            host = " ".join(f"{v['host_ms'].get(p, 0.0):>6.2f}" for p in PHASES)
             lines.append(
-                f"{k:>15} {v['wall_ms']:>8.2f} {v['issue_ms']:>8.2f} {v['accumulate_grad_cpu_ms']:>10.2f} "
+                f"{k:>15} {v['wall_ms']:>8.2f} {v['issue_ms']:>8.2f} {host} {v['accumulate_grad_cpu_ms']:>10.2f} "
                 f"{v['accumulate_grad_calls']:>6.0f} {busy:>8}"
             )
         lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in r["errors"].items()]
