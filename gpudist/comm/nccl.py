@@ -134,7 +134,22 @@ def _communicator(lib, world_size: int, unique_id: bytes, rank: int):
 
 class _CudaRuntime:
     """What the backend needs of CUDA: its device, its communication stream there, events on that stream.
-    (One seam, so the whole backend also runs in the CPU test tier over a simulated NCCL: tests/fakenccl.py.)"""
+    (One seam, so the whole backend also runs in the CPU test tier over a simulated NCCL: tests/fakenccl.py.)
+
+    Per op it makes five CUDA calls and builds no Python object: the hand-over event recorded on the current stream
+    and waited for by the communication stream (:meth:`stream`), the op's pooled event recorded after it
+    (:meth:`record`), and the current stream's wait on that (:meth:`wait`). torch's own ways cost the host more than
+    the calls themselves: ``torch.cuda.current_stream()`` builds a new ``Stream`` object each call and
+    ``Stream.wait_stream`` a new ``Event`` (a ``cudaEventCreate`` and a ``cudaEventDestroy``), so the current stream
+    is looked up by its id (a tuple from torch's C lookup, the one ``current_stream`` itself makes) among the streams
+    met so far, and the hand-over reuses one event: a stream's wait takes the event's state when it is enqueued, not
+    later records (CUDA's ``cudaStreamWaitEvent``). Ops of one backend are issued by one thread at a time (NCCL needs
+    the same issue order on every rank anyway), so one hand-over event is not recorded by two ops at once.
+
+    Measured on an H200's host (torch 2.11, CuPy 14.2, NCCL 2.28.9, 2026-11-28, world size 1, the issuing thread
+    pinned to one core): ``current_stream()`` 6.7 us against 0.3 us for the C lookup, ``wait_stream`` 7.8 us against
+    4.1 us for the hand-over event's record and wait; a planned all-reduce's start and wait 19.0 us before, 8.0 us
+    after, and the raw CuPy call with torch's own hand-over (``wait_stream``, a new event, ``wait_event``) 8.3 us."""
 
     def __init__(self, device: int | torch.device | None, group: str, rank: int):
         if not torch.cuda.is_available():
@@ -146,20 +161,57 @@ class _CudaRuntime:
             )
         index = device.index if isinstance(device, torch.device) else device
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else int(index))
+        self._index = self.device.index
         self._comm_stream: torch.cuda.Stream | None = None
+        self._comm_handle = 0
+        self._handover: torch.cuda.Event | None = None
+        self._lookup = None
+        """torch's C lookup of the current stream's ``(id, device index, device type)``; None: ``current_stream()``."""
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        """The current streams met so far, by that key (one object each, made once)."""
         self._free: list[torch.cuda.Event] = []
         """Events whose op completed and was waited for, recorded again by later ops (:meth:`record`)."""
 
     def _comm(self) -> torch.cuda.Stream:
         if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self.device)
+            self._open()
         return self._comm_stream
+
+    def _open(self) -> None:
+        """The communication stream and the hand-over event, at the first op; and the current-stream lookup, where
+        this torch has it in the form its ``current_stream()`` reads (checked, since it is not public API)."""
+        first = torch.cuda.current_stream(self.device)  # also CUDA's lazy initialization, before any C lookup
+        lookup = getattr(torch._C, "_cuda_getCurrentStream", None)
+        key = lookup(self._index) if lookup is not None else None
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == first.stream_id:
+            self._lookup = lookup
+            self._streams[key] = first
+        self._handover = torch.cuda.Event()
+        self._comm_stream = torch.cuda.Stream(self.device)
+        self._comm_handle = self._comm_stream.cuda_stream
+
+    def current(self) -> torch.cuda.Stream:
+        """torch's current stream on the device, as ``torch.cuda.current_stream(device)`` but without building an
+        object per call (it changes with ``torch.cuda.stream(...)`` and per thread, so it is looked up every time)."""
+        lookup = self._lookup
+        if lookup is None:
+            return torch.cuda.current_stream(self.device)
+        key = lookup(self._index)
+        stream = self._streams.get(key)
+        if stream is None:
+            if len(self._streams) >= _STREAMS_KEPT:
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
 
     def stream(self) -> int:
         """The communication stream's handle, once it waits for all work enqueued so far on the current stream."""
-        comm = self._comm()
-        comm.wait_stream(torch.cuda.current_stream(self.device))
-        return comm.cuda_stream
+        if self._comm_stream is None:
+            self._open()
+        handover = self._handover
+        handover.record(self.current())
+        handover.wait(self._comm_stream)
+        return self._comm_handle
 
     def on_comm(self):
         """Run the torch ops inside on the communication stream (an op's own follow-up, e.g. AVERAGE's scaling)."""
@@ -185,7 +237,8 @@ class _CudaRuntime:
             self._free.append(event)
 
     def wait(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
+        """The current stream waits for ``event`` (the host does not)."""
+        event.wait(self.current())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -198,8 +251,15 @@ def _runtime(device: int | torch.device | None, group: str, rank: int) -> _CudaR
     return _CudaRuntime(device, group, rank)
 
 
-_EVENT_POOL = 64
-"""Free events a runtime keeps for reuse (more ops than this in flight at once create new ones)."""
+_EVENT_POOL = 1024
+"""Free events a runtime keeps for reuse (more ops than this in flight at once create new ones). The watchdog gives
+events back every 50 ms, and a host-bound loop issues hundreds of small ops in that time (200 all-reduces back to back
+take 2-4 ms of an H200's host): with a pool of 64, each op of such a burst past the 64th created an event (a
+``cudaEventCreate`` at its record) and the op's retirement destroyed it."""
+
+_STREAMS_KEPT = 64
+"""Current streams a runtime keeps objects for (torch's pool has 32 per priority and device; past this it starts
+over, so a program making streams without end does not grow it)."""
 
 
 class _InFlight(Work):
@@ -232,10 +292,10 @@ class _InFlight(Work):
 
 
 class _PlannedNccl(PlannedCollective):
-    """A planned NCCL call: its name and arguments bound once (a fixed buffer's pointers with them, or each start's
-    ``(inp, out)`` pointers passed first), one call on the communication stream per start, the scaling of the
-    output for an AVERAGE where NCCL has no ncclAvg, and the op's Work returned as it is (its errors are
-    CommunicationErrors already)."""
+    """A planned NCCL call: the communicator's method and its arguments bound once (a fixed buffer's pointers with
+    them, or each start's ``(inp, out)`` pointers passed first), one call on the communication stream per start, the
+    scaling of the output for an AVERAGE where NCCL has no ncclAvg, and the op's Work returned as it is (its errors
+    are CommunicationErrors already)."""
 
     __slots__ = ("_args", "_call", "_held", "_scale")
 
@@ -250,7 +310,7 @@ class _PlannedNccl(PlannedCollective):
         scale: float | None = None,
     ):
         super().__init__(backend, op, nbytes, None)
-        self._call, self._args, self._held, self._scale = call, args, held, scale
+        self._call, self._args, self._held, self._scale = getattr(backend._comm, call), args, held, scale
 
     def start(self, *tensors: torch.Tensor) -> Work:
         backend = self._backend
@@ -267,11 +327,10 @@ class _PlannedNccl(PlannedCollective):
         checks)."""
         backend = self._backend
         rt = backend._rt
-        call = getattr(backend._comm, self._call)
         if tensors:
-            call(*[t.data_ptr() for t in tensors], *self._args, rt.stream())
+            self._call(*[t.data_ptr() for t in tensors], *self._args, rt.stream())
         else:
-            call(*self._args, rt.stream())
+            self._call(*self._args, rt.stream())
         held = tensors or self._held
         if self._scale is not None:
             with rt.on_comm():
