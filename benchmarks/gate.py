@@ -22,21 +22,22 @@ its baseline file, which overrides the default). A case noisier than that in its
 spread instead (the interquartile range of its per-round ratios over their median, at most 0.9): Gloo collectives of
 64 KiB on the loaded CPU machine spread 0.3-0.6 within a run and moved 1.5-1.7x between two unchanged runs, so they
 can only catch a large regression; the kernels spread 0.05-0.2 and keep 0.30.
+
+:func:`device_kind` and :func:`records_from_json` are ``gpudist.bench.gate``'s (re-exported here): the installed
+``gpudist bench gpu`` needs them without the repository.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from gpudist.bench import environment
+from gpudist.bench.gate import device_kind, records_from_json
 from gpudist.fileio import atomic_write_json
 
 __all__ = [
@@ -55,16 +56,6 @@ BASELINES = Path(__file__).resolve().parent / "baselines"
 """One JSON file per device kind: ``cpu.json``, ``cuda-nvidia-h100-80gb-hbm3.json``, ..."""
 DEFAULT_TOLERANCE = {"cpu": 0.30, "cuda": 0.15}
 """Allowed relative drop of a ratio below its baseline, by device type (the module docstring says why)."""
-
-
-def device_kind(device: torch.device | str) -> str:
-    """The baseline a device is gated against: ``cpu`` (any CPU: ratios, not times, are compared), or ``cuda-`` and the
-    GPU's model name (ratios differ between GPU generations: an H100 and an A100 get their own baselines)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return device.type
-    name = torch.cuda.get_device_name(device)
-    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def ratio_summary(ours: list[float], peer: list[float]) -> dict:
@@ -200,17 +191,6 @@ def write_baselines(
         doc["entries"] = dict(sorted(entries.items()))
         written.append(atomic_write_json(path, doc))
     return written
-
-
-def records_from_json(doc: dict) -> list[dict]:
-    """The gate's records from pytest-benchmark's ``--benchmark-json`` document: every benchmark whose ``extra_info``
-    carries a ratio (the tier's tests all do), keyed by its node id."""
-    out = []
-    for b in doc.get("benchmarks", []):
-        info = b.get("extra_info", {})
-        if "ratio" in info and "device_kind" in info:
-            out.append({**info, "key": b["fullname"]})
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

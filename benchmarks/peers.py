@@ -20,6 +20,9 @@ Peers (``torch`` 2.13 on CPU; every optimizer is AdamW, lr 1e-4):
 
 gpudist's wrappers get the same ``AdamW`` (``DDPOptimizer`` steps it as it is; the ZeRO optimizers step the owned
 range with gpudist's fused kernel).
+
+``LR``, ``adamw``, ``fsdp_units`` and ``gpudist_units`` are ``gpudist.bench.peers``' (re-exported here), which the
+strategies part of ``gpudist bench gpu`` uses too.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from torch import nn
 
 import gpudist
 from gpudist.bench import environment
+from gpudist.bench.peers import LR, adamw, fsdp_units
+from gpudist.bench.peers import gpudist_units as gpudist_units  # re-exported (ddp.py, zero.py, steps.py)
 from gpudist.comm import ReductionOperation
 from gpudist.fileio import atomic_write_json
 from gpudist.strategies import DATA_PARALLEL_PAIRS
 
 from . import workloads as W
 
-LR = 1e-4
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = {"mlp": 32, "gpt": 2, "gpt-deep": 2, "gpt-host": 2}
 """Samples per rank per step (GPT: sequences of 128 tokens)."""
@@ -67,10 +71,6 @@ class Variant:
     settings: dict = field(default_factory=dict)
     phases: Callable[[], dict[str, float]] | None = None
     """One step, returning seconds per phase (forward, backward, step, zero_grad) for ``--phases``."""
-
-
-def adamw(params, fused: bool) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, fused=True) if fused else torch.optim.AdamW(params, lr=LR)
 
 
 def train_step(workload: str, model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -269,17 +269,6 @@ def torch_zero_variant(workload: str, x, y, best: bool, bucket_mb: float) -> Var
         settings,
         phased_step(workload, ddp, opt, x, y),
     )
-
-
-def fsdp_units(workload: str, model: nn.Module) -> list[nn.Module]:
-    """FSDP units: each Linear of the MLP, each transformer block of the GPT (torchtitan's choice)."""
-    if workload == "mlp":
-        return [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return list(model.blocks)
-
-
-def gpudist_units(workload: str):
-    return {nn.Linear} if workload == "mlp" else None  # None: each ModuleList entry (the blocks)
 
 
 def fsdp2_variant(workload: str, x, y, best: bool) -> Variant:

@@ -602,9 +602,9 @@ def snapshot_frame(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`snapshot_state` as a frame: one uint8 host tensor to send every step (buddy mirrors), made with a single
-    copy of each piece of the state and no serialization pass (``snapshot_state`` copies, packs and serializes: 0.4 s
-    for a 13.9M-parameter model's 167 MB of AdamW state on the benchmark VM). :func:`frame_snapshot` turns a frame
-    into ``snapshot_state``'s bytes when it is needed (a heal).
+    copy of each piece of the state and no serialization pass (``snapshot_state`` copies, packs and serializes: three
+    passes over the state). :func:`frame_snapshot` turns a frame into ``snapshot_state``'s bytes when it is needed
+    (a heal).
 
     Layout: an int64 payload length ``P``, an int64 header length ``H``, the header (JSON: the manifest metadata of
     ``snapshot_state`` and each tensor's name, dtype, shape and offset), then the tensors' bytes, each 16-byte aligned;

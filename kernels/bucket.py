@@ -257,7 +257,7 @@ class _TorchPlan:
 def _pack_torch(tensors, out: torch.Tensor, scale: float, plan: _TorchPlan) -> torch.Tensor:
     if plan.dense is not None and (scale == 1.0 or plan.wide):
         # Back to back (no padding): one multi-threaded cat and one multiply over the whole bucket, the
-        # baseline's own recipe (1.5 ms at 4M elements in 96 tensors, 2-core CPU) and still one rounding:
+        # baseline's own recipe, and still one rounding:
         # cat only widens (exact) or, with scale 1, casts once.
         torch.cat(plan.sources, out=plan.dense)
         if scale != 1.0:
@@ -287,8 +287,8 @@ class PackPlan:
     What the functions work out on every call is worked out here, when a strategy builds its buckets: the checks,
     the layout, which implementation runs, the buffer's views and the copies' sources (torch), the chunk and pointer
     tables of each launch (Triton). A call then only launches: one kernel for the list, or one or two multi-tensor
-    torch ops, with no Python loop over the tensors (``pack`` of 300 tensors: 819 us of host time per call through
-    the function on the 2-core CPU machine, against the plan's ``benchmarks/host_overhead.py`` figure).
+    torch ops, with no Python loop over the tensors (``benchmarks/host_overhead.py`` times the function and the plan
+    side by side).
 
     The tensors must keep their storage for the plan's life (a bucket's gradient views, a shard's buffers): the
     Triton launches hold their addresses.
@@ -336,8 +336,8 @@ def _float64(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
 def _scaled_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scale: float) -> None:
     """``dst = src * scale`` pairwise (same shapes), multiplied in fp32 and rounded once into dst's dtype.
 
-    Into fp32: ``_foreach_copy_`` (widening is exact) then ``_foreach_mul_``, one C++ loop each: 1.26 ms for
-    4M elements in 96 tensors on the 2-core CPU machine, vs 1.62 ms for a Python loop of copy + mul.
+    Into fp32: ``_foreach_copy_`` (widening is exact) then ``_foreach_mul_``, one C++ loop each, not a Python loop
+    of copy + mul.
     Into bf16/fp16 the product must be rounded once from fp32: ``torch.mul(..., out=)`` per tensor.
     """
     f64 = torch.float64

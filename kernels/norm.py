@@ -67,8 +67,8 @@ def squared_norm_triton(x: torch.Tensor) -> torch.Tensor:
 def squared_norm_reference(x: torch.Tensor) -> torch.Tensor:
     """torch reference of :func:`squared_norm`: accumulates in fp32 like the kernel.
 
-    ``dot(x, x)``, not ``vector_norm(x).square()``: at 4M random fp32 elements (torch 2.13, CPU) the dot
-    is 0.33 ms with relative error 2e-6, the norm 0.61 ms with relative error 1.6e-4.
+    ``dot(x, x)``, not ``vector_norm(x).square()``: on CPU the dot is both faster and about a hundred times closer
+    to the float64 value (the norm's square root and square round twice).
     """
     x = x.float()
     return torch.dot(x, x) if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)

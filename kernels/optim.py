@@ -377,8 +377,8 @@ def _same_dtype(param, *buffers) -> bool:
 def _adam_step_torch_body(param, grad, exp_avg, exp_avg_sq, found_inf=None, **hyper):
     """The torch path of :func:`adam_step` off the GPU: torch's own fused CPU kernel when the buffers allow.
 
-    ``torch._fused_adam_`` makes one pass where the single-tensor reference makes seven: 1.8 ms vs
-    8.8 ms for 4M fp32 elements on this project's 2-core CPU machine (torch 2.13). It takes the skip flag as
+    ``torch._fused_adam_`` makes one pass where the single-tensor reference makes seven (several times faster on
+    CPU: docs/results.md, "Kernels"). It takes the skip flag as
     a tensor (``found_inf``), so a skipped step costs no host sync here either.
     """
     if not _same_dtype(param, exp_avg, exp_avg_sq):
@@ -511,8 +511,8 @@ def sgd_step_reference(
 
 
 def _sgd_step_torch_body(param, grad, momentum_buffer, found_inf=None, **hyper):
-    """The torch path of :func:`sgd_step` off the GPU: torch's fused CPU kernel (1.1 ms for 4M elements with
-    momentum, vs ~4 ms for the single-tensor ops) when the buffers allow; it takes the skip flag as a tensor."""
+    """The torch path of :func:`sgd_step` off the GPU: torch's fused CPU kernel (one pass, where the single-tensor ops
+    make several) when the buffers allow; it takes the skip flag as a tensor."""
     if not _same_dtype(param, momentum_buffer):
         return sgd_step_reference.__wrapped__(param, grad, momentum_buffer, **hyper)
     g = _scaled_grad(grad, hyper["grad_scale"], hyper["grad_scale_tensor"], False, param.dtype, hyper.get("clip"))
@@ -822,9 +822,8 @@ class AdamStep:
     """:func:`adam_step` on fixed buffers (a ZeRO shard's piece): what the function checks and decides on every call
     is checked and decided once, here; a call launches one kernel (Triton), or torch's fused Adam (CPU), and
     allocates nothing, reads nothing back and returns nothing: the skip flag (``found_inf``) and the gradient scale
-    are device tensors the caller owns. ``adam_step`` on a 1,024-element shard cost the host 65-79 us per call on
-    the 2-core CPU machine against 6 us for ``torch._fused_adamw_`` (``benchmarks/host_overhead.py``), mostly in
-    those checks and the skip flag's own ops.
+    are device tensors the caller owns. ``adam_step`` costs the host many times ``torch._fused_adamw_``'s time per
+    call, mostly in those checks and the skip flag's own ops (``benchmarks/host_overhead.py`` times the two).
 
     The gradient comes with each call, unchecked (a slice of the caller's gradient buffer, like ``grad`` here):
     ZeRO-3 frees its gradients at ``zero_grad``, and a plan holding them would keep them alive.

@@ -291,7 +291,7 @@ def _quantize_int8_rows(
     ``acc - q * scale`` in place (product rounded to fp32 first, then the subtraction, as the kernel does).
     """
     # One scratch buffer for |acc|, then acc / scale, then q, then q * scale, instead of four temporaries.
-    # abs(out=) + amax(out=) also beat aminmax (4.8 ms vs 1.1 ms here) and keep the exact same absmax.
+    # abs(out=) + amax(out=) also beat aminmax on CPU and keep the exact same absmax.
     work = torch.abs(acc, out=torch.empty_like(acc))
     torch.amax(work, dim=1, out=scales)
     # A 0-dim tensor divisor on the scales' device, not a Python number: CUDA divides by a CPU scalar as a
@@ -323,9 +323,8 @@ def quantize_int8_reference(
     Stochastic mode draws its uniforms from ``torch.Generator().manual_seed(seed)`` instead of Triton's
     Philox stream, so the two implementations agree in distribution, not bit for bit.
     """
-    # 33.3 ms -> 6.4-7.9 ms at 4M elements, baseline 13-15 ms in the same runs (speedup 1.7-2.2): the add
-    # forms acc in the residual, the whole blocks are viewed rather than padded, and every step runs in place
-    # in one scratch buffer (see above). About 2 ms of it is the first touch of that fresh 16 MiB buffer.
+    # The add forms acc in the residual, the whole blocks are viewed rather than padded, and every step runs in
+    # place in one scratch buffer (see above); a good part of what is left is the first touch of that buffer.
     n = grad.numel()
     q = torch.empty(n, dtype=torch.int8, device=grad.device)
     scales = torch.empty(_num_blocks(n, block_size), dtype=torch.float32, device=grad.device)
@@ -425,9 +424,8 @@ def _int8_values_into(values: torch.Tensor, q: torch.Tensor, scales: torch.Tenso
 
 
 # Elements per pass of the dequantize-accumulate references: 2 MiB of fp32 scratch, a multiple of every block
-# size. Filling the scratch and adding it into out chunk by chunk keeps it in the cores' L2 between the passes:
-# 1.5 ms -> 1.1 ms for the int8 op alone at 4M elements (64K chunks: 1.9 ms, per-chunk overhead; 1M chunks:
-# 1.45 ms, out of cache).
+# size. Filling the scratch and adding it into out chunk by chunk keeps it in the cores' L2 between the passes
+# (smaller chunks pay their per-chunk overhead, larger ones fall out of cache).
 _ACCUMULATE_CHUNK = 1 << 19
 
 
@@ -521,10 +519,9 @@ def dequantize_int8_accumulate_reference(
 ) -> torch.Tensor:
     """Torch version of :func:`dequantize_int8_accumulate_triton` (the sum is rounded once, from fp32)."""
 
-    # 3.5 ms -> 1.35-1.7 ms at 4M elements, baseline 1.9-2.3 ms in the same runs (speedup 1.4-1.6; 1.15 ms
-    # vs 1.7 ms timed alone): q * scale into a chunk-sized fp32 scratch buffer (cast + mul_, no pad copy),
-    # then one add_. Not addcmul_: torch's CPU addcmul contracts to an FMA (the product is not rounded before
-    # the add; 10% of the sums came out different), and the kernel rounds the product first.
+    # q * scale into a chunk-sized fp32 scratch buffer (cast + mul_, no pad copy), then one add_. Not addcmul_:
+    # torch's CPU addcmul contracts to an FMA (the product is not rounded before the add; 10% of the sums came
+    # out different), and the kernel rounds the product first.
     def values(work: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return _int8_values_into(work, q[start:stop], scales[start // block_size : -(-stop // block_size)], block_size)
 
@@ -610,8 +607,7 @@ def quantize_1bit_triton(
 # Packing: the (n,) bool mask viewed as int64 holds 8 consecutive elements, element 8j + i in byte i (0 or
 # 1). Multiplying by this constant moves byte i's bit to bit 56 + i: the shifted copies land on distinct bit
 # positions, so nothing carries, and bits 56-63 are exactly the packed byte (read with >> 56, keeping the low
-# byte). 3 passes over n bytes: 16.8 ms for the old int32 multiply-and-sum per byte, 5.7 ms for the
-# baseline's uint8 shift-and-sum, 0.5 ms this way.
+# byte). 3 passes over n bytes, where an int32 multiply-and-sum or a uint8 shift-and-sum per byte took many.
 _PACK_BITS = 0x0102040810204080
 # Unpacking: row b holds the 8 sign words of byte b (bit i set -> 0x80000000 at column i). XOR-ing a scale's
 # bit pattern into them gives scale * (1 - 2 * bit) exactly (a sign flip), as the int32 view of fp32 values
@@ -649,7 +645,7 @@ def _1bit_signs_rows(acc: torch.Tensor, bits: torch.Tensor, sums: torch.Tensor) 
 def _1bit_residual_rows(acc: torch.Tensor, negative: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:
     """``acc -= scale * (1 - 2 * negative)`` in place (the subtraction rounds once; the signed scale is exact)."""
     # The signed scale is built as int32 bits in the scratch buffer (bool -> int32, << 31, xor the scale):
-    # 1.1 ms, where torch.where(negative, -scale, scale) takes 10 ms and a float 1 - 2 * negative 2.2 ms.
+    # cheaper on CPU than torch.where(negative, -scale, scale) or a float 1 - 2 * negative.
     signed = work.view(torch.int32)
     signed.copy_(negative)
     signed.bitwise_left_shift_(31)
@@ -665,9 +661,8 @@ def quantize_1bit_reference(
     Same bits; the scales (a sum of up to 4096 terms) differ from the kernel's by the summation order,
     a few fp32 ulps.
     """
-    # 60.8 ms -> 6.9-9.6 ms at 4M elements, baseline 19-26 ms in the same runs (speedup 2.7): acc formed in
-    # the residual, whole blocks viewed rather than padded, the int64 bit packing and the int32 signed scales
-    # above, all in one scratch buffer.
+    # acc formed in the residual, whole blocks viewed rather than padded, the int64 bit packing and the int32
+    # signed scales above, all in one scratch buffer.
     n = grad.numel()
     nbytes = (n + 7) // 8
     nblocks = _num_blocks(n, block_size)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import workloads as W
 from gpudist import cli
 from gpudist.bench import gpu as G
+from gpudist.bench import workloads as W
 
 from .fakenccl import FakeNccl, run_nccl
 
@@ -117,8 +117,7 @@ def test_kernel_op_error_is_a_row_and_the_others_run(monkeypatch):
 
 
 def _host_rows(comm):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.host_overhead import cuda_call_rows
+    from gpudist.bench.host_calls import cuda_call_rows
 
     return cuda_call_rows(comm, calls=5, rounds=1, device="cpu")
 

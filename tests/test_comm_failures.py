@@ -488,3 +488,43 @@ def test_gloo_abort_releases_a_chain_of_waits_on_live_peers():
         assert "closed its connection" in results[r]["error"] and "timed out" not in results[r]["error"], results[r]
     for r in range(3):
         assert "unusable" in results[r]["again"], results[r]
+
+
+def _agreed_ops(comm) -> dict:
+    t = torch.ones(3)
+    before = comm.stats.check_calls
+    comm.all_reduce(t)
+    checked = comm.stats.check_calls - before
+    before = comm.stats.check_calls
+    comm.agreed.all_reduce(t)
+    comm.agreed.broadcast(t, src=0)
+    out = torch.zeros(3 * comm.world_size)
+    comm.agreed.all_gather(t, out)
+    agreed = comm.stats.check_calls - before
+    try:
+        comm.agreed.all_reduce(t, "no-such-op")
+        refused = None
+    except (TypeError, ValueError) as e:
+        refused = type(e).__name__
+    return {
+        "checked": checked,
+        "agreed": agreed,
+        "validate_after": comm.validate,
+        "refused": refused,
+        "reads_through": comm.agreed.world_size == comm.world_size and comm.agreed.rank == comm.rank,
+        "same_handle": comm.agreed is comm.agreed,
+        "sum": t.tolist(),
+    }
+
+
+@pytest.mark.parametrize("backend", ["gloo", "inmemory"])
+def test_agreed_ops_skip_the_signature_check_and_restore_it(backend):
+    """``comm.agreed`` runs each op as inside ``unchecked()``. Catches an agreed op that still runs the cross-rank
+    check (a round trip per op on Gloo), one that leaves ``validate`` off for the ops after it (also when the op
+    raises on a bad argument), and attributes that do not read through to the backend."""
+    for r in run_ranks(_agreed_ops, 2, backend):
+        if backend == "gloo":
+            assert r["checked"] == 1 and r["agreed"] == 0, r
+        assert r["validate_after"] is True and r["refused"] == "ValueError", r
+        assert r["reads_through"] and r["same_handle"], r
+        assert r["sum"] == [4.0, 4.0, 4.0], r  # two all-reduces of ones over 2 ranks, then rank 0's broadcast

@@ -22,24 +22,10 @@ from gpudist.checkpoint import CheckpointWrite, remove_stale_staging
 from gpudist.elastic import elastic_classes
 from gpudist.testing import elastic_job, free_port, run_ranks
 
+from .helpers_elastic import reference
 from .tolerances import assert_matches_reference, reference_pair
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def reference(steps: int, dtype=torch.float32) -> torch.Tensor:
-    """``elastic_job.reference(steps)`` (single-process training on the global batch) in ``dtype``."""
-    model = elastic_job.build_model().to(dtype)
-    opt = elastic_job.make_optimizer(model.parameters())
-    for step in range(steps):
-        x, y = (t.to(dtype) for t in elastic_job.batch(step))
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    if dtype == torch.float32:  # the same steps as the job's own reference, bit for bit
-        assert torch.equal(flat, elastic_job.reference(steps))
-    return flat
 
 
 def _train(comm, root: str, until: int, every: int, zero_stage: int, finish: bool, lr_scaling=None):

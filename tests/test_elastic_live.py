@@ -26,7 +26,7 @@ from gpudist.live import STORE_ENV, Membership, MembershipService, newest_covere
 from gpudist.testing import elastic_job
 from gpudist.testing.live_job import TINY_BUCKETS, Faults, FaultyTrainer
 
-from .test_elastic import reference
+from .helpers_elastic import reference
 from .tolerances import assert_matches_reference
 
 pytestmark = pytest.mark.faults

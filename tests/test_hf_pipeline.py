@@ -27,16 +27,13 @@ from gpudist import HybridShardedModel, HybridShardedOptimizer, PipelineParallel
 from gpudist.checkpoint import read_manifest
 from gpudist.testing import run_ranks
 
-from .hf_models import SEQ, requires_transformers, tiny_gpt2, tiny_llama, token_batch
+from .helpers_hf_pipeline import STEPS, batch, flat
+from .hf_models import SEQ, requires_transformers, tiny_gpt2, tiny_llama
 from .tolerances import assert_matches_reference, reference_pair
 
 pytestmark = requires_transformers
 
-STEPS, BATCH, MICRO = 3, 8, 4
-PADS = [1, 6, 2, 5, 3, 4, 6, 1]
-"""Left padding per sequence (right padding would go unseen: causal attention never looks past a token): every
-pair of sequences (one micro-batch of 2) counts 25 labels, so the mean of the micro-batches' mean losses is the
-batch's mean (the contract of train_step with a per-token mean loss)."""
+MICRO = 4
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -53,27 +50,6 @@ def build(name: str, dtype: torch.dtype = torch.float32) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return net
-
-
-def batch(step: int, padded: bool = False, rank: int = 0, world: int = 1) -> tuple[dict, torch.Tensor]:
-    """Inputs and labels of ``step`` (this replica's slice): token ids, with ``padded`` a left-padded batch whose
-    padding is masked in attention and ignored (-100) in the labels."""
-    ids = token_batch(step, size=BATCH)
-    inputs, labels = {"input_ids": ids}, ids.clone()
-    if padded:
-        mask = torch.ones_like(ids)
-        for row, pad in enumerate(PADS):
-            if pad:
-                mask[row, :pad] = 0
-        inputs = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
-        labels = labels.masked_fill(mask == 0, -100)
-    per = BATCH // world
-    return {k: v[rank * per : (rank + 1) * per] for k, v in inputs.items()}, labels[rank * per : (rank + 1) * per]
-
-
-def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Every floating entry of a state dict, in name order, as one float64 vector."""
-    return torch.cat([state[k].detach().double().reshape(-1) for k in sorted(state) if state[k].is_floating_point()])
 
 
 def reference(name: str, padded: bool = False, use_mask: bool = True, dtype=torch.float32):

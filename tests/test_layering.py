@@ -1,5 +1,7 @@
 """The import graph of gpudist follows the layer order of docs/architecture.md, has no cycle, and no module imports a
-private name from another package.
+private name from another package; no module under tests/ imports a test module (shared helpers live in
+tests/helpers*.py). No gpudist module imports the repository's own packages (benchmarks/, tests/, examples/), which an
+installed gpudist does not have.
 
 Read from the source (every ``import`` statement, at any depth: a function-level import that reaches upward is as much
 a layering break as a module-level one), so the test needs nothing importable and fails before anything runs.
@@ -77,6 +79,32 @@ def _imports(name: str) -> list[tuple[str, str, int]]:
     return out
 
 
+REPOSITORY_ONLY = ("benchmarks", "examples", "tests")
+"""Top-level packages of the checkout that pip does not install: a gpudist module importing one works in the checkout
+and fails once installed."""
+IMPORT_CALLS = ("import_module", "__import__")
+"""Calls that import the module named by their first argument (``importlib.import_module("benchmarks.workloads")``)."""
+
+
+def _repository_imports(name: str) -> list[tuple[str, int]]:
+    """(the import, as written, line) for every import of a REPOSITORY_ONLY package in module ``name``: import
+    statements at any depth, and the calls of IMPORT_CALLS with the module's name spelled out."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    found = []  # (imported module, the import as written, line)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, f"import {alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = ", ".join(alias.name for alias in node.names)
+            found.append((node.module or "", f"from {node.module} import {names}", node.lineno))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in IMPORT_CALLS and isinstance(node.args[0].value, str):
+                found.append((node.args[0].value, f"{called}({node.args[0].value!r})", node.lineno))
+    return [(text, line) for module, text, line in found if module.partition(".")[0] in REPOSITORY_ONLY]
+
+
 def _layer(name: str) -> int:
     """The layer of the most specific prefix of ``name`` listed in LAYERS."""
     best, layer = -1, None
@@ -144,3 +172,58 @@ def test_no_private_name_crosses_a_package():
             if private and home != _package(name) and not home.startswith(_package(name) + "."):
                 crossings.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {imported or target} from {home}")
     assert not crossings, "private names imported across packages:\n" + "\n".join(crossings)
+
+
+def test_no_module_imports_the_repository():
+    """Catches gpudist importing the repository's benchmarks/ (or tests/, examples/), which ``pip install gpudist``
+    does not install: ``gpudist bench gpu`` imported benchmarks.workloads, .peers, .gate and .host_overhead inside its
+    parts, after putting the checkout on sys.path, so an installed copy could not run them. What the package needs
+    lives in it (gpudist/bench/workloads.py, peers.py, host_calls.py, gate.py); benchmarks/ imports from there."""
+    found = [
+        f"{MODULES[name].relative_to(ROOT)}:{line}: {text}"
+        for name in MODULES
+        for text, line in _repository_imports(name)
+    ]
+    assert not found, (
+        "gpudist modules importing the repository's own packages (not installed with gpudist; move what they need "
+        "into the package):\n" + "\n".join(found)
+    )
+
+
+def _test_modules_imported(path: Path) -> list[tuple[str, int]]:
+    """(imported test module, line) for every import in ``path`` (a file under tests/) that names a ``test_*``
+    module: ``from .test_x import``, ``from . import test_x``, ``from tests.test_x import``, ``import tests.test_x``."""
+    package = list(path.parent.relative_to(ROOT).parts)
+
+    def is_test_module(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "tests" and any(part.startswith("test_") for part in parts[1:])
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names if is_test_module(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            if is_test_module(source):
+                found.append((source, node.lineno))
+            elif (ROOT / source.replace(".", "/")).is_dir():  # ``from . import test_x``: a module of a package
+                found += [
+                    (f"{source}.{a.name}", node.lineno) for a in node.names if is_test_module(f"{source}.{a.name}")
+                ]
+    return found
+
+
+def test_test_modules_do_not_import_one_another():
+    """Catches a module under tests/ importing a test module (``from .test_pipeline import lm``, as the interleaved
+    and zero-bubble pipeline tests and the live elastic tests once did) instead of sharing through tests/helpers*.py:
+    running one test file then runs another's module-level code (its imports, the models it builds at import), a
+    helper private to one file becomes another's dependency that a rename there breaks, and an imported ``test_*``
+    function is collected and run twice."""
+    crossings = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}; move what it shares into tests/helpers*.py"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for target, line in _test_modules_imported(path)
+    ]
+    assert not crossings, "test modules imported by other modules under tests/:\n" + "\n".join(crossings)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gpudist
-from examples.lm import TinyLM, as_sequential, lm_loss
+from examples.lm import lm_loss
 from gpudist import PipelineParallelModel, ShardingConfiguration
 from gpudist.strategies.layout import ParallelLayout
 from gpudist.strategies.pipeline import partition_blocks, schedule_bubble, stage_schedule
@@ -33,6 +32,7 @@ from .helpers import (
     pipeline_train_varying,
     varying_batch,
 )
+from .helpers_pipeline import lm, lm_batch
 from .tolerances import assert_matches_reference, reference_pair
 
 # ------------------------------------------------------------------------------------------------- splitting, layout
@@ -206,16 +206,6 @@ def test_activation_shape_changes_between_steps(backend, stages, micro):
     want = reference_pair(pipeline_reference, steps=4, batch=varying_batch)
     for params, losses in run_ranks(pipeline_train_varying, stages, backend, stages=stages, micro=micro):
         check_training(params, losses, want)
-
-
-def lm() -> nn.Sequential:
-    return as_sequential(TinyLM(32, 16, n_layers=3, n_heads=2, seq_len=8, seed=0))
-
-
-def lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 32, (8, 9), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 @pytest.mark.parametrize("world", [2, 3])

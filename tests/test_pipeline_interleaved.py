@@ -10,7 +10,6 @@ float64 one (tests/tolerances.py).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -18,22 +17,16 @@ import torch
 import torch.nn.functional as F
 
 import gpudist
+from examples.lm import lm_loss
 from gpudist import PipelineParallelModel, ShardingConfiguration
-from gpudist.checkpoint import read_manifest
 from gpudist.strategies.pipeline import schedule_bubble, stage_schedule
 from gpudist.testing import run_ranks
 
 from .fakenccl import FakeNccl, run_nccl
-from .helpers import _mlp, check_training, global_batch, pipeline_reference, pipeline_train
-from .test_pipeline import lm, lm_batch, lm_loss
-from .tolerances import assert_matches_reference, reference_pair
-
-_DEEP = _mlp(8)
-
-
-def deep() -> torch.nn.Sequential:
-    """8 blocks: 4 chunks of 2 at p=2, 8 chunks of 1 at p=4 (a copy: in-memory ranks are threads)."""
-    return copy.deepcopy(_DEEP)
+from .helpers import check_training, pipeline_reference, pipeline_train, varying_batch
+from .helpers_hf_pipeline import STEPS, batch, check_llama_pipeline, llama4
+from .helpers_pipeline import construction_errors, deep, lm, lm_batch
+from .tolerances import reference_pair
 
 
 def in_flight_bound(p: int, v: int, rank: int, micro: int) -> int:
@@ -128,10 +121,6 @@ def varying_training(comm, virtual_stages: int = 2):
     return model.gather_full_parameters(), losses
 
 
-def varying_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return global_batch(step, n=[16, 8, 8, 24][step])
-
-
 @pytest.mark.parametrize(("backend", "virtual_stages"), [("inmemory", 2), ("gloo", 2), ("nccl", 3)])
 def test_interleaved_shape_changes_between_steps(backend, virtual_stages):
     """Batches of 16, 8, 8, 24 with predict() between steps, 2 ranks (Gloo: real processes; simulated NCCL with
@@ -151,31 +140,7 @@ def test_interleaved_shape_changes_between_steps(backend, virtual_stages):
 # ------------------------------------------------------------------------------------------------- Hugging Face
 
 
-def llama4(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from .hf_models import tiny_llama
-
-    return tiny_llama(tied=True, layers=4, dtype=dtype)
-
-
-def llama_reference(dtype=torch.float32):
-    from .test_hf_pipeline import STEPS, batch, flat
-
-    net = llama4(dtype)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        inputs, labels = batch(step, padded=True)
-        loss = net(**inputs, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return flat(net.state_dict()), losses
-
-
 def llama_training(comm, save_to: Path):
-    from .test_hf_pipeline import STEPS, batch
-
     model = PipelineParallelModel(llama4(), ShardingConfiguration(comm), micro_batches=4, schedule="interleaved")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = [model.train_step(*batch(step, padded=True), None, opt) for step in range(STEPS)]
@@ -195,36 +160,7 @@ def test_hf_llama_interleaved_matches_single_process_and_checkpoints(tmp_path):
     check_llama_pipeline(results, tmp_path / "pipe")
 
 
-def check_llama_pipeline(results: list[tuple], saved: Path) -> None:
-    """Every rank's ``(full state, losses, ...)`` equals one process's training of :func:`llama4`, and the checkpoint
-    at ``saved`` lists the model's own parameter names and loads into the plain model."""
-    from .test_hf_pipeline import flat
-
-    (want32, losses32), (want64, losses64) = reference_pair(llama_reference)
-    for state, losses, *_ in results:
-        assert sorted(state) == sorted(llama4().state_dict())
-        assert_matches_reference(flat(state), want32, want64, what="parameters")
-        assert_matches_reference(losses, losses32, losses64, what="losses")
-    names = sorted(row["name"] for row in read_manifest(saved)["parameters"])
-    assert names == sorted(n for n, _ in llama4().named_parameters())
-    fresh = llama4()
-    gpudist.load_checkpoint(saved, fresh)
-    state = results[0][0]
-    assert all(torch.equal(fresh.state_dict()[k].to(v.device), v) for k, v in state.items())
-
-
 # ------------------------------------------------------------------------------------------------------------ errors
-
-
-def construction_errors(comm, settings: list[dict]) -> list[str]:
-    """The error text of wrapping :func:`deep` with each of ``settings`` (each must be refused)."""
-    config = ShardingConfiguration(comm)
-    errors = []
-    for kwargs in settings:
-        with pytest.raises(ValueError) as info:
-            PipelineParallelModel(deep(), config, **kwargs)
-        errors.append(str(info.value))
-    return errors
 
 
 def test_interleaved_refuses_bad_settings_up_front():

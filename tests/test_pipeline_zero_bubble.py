@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpudist
+from examples.lm import lm_loss
 from gpudist import PipelineParallelModel, ShardingConfiguration
 from gpudist.strategies.pipeline import ALL_SCHEDULES, schedule_bubble, stage_schedule
 from gpudist.strategies.pipeline.backward import SplitBackward
@@ -30,8 +31,8 @@ from gpudist.testing import run_ranks
 
 from .fakenccl import AsyncRuntime, FakeNccl, count_host_syncs, run_nccl
 from .helpers import check_training, global_batch, hybrid_check, hybrid_train, pipeline_reference, pipeline_train
-from .test_pipeline import lm, lm_batch, lm_loss
-from .test_pipeline_interleaved import check_llama_pipeline, construction_errors, deep, llama4
+from .helpers_hf_pipeline import STEPS, batch, check_llama_pipeline, llama4
+from .helpers_pipeline import construction_errors, deep, lm, lm_batch
 from .tolerances import reference_pair
 
 NEW = ("zero_bubble", "zbv", "dualpipev")
@@ -368,8 +369,6 @@ def test_zbv_in_pipeline_by_tensor_hybrid():
 
 
 def llama_training(comm, save_to, schedule):
-    from .test_hf_pipeline import STEPS, batch
-
     model = PipelineParallelModel(llama4(), ShardingConfiguration(comm), micro_batches=4, schedule=schedule)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = [model.train_step(*batch(step, padded=True), None, opt) for step in range(STEPS)]

@@ -20,10 +20,13 @@ CUDA error or a hang in one is recorded as that part's error and the parts after
   algbw and busbw as nccl-tests defines them. World size: every visible GPU, one spawned rank each.
 - ``strategies``: step times of gpudist DDP and FSDP against torch DDP (``gradient_as_bucket_view=True``,
   ``static_graph=True``, fused AdamW) and FSDP2 (``fully_shard`` per unit and the root, fused AdamW) on the models of
-  ``benchmarks/workloads.py``, gpudist over its NCCL backend and torch over its own NCCL process group, every GPU
+  ``gpudist.bench.workloads``, gpudist over its NCCL backend and torch over its own NCCL process group, every GPU
   one rank.
 - ``gate``: the pytest-benchmark tier's CUDA cases against ``benchmarks/baselines/<device kind>.json``
   (benchmarks/gate.py); a device kind without a baseline is measured and reported, not gated.
+
+The test parts and ``gate`` run pytest in the repository (``--repo``, or found from the working directory); every
+other part runs from the installed package alone.
 
 ``--parts tests`` stands for the four test parts. Each test runs under pytest-timeout (``--test-timeout``, where
 pytest-timeout is installed), so a hanging test costs its own timeout; a part past its time limit gets SIGINT
@@ -68,6 +71,8 @@ from pathlib import Path
 import torch
 
 from ..fileio import atomic_write_json
+from . import peers
+from . import workloads as W
 from .collectives import (
     BUS_FACTORS,
     collective_buffers,
@@ -163,7 +168,7 @@ class GPUSettings:
     collective_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
     """Collective sizes in bytes (fp32): 64 KiB is latency-bound, 256 MiB saturates NVLink."""
     workloads: tuple[str, ...] = ("mlp", "gpt", "gpt-d1024")
-    """Models from ``benchmarks/workloads.py`` for the strategy step times."""
+    """Models from ``gpudist.bench.workloads`` for the strategy step times."""
     batch: dict[str, int] = field(default_factory=lambda: {"mlp": 256, "gpt": 8, "gpt-deep": 8, "gpt-d1024": 8})
     """Samples per rank per step on the GPU (GPT: sequences of 128 tokens, gpt-d1024 of 512); the CPU benchmarks'
     batches (32, 2) leave an H100 idle between launches."""
@@ -198,7 +203,8 @@ class GPUSettings:
     autocast since (six variants of 185M parameters, each with its Adam state: about 25 GB; its time on a GPU is not
     measured yet, hence the wider limit)."""
     repo: str | None = None
-    """The repository root (holding ``tests/`` and ``benchmarks/``); None: found from the working directory."""
+    """The repository root (holding ``tests/`` and ``benchmarks/``), where the test parts and the gate run pytest;
+    None: found from the working directory."""
 
 
 def find_repo(start: Path | None = None) -> Path | None:
@@ -211,12 +217,11 @@ def find_repo(start: Path | None = None) -> Path | None:
 
 
 def _repo(settings: GPUSettings) -> Path:
+    """The checkout a part runs pytest in (the test parts, the gate); nothing of it is imported here."""
     if settings.repo is None:
         raise RuntimeError(
             "this part needs the gpudist repository (tests/, benchmarks/); run from its root or pass --repo"
         )
-    if settings.repo not in sys.path:
-        sys.path.insert(0, settings.repo)
     return Path(settings.repo)
 
 
@@ -481,19 +486,17 @@ HOST_CALLS = 200
 
 
 def _host_body(gloo, nccl, settings: GPUSettings) -> dict[str, dict]:
-    _repo(settings)
-    from benchmarks.host_overhead import cuda_call_rows
+    from .host_calls import cuda_call_rows
 
     return cuda_call_rows(nccl, HOST_CALLS, settings.rounds)
 
 
 def host_part(settings: GPUSettings) -> dict:
-    """Host microseconds per call on the GPU (``benchmarks/host_overhead.py``'s calls, CUDA and NCCL real): pack of
+    """Host microseconds per call on the GPU (``gpudist.bench.host_calls``, CUDA and NCCL real): pack of
     30 and 300 tensors, the Adam step and one all-reduce, each through gpudist's function, its plan, and as torch
     or raw CuPy do it, interleaved. World size 1: only the host's time is measured."""
     from ..launch import spawn
 
-    _repo(settings)
     _cupy_nccl()
     rows = spawn(on_nccl, 1, body=_host_body, settings=settings, timeout=settings.timeouts["host"])[0]
     return {"world_size": 1, "calls": HOST_CALLS, "rounds": settings.rounds, "us_per_call": rows}
@@ -513,9 +516,6 @@ def _strategy_variants(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
-
-    from benchmarks import peers
-    from benchmarks import workloads as W
 
     from ..config import ShardingConfiguration
     from ..strategies import DATA_PARALLEL_PAIRS
@@ -637,8 +637,6 @@ def strategy_rows(
     """On every rank: median step time of each variant (interleaved rounds, each at its slowest rank), the loss each
     reached after the same number of steps (the variants train the same function, so these agree to rounding),
     and peer time / gpudist time (> 1: gpudist faster). ``autocast``: forward and loss under that dtype."""
-    from benchmarks import workloads as W
-
     generator = torch.Generator().manual_seed(1234 + comm.rank)  # each rank its own batch, as benchmarks/peers.py
     x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
     steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides, autocast)
@@ -664,7 +662,6 @@ def strategy_rows(
 def _strategies_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     import torch.distributed as dist
 
-    _repo(settings)
     group = dist.new_group(backend="nccl", device_id=nccl.device)
     rows = []
     for workload in settings.workloads:
@@ -693,7 +690,6 @@ def _strategies_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
 def strategies_part(settings: GPUSettings) -> dict:
     from ..launch import spawn
 
-    _repo(settings)
     world = _world(settings)
     timeout = settings.timeouts["strategies"]
     rows = spawn(on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
@@ -748,8 +744,6 @@ def profile_rows(
     on the thread that launches backward), the GPU's busy share of a profiled step (union of kernel intervals over
     the wall), and the operators with the most self CPU time. One variant after the other, ``steps`` each."""
     from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks import workloads as W
 
     cuda = device.type == "cuda"
 
@@ -809,7 +803,6 @@ def profile_rows(
 def _profile_body(gloo, nccl, settings: GPUSettings) -> dict:
     import torch.distributed as dist
 
-    _repo(settings)
     group = dist.new_group(backend="nccl", device_id=nccl.device)
     autocast = settings.autocast.get(PROFILE_WORKLOAD)
     return profile_rows(
@@ -829,7 +822,6 @@ def profile_part(settings: GPUSettings) -> dict:
     step's host time goes, and how much of the step the GPU is busy."""
     from ..launch import spawn
 
-    _repo(settings)
     _cupy_nccl()
     return spawn(on_nccl, 1, body=_profile_body, settings=settings, timeout=settings.timeouts["profile"])[0]
 
@@ -844,18 +836,18 @@ def gate_part(settings: GPUSettings) -> dict:
     import json
     import tempfile
 
-    repo = _repo(settings)
-    from benchmarks import gate
+    from .gate import device_kind, records_from_json
 
-    kind = gate.device_kind(torch.device("cuda"))
-    gated = (gate.BASELINES / f"{kind}.json").is_file()
+    repo = _repo(settings)  # pytest runs benchmarks/ there, gated against the baselines stored beside it
+    kind = device_kind(torch.device("cuda"))
+    gated = (repo / "benchmarks" / "baselines" / f"{kind}.json").is_file()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "pytest", "benchmarks/", "--benchmark-only", "-k", "cuda", "-q"]
         cmd += ["-p", "no:cacheprovider", f"--benchmark-json={out}"]
         cmd += ["--gate"] if gated else ["--gate-write", f"--gate-baselines={tmp}"]
         code, tail = _run_streaming(cmd, repo, max(1.0, settings.timeouts["gate"] - 5), grace=5)
-        records = gate.records_from_json(json.loads(out.read_text())) if out.is_file() else []
+        records = records_from_json(json.loads(out.read_text())) if out.is_file() else []
     if code is None or not records:
         raise RuntimeError(
             f"the benchmark tier {'was stopped at the part limit' if code is None else 'measured nothing'}:\n{tail}"
@@ -995,9 +987,6 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
             raise ValueError(f"unknown kernel op(s) {unknown}; available: {', '.join(OPS)}")
 
     def workloads() -> None:
-        _repo(settings)
-        W = importlib.import_module("benchmarks.workloads")
-        importlib.import_module("benchmarks.peers")
         unknown = [w for w in settings.workloads if w not in W.WORKLOADS]
         if unknown:
             raise ValueError(f"unknown workload(s) {unknown}; available: {', '.join(W.WORKLOADS)}")
@@ -1028,10 +1017,7 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
             ("kernel ops", kernel_ops),
         ],
         "collectives": [("cupy.cuda.nccl", _cupy_nccl)],
-        "host": [
-            ("cupy.cuda.nccl", _cupy_nccl),
-            ("benchmarks/host_overhead.py", repo_file("benchmarks/host_overhead.py")),
-        ],
+        "host": [("cupy.cuda.nccl", _cupy_nccl)],
         "strategies": [
             ("cupy.cuda.nccl", _cupy_nccl),
             ("torch NCCL", torch_nccl),
@@ -1040,7 +1026,7 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
                 "DeviceMesh.from_group",
                 lambda: importlib.import_module("torch.distributed.device_mesh").DeviceMesh.from_group,
             ),
-            ("benchmarks.workloads", workloads),
+            ("workloads", workloads),
         ],
     }
     checks["profile"] = [*checks["strategies"], ("torch.profiler", lambda: importlib.import_module("torch.profiler"))]
@@ -1346,7 +1332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elements", default=None, help="kernel sizes in elements (default 4M,16M,64M)")
     parser.add_argument("--kernel-ops", default=None, help="subset of the kernel ops (default all)")
     parser.add_argument("--bytes", default=None, help="collective sizes in bytes (default 64K,1M,16M,256M)")
-    parser.add_argument("--workloads", default=None, help=f"benchmarks/workloads.py models (default {d.workloads})")
+    parser.add_argument("--workloads", default=None, help=f"gpudist.bench.workloads models (default {d.workloads})")
     parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {d.rounds})")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps per round (default {d.steps})")
     parser.add_argument("--world-size", type=int, default=None, help="ranks (default: every visible GPU)")

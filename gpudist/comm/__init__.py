@@ -2,6 +2,7 @@
 
 from .base import (
     DEFAULT_TIMEOUT,
+    AgreedOps,
     CollectiveMismatchError,
     CommStats,
     CommunicationBackend,
@@ -20,6 +21,7 @@ from .inmemory import InMemoryCommunicationBackend
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AgreedOps",
     "CollectiveMismatchError",
     "CommStats",
     "CommunicationBackend",

@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AgreedOps",
     "CollectiveMismatchError",
     "CommStats",
     "CommunicationBackend",
@@ -1066,6 +1067,22 @@ class CommunicationBackend(ABC):
             self.validate = previous
 
     @property
+    def agreed(self) -> AgreedOps:
+        """This group's ops for calls that agree on every rank by construction: a strategy's per-step traffic over
+        buffers laid out from a model whose names, shapes and dtypes were checked across ranks when it was wrapped,
+        or a scalar every rank reduces. Each op runs without the cross-rank signature check, as inside
+        :meth:`unchecked` (saving its small-message round trip); a mismatch there is not caught. Anything else (the
+        group's own attributes) reads through to the backend.
+
+        Returns:
+            The group's :class:`AgreedOps` (one per backend).
+        """
+        ops = self.__dict__.get("_agreed")
+        if ops is None:
+            ops = self.__dict__["_agreed"] = AgreedOps(self)
+        return ops
+
+    @property
     def healthy(self) -> bool:
         """False once an op failed in a way that leaves the group unusable (timeout, dead peer)."""
         return self._broken is None
@@ -1101,7 +1118,7 @@ class CommunicationBackend(ABC):
         if self._broken is not None:
             self._raise_if_broken(op)
         self.stats.record(op, nbytes)
-        try:  # as _failures, inline: every collective passes here (a generator context manager costs ~1 us)
+        try:  # as _failures, inline: every collective passes here (not a generator context manager: more calls)
             work = start()
         except RuntimeError as e:
             raise self._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
@@ -1202,3 +1219,47 @@ def stable_hash(values: Sequence[int]) -> int:
     for v in values:
         h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)
     return h
+
+
+class AgreedOps:
+    """A backend's ops without the cross-rank signature check (:attr:`CommunicationBackend.agreed`): the calls
+    whose agreement the caller's construction guarantees, said once where the handle is taken instead of with an
+    ``unchecked()`` block at every call."""
+
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: CommunicationBackend):
+        self._backend = backend
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def __repr__(self) -> str:
+        return f"{self._backend!r}.agreed"
+
+
+def _agreed_op(name: str) -> Callable[..., Work | None]:
+    def op(self: AgreedOps, *args, **kwargs):
+        backend = self._backend
+        previous, backend.validate = backend.validate, False
+        try:
+            return getattr(backend, name)(*args, **kwargs)
+        finally:
+            backend.validate = previous
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f":meth:`CommunicationBackend.{name}` without the cross-rank signature check."
+    return op
+
+
+for _name in (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "send",
+    "recv",
+    "batch_send_recv",
+    "all_to_all",
+):
+    setattr(AgreedOps, _name, _agreed_op(_name))

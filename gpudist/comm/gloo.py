@@ -591,9 +591,9 @@ class GlooCommunicationBackend(CommunicationBackend):
             return self._shm.all_reduce(tensor, op)
         return self._work(self._gloo.allreduce([tensor], self._opts(AllreduceOptions, reduceOp=_TORCH_OPS[op])))
 
-    # Gloo's own reduce-scatter and all-gather are the slow ones here: on 2-4 loopback processes (torch 2.13,
-    # 80 MB fp32, 2-core VM) ``_reduce_scatter_base`` took 130-330 ms where an all-reduce of the same buffer took
-    # 57-135 ms, and ``_allgather_base`` 86-240 ms where one broadcast per rank's range took 27-73 ms. So the
+    # Gloo's own reduce-scatter and all-gather are the slow ones here: on 2-4 loopback processes
+    # ``_reduce_scatter_base`` took about twice an all-reduce of the same buffer, and ``_allgather_base`` about three
+    # times one broadcast per rank's range (docs/results.md, "Collectives"). So the
     # reduce-scatter all-reduces a scratch copy and keeps this rank's range, and the all-gather broadcasts each
     # rank's range straight into ``out``. Both take uneven ranges with no padding. ``python -m
     # benchmarks.collectives`` measures them against torch.distributed's calls in one run. A caller done with its

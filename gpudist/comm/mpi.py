@@ -1,8 +1,9 @@
 """MPI backend: CPU tensors between processes started by ``mpirun``/``mpiexec``/``srun``, through ``mpi4py``.
 
 Tensors go to MPI as numpy views of their memory (no copy). Collectives run in issue order on one communication
-thread per backend, with MPI's blocking calls: Open MPI's tuned blocking algorithms measured 5-80x faster here
-than its non-blocking (``Iallreduce``...) ones, which also only progress while someone polls. So ``async_op=True``
+thread per backend, with MPI's blocking calls: Open MPI's tuned blocking algorithms measured several times faster
+than its non-blocking (``Iallreduce``...) ones (docs/results.md, "MPI"), which also only progress while someone
+polls. So ``async_op=True``
 overlaps for real (the thread communicates while the caller computes; mpi4py releases the GIL), and a blocking
 op waits for the thread at most ``timeout`` seconds, then raises :class:`CommunicationTimeoutError` naming op,
 group and rank and marks the backend unusable (the thread stays stuck in MPI: end the job with :meth:`abort`).

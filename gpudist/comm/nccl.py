@@ -144,12 +144,9 @@ class _CudaRuntime:
     is looked up by its id (a tuple from torch's C lookup, the one ``current_stream`` itself makes) among the streams
     met so far, and the hand-over reuses one event: a stream's wait takes the event's state when it is enqueued, not
     later records (CUDA's ``cudaStreamWaitEvent``). Ops of one backend are issued by one thread at a time (NCCL needs
-    the same issue order on every rank anyway), so one hand-over event is not recorded by two ops at once.
-
-    Measured on an H200's host (torch 2.11, CuPy 14.2, NCCL 2.28.9, 2026-11-28, world size 1, the issuing thread
-    pinned to one core): ``current_stream()`` 6.7 us against 0.3 us for the C lookup, ``wait_stream`` 7.8 us against
-    4.1 us for the hand-over event's record and wait; a planned all-reduce's start and wait 19.0 us before, 8.0 us
-    after, and the raw CuPy call with torch's own hand-over (``wait_stream``, a new event, ``wait_event``) 8.3 us."""
+    the same issue order on every rank anyway), so one hand-over event is not recorded by two ops at once. (On an
+    H200's host this took a planned all-reduce from more than twice the raw CuPy call with torch's own hand-over to
+    about the same: docs/results.md, "On a GPU".)"""
 
     def __init__(self, device: int | torch.device | None, group: str, rank: int):
         if not torch.cuda.is_available():
@@ -253,9 +250,9 @@ def _runtime(device: int | torch.device | None, group: str, rank: int) -> _CudaR
 
 _EVENT_POOL = 1024
 """Free events a runtime keeps for reuse (more ops than this in flight at once create new ones). The watchdog gives
-events back every 50 ms, and a host-bound loop issues hundreds of small ops in that time (200 all-reduces back to back
-take 2-4 ms of an H200's host): with a pool of 64, each op of such a burst past the 64th created an event (a
-``cudaEventCreate`` at its record) and the op's retirement destroyed it."""
+events back every 50 ms, and a host-bound loop issues hundreds of small ops in that time: with a pool of 64, each
+op of such a burst past the 64th created an event (a ``cudaEventCreate`` at its record) and the op's retirement
+destroyed it."""
 
 _STREAMS_KEPT = 64
 """Current streams a runtime keeps objects for (torch's pool has 32 per priority and device; past this it starts

@@ -61,10 +61,9 @@ ENV = "GPUDIST_SHM"
 host; unset: :data:`DEFAULT`."""
 
 DEFAULT = True
-"""Whether single-host Gloo groups use shared memory when neither the caller nor :data:`ENV` says. On: on the 2-core
-machine it was measured on, a 26 MB fp32 all-reduce of 2 ranks takes 7 ms wall and CPU against TCP's 18 / 12-15, and
-training steps over it were 1.06-1.23x those over TCP on an idle machine (DDP, ZeRO-1, ZeRO-2; MLP and GPT), at
-parity within the rounds' spread with a third busy process on the 2 cores (``docs/results.md`` has the runs)."""
+"""Whether single-host Gloo groups use shared memory when neither the caller nor :data:`ENV` says. On: measured
+faster than TCP for large all-reduces and for training steps on an idle machine, and at parity with a third busy
+process on the cores (``docs/results.md``, "Shared-memory transport", has the runs)."""
 
 CHUNK_BYTES = 1 << 20
 """Bytes of one slot: the most one rank contributes per chunk. Each chunk costs a sync point, a wait for the slowest

@@ -252,11 +252,9 @@ class AllReduceBuckets(BucketCollective):
         the same order on every rank; the hook returns with the piece reduced."""
         intra, data = self.topology.intra, bucket.grads.data
         piece = self._piece(bucket, data)
-        with intra.unchecked():  # the bucket's layout agrees by construction (checked at wrap time)
-            intra.reduce_scatter(data, piece, ReductionOperation.AVERAGE)
+        intra.agreed.reduce_scatter(data, piece, ReductionOperation.AVERAGE)
         self.hook.all_reduce(bucket.index, piece)
-        with intra.unchecked():
-            return intra.all_gather(piece, data, async_op=True)
+        return intra.agreed.all_gather(piece, data, async_op=True)
 
     def _piece(self, bucket: GradientBucket, like: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``bucket`` (:func:`~gpudist.comm.shard_range` over the node's ranks), a buffer kept
@@ -398,8 +396,8 @@ class DDPModel(ShardedModel):
         broadcast_tensors(comm, trainable)  # rank 0's values; one buffer's views go straight into it
         moved = set(map(id, trainable))
         broadcast_tensors(comm, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in moved])
-        # The buffers forward broadcasts, found once (walking the module tree took ~1 ms a step on a 24-layer GPT);
-        # as torch DDP, buffers registered after wrapping are not broadcast.
+        # The buffers forward broadcasts, found once (not by walking the module tree every step); as torch DDP,
+        # buffers registered after wrapping are not broadcast.
         self._synced_buffers = list(module.buffers()) if self.world_size > 1 else []
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
@@ -516,8 +514,7 @@ class DDPModel(ShardedModel):
         # Buffers (e.g. BatchNorm statistics) follow rank 0 in training only, as torch DDP: predict() and
         # evaluation on a single rank must not start a collective.
         if self._synced_buffers and self.config.broadcast_buffers and self.training and torch.is_grad_enabled():
-            with self.comm.unchecked():  # same model on every rank, checked at wrap time
-                broadcast_tensors(self.comm, self._synced_buffers)
+            broadcast_tensors(self.comm.agreed, self._synced_buffers)
         return self.module(*args, **kwargs)
 
     def _refuse_unused(self, missing: list[tuple[GradientBucket, int]]) -> None:
@@ -569,18 +566,16 @@ class DDPModel(ShardedModel):
 _BATCHED_COPY_DEVICES = {"cuda", "cpu"}
 """Device types whose fresh gradients are copied into their views in one multi-tensor copy per bucket
 (:meth:`AllReduceBuckets._absorb`) rather than one copy per gradient in its hook. On a GPU: one or two launches per
-bucket instead of one per gradient. On the 2-core CPU machine (torch 2.13, 300 tensors of 8x8 and 8, world 1, 15
-interleaved rounds): Python time in backward 3.4 us per parameter batched against 4.2 copied one by one in the
-hook."""
+bucket instead of one per gradient; on the CPU, less Python per parameter inside backward (docs/results.md, "Host
+time")."""
 
 _SCALED_COPY_MIN_NUMEL = 16384
 """Mean elements per gradient from which a bucket folds the 1/N of the average into each gradient's copy into its
 view (``torch.mul(out=)``, no extra pass over the bucket); below it the gradients are copied plain and the bucket is
 all-reduced with AVERAGE (the transport's division: one pass over the bucket, while its chunk is in cache on the
-shared-memory transport). Measured on the 2-core CPU machine (torch 2.13): a ``mul(out=)`` costs the host 3.5 us
-per call, a ``copy_`` 1.1 us, and a division pass about 0.1-0.2 ns per element: the 2.4 us a tensor saves pays for
-a pass over some 16K elements. A 292-tensor GPT of 0.3M parameters (``gpt-host``) copies plain, the 20M MLP's
-1M-element layers scale on the copy."""
+shared-memory transport). The threshold weighs a ``mul(out=)``'s host cost per call above a ``copy_``'s against a
+division pass's cost per element (measured on CPU: docs/results.md, "Host time"). A GPT of hundreds of tiny tensors
+(``gpt-host``) copies plain, the 20M MLP's 1M-element layers scale on the copy."""
 
 
 def _hierarchy(config, hierarchical: bool | Topology, strategy: str) -> Topology | None:

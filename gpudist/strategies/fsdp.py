@@ -444,7 +444,7 @@ class ZeRO3Model(ShardedModel):
         for owners in group.places:
             for mod, attr in owners:
                 # A plain attribute (the parameter left mod._parameters at wrap time): written into the instance
-                # dict directly, as nn.Module.__setattr__ would after ~10 us of checks per tensor per unit and pass.
+                # dict directly, as nn.Module.__setattr__ would after its checks, per tensor per unit and pass.
                 mod.__dict__[attr] = empty
 
     def _install(self, group: _Group) -> None:
@@ -630,8 +630,7 @@ class ZeRO3Model(ShardedModel):
         if self.replicate_group is None:
             self._store_gradient(group, received, slot)
             return
-        with self.replicate_group.unchecked():  # the same unit's shard on every replica, by construction
-            work = self.replicate_group.all_reduce(received, ReductionOperation.SUM, async_op=True)
+        work = self.replicate_group.agreed.all_reduce(received, ReductionOperation.SUM, async_op=True)
         self._replicating.append((group, received, slot, work))
         while len(self._replicating) > self._IN_FLIGHT:
             self._replica_reduced(*self._replicating.pop(0))
@@ -909,8 +908,7 @@ class ZeRO3Model(ShardedModel):
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for grad in grads:
             total += kernels.squared_norm(grad).double()
-        with self.comm.unchecked():  # one float64 on every rank, by construction
-            self.comm.all_reduce(total, ReductionOperation.SUM)
+        self.comm.agreed.all_reduce(total, ReductionOperation.SUM)
         norm = float(total.sqrt())
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:

@@ -297,8 +297,7 @@ class HybridShardedOptimizer(DataParallelWrapper):
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for g in grads:
             total += kernels.squared_norm(g.contiguous()).double()
-        with self.comm.unchecked():  # one float64 on every rank, by construction
-            self.comm.all_reduce(total, ReductionOperation.SUM)
+        self.comm.agreed.all_reduce(total, ReductionOperation.SUM)
         self._norm = total.sqrt_()
         return self._norm
 

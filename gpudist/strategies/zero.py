@@ -1103,7 +1103,8 @@ class _FlatShardOptimizer(ShardedOptimizer):
         return finish
 
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (resharding checkpoints: gpudist.checkpoint, next release).
+        """This rank's shard of the optimizer state, as torch's ``state_dict`` (for checkpoints that load at another
+        world size, use :func:`gpudist.save_checkpoint`, which reshards).
 
         Returns:
             The strategy, world size, rank, owned segments, step counts, state tensors (copies), the wrapped
@@ -1195,8 +1196,7 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
             self._comm_hook.reduce_scatter(0, full, owned)
             return
         kernels.pack(grads, full, scale=1.0 / self.comm.world_size)
-        with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-            self.comm.reduce_scatter(full, owned, ReductionOperation.SUM, scratch_input=True)
+        self.comm.agreed.reduce_scatter(full, owned, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         # fp32: the master is this rank's range of the flat buffer itself, which the all-gather sends in place
@@ -1205,8 +1205,7 @@ class ZeRO1Optimizer(_FlatShardOptimizer):
             plan = self._gather_plan(("gather",), lambda: self.comm.plan_all_gather(flat.numel(), flat.dtype))
             plan.start(self._master, flat).wait()
             return
-        with self.comm.unchecked():
-            self.comm.all_gather(self._master.to(flat.dtype), flat)
+        self.comm.agreed.all_gather(self._master.to(flat.dtype), flat)
 
     def _update_and_gather(self, scale: _Scale) -> None:
         """Fused fp32 path: the flat buffer is one gathered region (:meth:`_update_and_send`)."""
@@ -1305,8 +1304,7 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
             if hook is not None:
                 hook.reduce_scatter(i, sent, out)
             else:
-                with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-                    self.comm.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
+                self.comm.agreed.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
 
     def _gather_parameters(self) -> None:
         dtype, world = self._flat.data.dtype, self.comm.world_size
@@ -1328,8 +1326,7 @@ class ZeRO2Optimizer(_FlatShardOptimizer):
                 src = torch.zeros(part.shard, dtype=dtype, device=region.device)
                 src[: part.owned_numel].copy_(piece)
                 out = torch.empty(world * part.shard, dtype=dtype, device=region.device)
-            with self.comm.unchecked():  # sizes agree by construction (layout checked across ranks when built)
-                self.comm.all_gather(src, out)
+            self.comm.agreed.all_gather(src, out)
             if out is not region:
                 region.copy_(out[: part.numel])
 

@@ -445,8 +445,7 @@ class StepExecutor:
         if self.loss_from is None:
             loss = self.losses.mean().reshape(1)
             if self.data_group is not None:  # the replicas' batches are equal slices: their mean is the global's
-                with self.data_group.unchecked():  # one float64 on every replica, by construction
-                    self.data_group.all_reduce(loss, ReductionOperation.AVERAGE)
+                self.data_group.agreed.all_reduce(loss, ReductionOperation.AVERAGE)
         else:
             self._post({self.loss_from: len(self.streams[self.loss_from]) - 1}, needed=True)
             loss, work = self.received.pop(("loss",))

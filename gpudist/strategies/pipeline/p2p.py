@@ -86,7 +86,9 @@ class _AllWorks:
 
 class StageLink:
     """Sends and receives of stage ``stage`` of a pipeline ``group`` to the stages ``offset`` away (+1: next), on
-    a ring: with interleaved chunks the last rank's activations go on to rank 0, whose gradients come back."""
+    a ring: with interleaved chunks the last rank's activations go on to rank 0, whose gradients come back. The
+    messages go through the group's :attr:`~gpudist.comm.CommunicationBackend.agreed` ops: their shapes were agreed
+    by the step's spec message."""
 
     def __init__(self, group, stage: int, device: torch.device):
         self.group, self.stage, self.device = group, stage, device
@@ -107,8 +109,7 @@ class StageLink:
         if outbox is not None:
             outbox.append((tensor, self.peer(offset)))
             return
-        with self.group.unchecked():  # shapes agreed by the step's spec message
-            pending.append((self.group.send(tensor, self.peer(offset), async_op=True), tensor))
+        pending.append((self.group.agreed.send(tensor, self.peer(offset), async_op=True), tensor))
 
     def post_recvs(
         self,
@@ -132,17 +133,17 @@ class StageLink:
         """:meth:`post_recvs` of several messages ``(buffers, offset)``, in order: with an ``outbox``, all in one
         group with its sends (one Work for all)."""
         bufs = [[torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in b] for b, _ in wanted]
-        with self.group.unchecked():
-            if outbox is None:
-                return [
-                    (got, _AllWorks([self.group.recv(buf, self.peer(offset), async_op=True) for buf in got]))
-                    for got, (_, offset) in zip(bufs, wanted, strict=True)
-                ]
-            recvs = [(buf, self.peer(offset)) for got, (_, offset) in zip(bufs, wanted, strict=True) for buf in got]
-            work = self.group.batch_send_recv(outbox, recvs)
-            pending.append((work, list(outbox)))
-            outbox.clear()
-            return [(got, work) for got in bufs]
+        agreed = self.group.agreed
+        if outbox is None:
+            return [
+                (got, _AllWorks([agreed.recv(buf, self.peer(offset), async_op=True) for buf in got]))
+                for got, (_, offset) in zip(bufs, wanted, strict=True)
+            ]
+        recvs = [(buf, self.peer(offset)) for got, (_, offset) in zip(bufs, wanted, strict=True) for buf in got]
+        work = agreed.batch_send_recv(outbox, recvs)
+        pending.append((work, list(outbox)))
+        outbox.clear()
+        return [(got, work) for got in bufs]
 
     def post_recv(
         self,
@@ -159,8 +160,7 @@ class StageLink:
     def flush(self, pending: list, outbox: list | None) -> None:
         """Post the sends waiting in ``outbox`` (ordered p2p), as one group."""
         if outbox:
-            with self.group.unchecked():
-                pending.append((self.group.batch_send_recv(outbox), list(outbox)))
+            pending.append((self.group.agreed.batch_send_recv(outbox), list(outbox)))
             outbox.clear()
 
     def recv(self, shape: torch.Size, dtype: torch.dtype, offset: int) -> torch.Tensor:

@@ -67,8 +67,7 @@ class Split:
     @torch.no_grad()
     def gather(self, local: torch.Tensor, comm: CommunicationBackend) -> torch.Tensor:
         parts = local.new_empty((comm.world_size, *local.shape))
-        with comm.unchecked():  # every rank holds the same shard shape by construction
-            comm.all_gather(local.detach().contiguous(), parts)
+        comm.agreed.all_gather(local.detach().contiguous(), parts)
         return self.unshard(parts)
 
 
