@@ -639,8 +639,12 @@ def _planned_ops(comm, cuda: _Cuda, ops: int) -> collections.Counter:
     """``ops`` starts and waits of a planned all-reduce after as many for warm-up: the calls they made."""
     x = torch.ones(4)
     plan = comm.plan_all_reduce(x)
-    for _ in range(ops):  # the warm-up: the streams and events made, then given back by the watchdog
-        plan.start().wait()
+    # The warm-up: the streams made, and ``ops`` events, all in flight before the first wait (an op's event is given
+    # back only once it was waited for and retired), so none is reused during it however late the watchdog runs:
+    # the pool then holds one event per op of the measured burst.
+    works = [plan.start() for _ in range(ops)]
+    for work in works:
+        work.wait()
     deadline = time.monotonic() + 30
     while comm._inflight and time.monotonic() < deadline:
         time.sleep(0.01)
