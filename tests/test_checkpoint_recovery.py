@@ -26,7 +26,8 @@ from gpudist import (
     read_manifest,
     save_checkpoint,
 )
-from gpudist.checkpoint import _root_lock, remove_stale_staging
+from gpudist.checkpoint import remove_stale_staging
+from gpudist.checkpoint.folders import _root_lock
 from gpudist.testing import run_ranks
 
 pytestmark = pytest.mark.faults
@@ -81,7 +82,7 @@ def test_the_previous_folder_comes_back_when_the_new_one_is_incomplete(tmp_path)
 _KILLED_SAVE = """
 import os, signal, sys
 import torch
-import gpudist.checkpoint as ck
+import gpudist.checkpoint.write as ck
 root = sys.argv[1]
 torch.manual_seed(1)
 ck.save_checkpoint(root + "/ckpt", torch.nn.Linear(3, 2), step=1)
@@ -150,7 +151,7 @@ def test_an_overwrite_keeps_the_folder_complete_and_leaves_nothing_behind(tmp_pa
 def test_a_lock_held_too_long_fails_with_a_clear_error(tmp_path, monkeypatch):
     """Every wait is bounded: a reader that must settle an interrupted save but cannot get the lock raises a
     CheckpointError naming the locked folder, instead of waiting forever."""
-    import gpudist.checkpoint as ck
+    import gpudist.checkpoint.folders as ck
 
     _crash_between_renames(tmp_path, new_complete=True)
     real = ck._root_lock
@@ -173,24 +174,25 @@ def test_a_lock_held_too_long_fails_with_a_clear_error(tmp_path, monkeypatch):
 def _save_then_load_with(comm, root: str, fail: str):
     """Every rank saves a DDP model; then ``fail`` breaks rank 1's load verification with a KeyError, or rank 0's
     manifest write of a second save with a full disk. Returns each rank's error text (the patch is undone)."""
-    import gpudist.checkpoint as ck
+    import gpudist.checkpoint.format as ck_format
+    import gpudist.checkpoint.write as ck_write
 
     model = DDPModel(_model(0), ShardingConfiguration(comm))
     path = save_checkpoint(f"{root}/ckpt", model, step=1)
-    saved = ck.Reader.read, ck.atomic_write_json
+    saved = ck_format.Reader.read, ck_write.atomic_write_json
     try:
         if fail == "load" and comm.rank == 1:
 
             def read(*args, **kwargs):
                 raise KeyError("step")
 
-            ck.Reader.read = read
+            ck_format.Reader.read = read
         if fail == "save" and comm.rank == 0:
 
             def write(*args, **kwargs):
                 raise OSError(28, "No space left on device")
 
-            ck.atomic_write_json = write
+            ck_write.atomic_write_json = write
         try:
             if fail == "load":
                 load_checkpoint(path, model)
@@ -200,7 +202,7 @@ def _save_then_load_with(comm, root: str, fail: str):
             return str(e)
         return "no error"
     finally:
-        ck.Reader.read, ck.atomic_write_json = saved
+        ck_format.Reader.read, ck_write.atomic_write_json = saved
 
 
 def test_any_error_in_a_load_reaches_every_rank(tmp_path):
