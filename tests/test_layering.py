@@ -10,6 +10,7 @@ a layering break as a module-level one), so the test needs nothing importable an
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,33 @@ def test_test_modules_do_not_import_one_another():
         for target, line in _test_modules_imported(path)
     ]
     assert not crossings, "test modules imported by other modules under tests/:\n" + "\n".join(crossings)
+
+
+def _documented_layers() -> list[set[str]]:
+    """The modules column of docs/architecture.md's layer table, lowest first, as dotted names: ``kernels/`` is
+    ``gpudist.kernels``, a bare name (``flat.py``, ``compression/``) is in ``gpudist/``, ``gpudist/__init__.py`` is
+    the package itself, and a dotted name is taken as it is."""
+    rows = [line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines() if re.match(r"\| \d ", line)]
+    layers = []
+    for row in rows:
+        names = set()
+        for path in re.findall(r"`([^`]+)`", row.split("|")[2]):
+            if "/" not in path and not path.endswith(".py"):  # a dotted name already ("installed as gpudist.kernels")
+                names.add(path)
+                continue
+            path = path.removeprefix("gpudist/").removesuffix("/").removesuffix(".py")
+            names.add("gpudist" if path == "__init__" else f"gpudist.{path.replace('/', '.')}")
+        layers.append(names)
+    return layers
+
+
+def test_the_architecture_doc_lists_the_layers_this_test_enforces():
+    """docs/architecture.md's layer table, row by row, names the same modules as ``LAYERS``. Catches the doc and the
+    enforced order drifting apart: a module moved to another layer, a new package (the live mode's, the planner's)
+    enforced here but missing from the table, or a row of the table that no longer exists in the code."""
+    documented = _documented_layers()
+    assert len(documented) == len(LAYERS), f"the doc has {len(documented)} layers, LAYERS {len(LAYERS)}"
+    for k, (doc, enforced) in enumerate(zip(documented, LAYERS, strict=True), start=1):
+        assert doc == set(enforced), f"layer {k}: the doc lists {sorted(doc)}, the test enforces {sorted(enforced)}"
+    missing = [name for layer in documented for name in layer if name not in MODULES]
+    assert not missing, f"the doc names modules that do not exist: {missing}"
