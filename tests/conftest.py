@@ -46,18 +46,27 @@ def device(request, kernel_impl):
 def serial_interpreter(monkeypatch):
     """The Triton kernels forced, in Triton's interpreter, for ranks that run as threads. The interpreter patches the
     language module while a kernel runs, so two rank threads must not run kernels at once: one at a time (a test-only
-    lock; processes need none)."""
+    lock; processes need none). A kernel's first call also parses its source (``ast.parse``), which CPython 3.11 does
+    not make safe across threads (two ranks parsing at once raised "AST constructor recursion depth mismatch" in a CI
+    run), so the rewrite takes the same lock (reentrant: a kernel's nested jit calls may rewrite while it runs)."""
     if not _triton.interpreter_active():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 on a machine without CUDA)")
     from triton.runtime import interpreter
 
-    lock, run = threading.Lock(), interpreter.GridExecutor.__call__
+    lock = threading.RLock()
+    run, rewrite = interpreter.GridExecutor.__call__, getattr(interpreter.InterpretedFunction, "rewrite", None)
 
     def one_at_a_time(self, *args, **kwargs):
         with lock:
             return run(self, *args, **kwargs)
 
+    def rewrite_alone(self):
+        with lock:
+            return rewrite(self)
+
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", one_at_a_time)
+    if rewrite is not None:  # (triton 3.6-3.9 name it so)
+        monkeypatch.setattr(interpreter.InterpretedFunction, "rewrite", rewrite_alone)
     monkeypatch.setenv("GPUDIST_KERNELS", "triton")
 
 
