@@ -100,7 +100,6 @@ def _radix_histogram_kernel(
     or over every entry again when more matched than the scratch holds (``cap``)."""
     if FIRST:
         prefix = tl.zeros([], dtype=tl.int32)
-        from_cand = False
         limit = n
     else:
         prefix = tl.load(state_ptr).to(tl.int32)

@@ -506,12 +506,21 @@ def host_part(settings: GPUSettings) -> dict:
 
 
 def _strategy_variants(
-    comm, torch_group, device: torch.device, workload: str, x, y, overrides: dict, autocast: torch.dtype | None = None
+    comm,
+    torch_group,
+    device: torch.device,
+    workload: str,
+    batch: int,
+    overrides: dict,
+    autocast: torch.dtype | None = None,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, torch.Tensor], dict[str, str]]:
     """(name -> one training step, name -> its last loss, name -> why it could not be built): gpudist DDP, ZeRO-2 and
     FSDP over ``comm``, torch DDP, DDP + ZeroRedundancyOptimizer and FSDP2 over ``torch_group``, each from the same
-    seeded model with fused AdamW, stepping on the same batch (forward and loss under ``autocast`` to that dtype when
-    given, as such models are trained). A variant that fails to build on any rank is left out on every rank."""
+    seeded model with fused AdamW, stepping on the same ``batch`` samples (each rank its own, seeded by its rank, as
+    benchmarks/peers.py; forward and loss under ``autocast`` to that dtype when given, as such models are trained).
+    A variant that fails to build on any rank is left out on every rank."""
+    generator = torch.Generator().manual_seed(1234 + comm.rank)
+    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -637,9 +646,7 @@ def strategy_rows(
     """On every rank: median step time of each variant (interleaved rounds, each at its slowest rank), the loss each
     reached after the same number of steps (the variants train the same function, so these agree to rounding),
     and peer time / gpudist time (> 1: gpudist faster). ``autocast``: forward and loss under that dtype."""
-    generator = torch.Generator().manual_seed(1234 + comm.rank)  # each rank its own batch, as benchmarks/peers.py
-    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
-    steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides, autocast)
+    steps_by_name, losses, errors = _strategy_variants(comm, torch_group, device, workload, batch, overrides, autocast)
     times = interleaved_times(comm, steps_by_name, steps, rounds) if steps_by_name else {}
     final = {name: float(loss) for name, loss in losses.items()}
     spread = (max(final.values()) - min(final.values())) / abs(statistics.mean(final.values())) if final else None
@@ -751,9 +758,7 @@ def profile_rows(
         if cuda:
             torch.cuda.synchronize(device)
 
-    generator = torch.Generator().manual_seed(1234 + comm.rank)
-    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
-    steps_by_name, _, errors = _strategy_variants(comm, torch_group, device, workload, x, y, overrides, autocast)
+    steps_by_name, _, errors = _strategy_variants(comm, torch_group, device, workload, batch, overrides, autocast)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rows = {}
     for name, step in steps_by_name.items():
