@@ -3,7 +3,7 @@ against raw ``cupy.cuda.nccl`` calls, and DDP/FSDP step times against torch DDP 
 
     python -m benchmarks.gpu [--parts tests,kernels,collectives,strategies] [--out FILE] [--check] [--require-gpu]
 
-The same as ``gpudist bench gpu`` (gpudist/bench/gpu.py has the parts and the exit codes); writes
+The same as ``gpudist bench gpu`` (gpudist/bench/gpu/ has the parts and the exit codes); writes
 ``benchmarks/results/gpu_<device>.json``. Without a CUDA device it prints and writes the skip with its reason and
 exits 0 (3 with ``--require-gpu``).
 """

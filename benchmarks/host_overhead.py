@@ -20,7 +20,8 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
 - ``backward``: Python time inside backward per parameter: a model of 300 tiny parameters (150 Linear(8, 8)) at
   world size 1 over Gloo in this process, each wrapper's backward time minus the plain module's, over the parameter
   count; torch DDP (bucket view, static graph), ZeroRedundancyOptimizer and FSDP2 (each Linear a unit, as gpudist's
-  FSDP here) beside, every optimizer AdamW(fused=True). Medians of interleaved rounds.
+  FSDP here) beside, every optimizer AdamW(fused=True); gpudist DDP and ZeRO-2 also with ``static_graph=True``
+  (``*_static``: one hook per bucket, under the promise torch DDP's row makes too). Medians of interleaved rounds.
 
 The host-bound step against the peers over two Gloo processes on TCP is the strategy benchmarks' job, on the
 ``gpt-host`` workload (292 tiny tensors): ``GPUDIST_SHM=0 python -m benchmarks.ddp --workload gpt-host --phases 10``
@@ -196,12 +197,15 @@ def backward_section(rounds: int, steps: int) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(fsdp2, mesh=mesh)
         built["torch_fsdp2"] = (fsdp2, adamw(fsdp2.parameters()))
-        for strategy in ("ddp", "zero1", "zero2", "fsdp"):
-            config = gpudist.ShardingConfiguration(comm)
+        for strategy, static in (("ddp", False), ("ddp", True), ("zero1", False), ("zero2", False), ("zero2", True)):
+            config = gpudist.ShardingConfiguration(comm, static_graph=static)
             model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-            wrap = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}
-            model = model_cls(_tiny(), config, **wrap)
-            built[f"gpudist_{strategy}"] = (model, opt_cls(adamw(model.parameters()), config))
+            model = model_cls(_tiny(), config)
+            built[f"gpudist_{strategy}{'_static' if static else ''}"] = (model, opt_cls(adamw(model.parameters()), config))
+        config = gpudist.ShardingConfiguration(comm)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS["fsdp"]
+        model = model_cls(_tiny(), config, auto_wrap_policy={nn.Linear})
+        built["gpudist_fsdp"] = (model, opt_cls(adamw(model.parameters()), config))
         phases = {name: _phases(model, opt, x) for name, (model, opt) in built.items()}
 
         def median_phases(fn: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:

@@ -160,8 +160,10 @@ def gpudist_variant(
     comm, workload: str, x, y, strategy: str, bucket_mb: float, units=None, suffix: str = ""
 ) -> Variant:
     """gpudist's model wrapper and optimizer for ``strategy`` (ddp, zero1, zero2, fsdp, zero3), default config;
-    ``suffix`` is appended to its name (``_shm``/``_tcp`` for the other transport's twin)."""
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb)
+    ``suffix`` is appended to its name (``_shm``/``_tcp`` for the other transport's twin). DDP, ZeRO-1 and ZeRO-2
+    with ``static_graph=True``, the promise torch DDP's best row makes too (one gradient hook per bucket)."""
+    static = strategy in ("ddp", "zero1", "zero2")
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb, static_graph=static)
     net = W.make(workload)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     if strategy == "fsdp":
@@ -183,7 +185,7 @@ def gpudist_variant(
     }[strategy]
     settings = {
         "bucket_cap_mb": bucket_mb,
-        "config": "ShardingConfiguration defaults",
+        "config": "ShardingConfiguration defaults" + (", static_graph=True" if static else ""),
         "optimizer": "AdamW",
         "transport": transport(comm),
     }

@@ -1,5 +1,5 @@
 """The ``gpudist`` command: ``gpudist info``, ``gpudist bench collectives``, ``gpudist bench kernels``,
-``gpudist bench gpu`` (every GPU number in one go: gpudist/bench/gpu.py) and ``gpudist plan`` (gpudist/plan/)."""
+``gpudist bench gpu`` (every GPU number in one go: gpudist/bench/gpu/) and ``gpudist plan`` (gpudist/plan/)."""
 
 from __future__ import annotations
 

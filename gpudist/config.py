@@ -33,6 +33,7 @@ class ShardingConfiguration:
         communication_dtype: None, ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
         find_unused_parameters: Allow parameters that get no gradient in some steps.
         gradient_as_bucket_view: Make ``param.grad`` views into the gradient buckets.
+        static_graph: Every backward uses the same parameters in the same order (one hook per bucket).
         broadcast_buffers: Broadcast module buffers from rank 0 before each training forward.
         overlap_communication: Start each bucket's collective during backward.
         max_grad_norm: Clip gradients to this global L2 norm (> 0); None: no clipping.
@@ -67,6 +68,14 @@ class ShardingConfiguration:
     """Make ``param.grad`` a view into the flat gradient bucket: saves one copy of the gradients each way
     and their memory. With a low-precision ``communication_dtype`` the bucket stays in the gradients' dtype
     and one kernel pass casts it to the wire."""
+
+    static_graph: bool = False
+    """Promise that every backward uses the same parameters, whose gradients arrive in the same order (torch DDP's
+    ``static_graph``). After two backward passes that agree, each bucket keeps one hook, on the gradient that
+    completes it, instead of one per parameter: Python work inside backward per bucket, not per parameter (what a
+    GPU waits for in a host-bound step). A backward that breaks the promise is refused with an error where it shows
+    (a bucket complete with a gradient missing); one that accumulates in place (``zero_grad(set_to_none=False)``)
+    cannot be checked. DDP, ZeRO-1 and ZeRO-2; FSDP ignores it."""
 
     broadcast_buffers: bool = True
     """Broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each forward."""

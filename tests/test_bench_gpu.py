@@ -20,6 +20,8 @@ import torch
 from gpudist import cli
 from gpudist.bench import gpu as G
 from gpudist.bench import workloads as W
+from gpudist.bench.gpu import report as GR
+from gpudist.bench.gpu import steps as GS
 
 from .fakenccl import FakeNccl, run_nccl
 
@@ -132,7 +134,7 @@ def test_host_part_rows_over_simulated_nccl():
         assert rows[key]["median"] > 0, key
     assert {"adam_step_plan", "adam_step_torch_fused_adamw", "all_reduce_raw", "all_reduce_unchecked"} <= set(rows)
     doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "calls": 5, "rounds": 1, "us_per_call": rows}
-    assert "all_reduce_planned" in G._part_summary("host", doc) and "pack_300_plan" in G._part_table("host", doc)
+    assert "all_reduce_planned" in GR._part_summary("host", doc) and "pack_300_plan" in GR._part_table("host", doc)
     assert fake.calls["allReduce"] > 0
 
 
@@ -211,8 +213,8 @@ def test_profile_rows_on_cpu():
 
     from gpudist.comm import GlooCommunicationBackend
 
-    assert G._busy_share([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
-    assert G._busy_share([(-1, 1), (9, 12)], 0, 10) == pytest.approx(0.2)
+    assert GS._busy_share([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
+    assert GS._busy_share([(-1, 1), (9, 12)], 0, 10) == pytest.approx(0.2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         comm = GlooCommunicationBackend()
@@ -227,7 +229,7 @@ def test_profile_rows_on_cpu():
         assert set(v["host_ms"]) == set(G.PHASES) and sum(v["host_ms"].values()) <= v["issue_ms"] * 1.001, v
         if name != "gpudist_fsdp":
             assert v["accumulate_grad_calls"] == params and v["accumulate_grad_cpu_ms"] > 0, (name, v)
-    assert "GPU busy" in G._part_table("profile", {"status": "ok", "seconds": 1.0, **r})
+    assert "GPU busy" in GR._part_table("profile", {"status": "ok", "seconds": 1.0, **r})
 
 
 def _raises(settings):

@@ -409,7 +409,9 @@ class DDPModel(ShardedModel):
         self.flat_grads = self._collective.flat_grads
         """With gradient views and one dtype/device, the buckets are slices of this one gradient buffer in parameter
         order, so any range of the flat gradients is a view (ZeRO-1 steps its range of it with no copy); else None."""
-        self._reducer = Reducer(self._collective, self._refuse_unused, self._mark_step_bytes)
+        self._reducer = Reducer(
+            self._collective, self._refuse_unused, self._mark_step_bytes, static_graph=config.static_graph
+        )
         if self._topology is not None:
             self._topology.groups()  # collective: the node groups are built now, on every rank at once
 
@@ -497,6 +499,7 @@ class DDPModel(ShardedModel):
             )
         self._comm_hook = hook
         self._collective.use_hook(hook)
+        self._reducer.replan()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
