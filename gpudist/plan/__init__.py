@@ -1,12 +1,14 @@
 """``gpudist.plan``: which strategy, with which sizes, for a model on a cluster, with memory, traffic and step time.
 
 The planner enumerates every layout of ``world = nodes x devices`` ranks (strategy, dp x tp x pp, ZeRO stage inside
-3D, micro-batches and schedule, bucket size, wire dtype, compression) and predicts, per rank:
+3D, micro-batches and schedule, bucket size, wire dtype, compression), each with every activation checkpointing mode
+(none, selective, full; ``checkpointing=`` forces one), and predicts, per rank:
 
 - **memory by category**, the categories of ``model.get_model_metadata()["memory_per_rank"]``: parameters,
   gradients, optimizer state (the fp32 master of low-precision parameters is reported apart as ``master``; the
   library counts it inside ``optimizer_state``), buffers, communication buffers, plus activations (by schedule:
-  1F1B keeps at most ``pp`` micro-batches in flight on stage 0, GPipe all ``m``) and the transient peak (ZeRO-2's
+  1F1B keeps at most ``pp`` micro-batches in flight on stage 0, GPipe all ``m``; by checkpointing mode, after
+  Korthikanti et al. 2022) and the transient peak (ZeRO-2's
   in-flight buckets, ZeRO-3/FSDP's gathered units). Padding (:func:`gpudist.flat.padded_shard`) is counted where
   the strategies allocate it and also reported on its own.
 - **bytes per step** as the backend's counters count them (``bytes_per_step``: the payload of every collective,
@@ -14,7 +16,9 @@ The planner enumerates every layout of ``world = nodes x devices`` ranks (strate
   algorithms.
 - **step time** from a roofline compute model and an alpha-beta communication model, with the overlap each strategy
   achieves (DDP/ZeRO-1/2 hide their gradient buckets behind backward but not the last one; the ZeRO all-gather, the
-  pipeline bubble and tensor-parallel all-reduces are exposed; ZeRO-3/FSDP prefetch hides gathers behind compute).
+  pipeline bubble and tensor-parallel all-reduces are exposed; ZeRO-3/FSDP prefetch hides gathers behind compute),
+  recomputation's extra forward, and the host's time to issue the step where it exceeds the device's (calibrated
+  on an H200 host).
 
 Model states, padding and bytes are computed with the library's own functions (``assign_buckets``,
 ``partition_buckets``, ``padded_shard``, ``partition_blocks``), so for a model given as an ``nn.Module`` they are

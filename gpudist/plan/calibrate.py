@@ -45,7 +45,9 @@ def _measure_rank(comm, sizes: Sequence[int], rounds: int) -> dict[str, float]:
 def measure_cluster(base: Cluster | None = None, backend: str = "gloo", world_size: int = 2) -> Cluster:
     """Calibrate ``base`` on this machine: all-reduces of 4 KiB and 4 MiB over ``world_size`` local ranks give the
     latency and bandwidth of both link classes (one machine: intra = inter), a 512x512 matmul the FLOP/s, and an
-    add of 16 MiB the memory bandwidth (per rank: the other ranks' processes share the cores)."""
+    add of 16 MiB the memory bandwidth (per rank: the other ranks' processes share the cores). The host term is
+    dropped (``host_scale=0``): on the CPU the host runs the compute itself, and what it spends beyond the measured
+    FLOP/s is ``step_overhead``."""
     from ..testing import run_ranks
 
     small, large = 4 << 10, 4 << 20
@@ -68,4 +70,5 @@ def measure_cluster(base: Cluster | None = None, backend: str = "gloo", world_si
         intra_latency=latency,
         inter_latency=latency,
         chunked_overlap=backend != "nccl",
+        host_scale=0.0,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from .model import PRESETS, Cluster, ModelSpec, _parse_bytes
+from .model import ATTENTION_KINDS, CHECKPOINTING_MODES, PRESETS, Cluster, ModelSpec, _parse_bytes
 from .search import plan
 
 
@@ -33,7 +33,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="parameter dtype")
     parser.add_argument("--no-mixed-precision", action="store_true", help="activations in the parameter dtype")
     parser.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "sgd-plain"])
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    parser.add_argument(
+        "--checkpointing",
+        nargs="?",
+        const="full",
+        default="auto",
+        choices=["auto", *CHECKPOINTING_MODES],
+        help="activation checkpointing: auto (default) searches none, selective and full for every layout; a mode "
+        "forces it; the bare flag means full",
+    )
+    parser.add_argument(
+        "--attention",
+        default="flash",
+        choices=ATTENTION_KINDS,
+        help="flash (default: a fused attention keeps no scores) or eager (scores kept: selective checkpointing "
+        "recomputes them)",
+    )
     parser.add_argument("--top", type=int, default=12, help="rows of feasible configurations to print")
     parser.add_argument("--json", default=None, help="also write every configuration to this JSON file")
 
@@ -62,6 +77,7 @@ def run_from_args(args) -> int:
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     sizes.setdefault("seq_len", 2048)
+    sizes["attention"] = args.attention
     try:
         spec = ModelSpec.from_sizes(name=name, **sizes)
     except TypeError as e:
@@ -90,7 +106,13 @@ def run_from_args(args) -> int:
     print(result.table(top=args.top))
     print()
     if result.best is None:
-        print("nothing fits: try --checkpointing, more nodes, or a smaller --global-batch")
+        if args.checkpointing == "auto":
+            print("nothing fits, even with full activation checkpointing: try more nodes or a smaller --global-batch")
+        else:
+            print(
+                f"nothing fits with --checkpointing {args.checkpointing}: try --checkpointing auto, more nodes or a "
+                "smaller --global-batch"
+            )
     else:
         print(f"best: {result.best.config.describe()}  ({result.best.step_time:.3f} s/step predicted)")
         print(result.code())

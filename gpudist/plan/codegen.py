@@ -21,6 +21,7 @@ def _code_for(c: Config, settings: dict[str, Any]) -> str:
         "import torch, gpudist",
         "comm = gpudist.init()",
         f"config = gpudist.ShardingConfiguration(comm, bucket_cap_mb={c.bucket_mb:g}{wire})",
+        *_checkpointing_lines(c.checkpointing),
     ]
     simple = {
         "ddp": ("DDPModel", "DDPOptimizer"),
@@ -57,6 +58,32 @@ def _code_for(c: Config, settings: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _checkpointing_lines(mode: str) -> list[str]:
+    """How to enable ``mode`` of activation checkpointing, as comments: gpudist's wrappers have no option for it;
+    torch's checkpoint goes on each transformer block of ``net`` before the wrapper (torchtitan's order: tensor
+    parallelism, then checkpointing, then data parallelism). FSDPModel and ZeRO3Model gather a unit again for its
+    recomputation."""
+    if mode == "none":
+        return []
+    each_block = "# for block in net.layers:  # each transformer block\n"
+    if mode == "full":
+        return [
+            "# activation checkpointing, full (gpudist has no option for it; torch's, on net before wrapping it):",
+            "# import functools; from torch.utils.checkpoint import checkpoint",
+            each_block + "#     block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)",
+            '# (a Hugging Face model: net.gradient_checkpointing_enable({"use_reentrant": False}))',
+        ]
+    return [
+        "# activation checkpointing, selective (gpudist has no option for it; torch's selective checkpoint, on net",
+        "# before wrapping it: the linear layers' outputs are kept, the rest, attention scores included, recomputed):",
+        "# import functools; from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts",
+        "# keep = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]",
+        "# context = functools.partial(create_selective_checkpoint_contexts, keep)",
+        each_block
+        + "#     block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=context)",
+    ]
+
+
 def build(
     config: Config,
     module: nn.Module,
@@ -68,6 +95,8 @@ def build(
     **sharding: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer wrappers of ``config`` around ``module`` on ``comm`` (collective: every rank).
+    ``config.checkpointing`` is not applied (gpudist has no option for it): :meth:`PlanResult.code`'s comment says
+    how.
 
     Args:
         config: A :class:`Config` (``plan(...).best.config``).

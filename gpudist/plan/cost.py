@@ -44,6 +44,9 @@ class Prediction:
     """Bytes this rank sends per step on each link class with ring algorithms (``intra``, ``inter``)."""
     step_time: float = math.inf
     time_parts: dict[str, float] = field(default_factory=dict)
+    """Seconds by part; they sum to ``step_time``. ``host``: the host's issue time the device's parts do not hide."""
+    host_time: float = 0.0
+    """Seconds the host takes to issue the step (:func:`_host_time`), hidden or not."""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class Prediction:
             "link_bytes": self.link_bytes,
             "step_time_s": self.step_time if math.isfinite(self.step_time) else None,
             "time_parts_s": self.time_parts,
+            "host_time_s": self.host_time,
         }
 
 
@@ -80,10 +84,17 @@ def _buckets(
 ) -> list[int]:
     """Elements of each gradient bucket in launch order (DDP/ZeRO-1/ZeRO-2's :func:`assign_buckets`); ``aligned``:
     with DDP's padding, every gradient at a 16-byte start (:func:`~gpudist.flat.vector_align`)."""
+    return list(_bucket_sizes(tuple(numels), dtype, bucket_mb, first_mb, aligned))
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks for the same layouts once per checkpointing mode
+def _bucket_sizes(
+    numels: tuple[int, ...], dtype: torch.dtype, bucket_mb: float, first_mb: float, aligned: bool
+) -> tuple[int, ...]:
     metas = [_Meta(n, dtype) for n in numels]
     groups = assign_buckets(metas, int(bucket_mb * (1 << 20)), int(first_mb * (1 << 20)))
     align = vector_align(dtype) if aligned else 1
-    return [FlatLayout([(numels[i],) for i in sorted(g)], align).total for g in groups]
+    return tuple(FlatLayout([(numels[i],) for i in sorted(g)], align).total for g in groups)
 
 
 def _ring(op: str, payload: float, n: int) -> float:
@@ -147,28 +158,122 @@ def _k(optimizer: str) -> int:
     return {"adam": 2, "adamw": 2, "sgd": 1, "sgd-plain": 0}[optimizer]
 
 
-def _activation_bytes(w: _Work, cfg: Config, samples: int, layers: int, with_logits: bool) -> float:
-    """Activations autograd keeps for ``samples`` sequences through ``layers`` transformer blocks (Korthikanti et
-    al. 2022 without sequence parallelism, flash-style attention: no s x s scores kept), divided by tp where the
-    layers are split; with checkpointing each block keeps only its input, plus one block recomputed at a time."""
+def _activation_bytes(
+    w: _Work, cfg: Config, samples: int, layers: int, with_logits: bool, recomputed_samples: int | None = None
+) -> float:
+    """Activations autograd keeps for ``samples`` sequences through ``layers`` transformer blocks, by
+    ``cfg.checkpointing`` mode, divided by tp where the layers are split (no sequence parallelism).
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4) count, per
+    block and per ``s b h`` (tokens x hidden) at 16-bit activations: ``34 + 5 a s / h`` bytes without recomputation,
+    ``34`` with selective recomputation and ``2`` (the block's input) with full recomputation. The ``5 a s / h`` term
+    is the attention core's score-sized tensors (a heads x s x s per sequence: softmax output 2 bytes, dropout mask
+    1, dropout output 2); selective recomputation drops exactly it and re-runs the core in backward. Here:
+
+    - ``linear``: what a block keeps outside the attention core, the planner's own count (unchanged here) of
+      ``5 + (12 + 3 ffn / h) / tp`` elements per token and hidden in the activation dtype. For a 4h MLP at 16 bits
+      that is 58 bytes per s b h where Korthikanti count 34 (10 + 24 / tp): the planner's count is the more
+      generous one, and neither is checked against a measurement;
+    - ``core``: the attention core's scores, ``(2 x dtype bytes + 1) x heads x s`` bytes per token over tp (5 a s /
+      h per s b h at 16 bits; a model without attention dropout keeps less), kept only by eager attention. A fused
+      ("flash") attention keeps no scores (its backward recomputes them), so under it ``core`` is 0 and selective
+      recomputation saves nothing;
+    - none: ``layers x (linear + core)``; selective: ``layers x linear`` plus one block's core while it is
+      recomputed; full: ``layers x`` the block input (Korthikanti's 2 s b h: one element per token and hidden) plus
+      one block's ``linear + core`` while it is recomputed (of ``recomputed_samples`` sequences: one micro-batch).
+
+    With ``with_logits``, the logits and the loss's float32 softmax (``vocab / tp x (dtype + 4)`` bytes per token).
+    """
     m, a = w.model, _BYTES[w.compute_dtype]
     s, h, t = m.seq_len, max(m.hidden, 1), cfg.tp
     tokens = samples * s
-    per_layer = tokens * h * a * (5 + (12 + 2 * m.ffn / h * 1.5) / t)
-    kept = layers * tokens * h * a + per_layer if cfg.checkpointing else layers * per_layer
+
+    def block(n_tokens: float) -> tuple[float, float]:
+        linear = n_tokens * h * a * (5 + (12 + 3 * m.ffn / h) / t)
+        core = n_tokens * (2 * a + 1) * m.heads * s / t if m.attention == "eager" else 0.0
+        return linear, core
+
+    linear, core = block(tokens)
+    one_linear, one_core = block((recomputed_samples if recomputed_samples is not None else samples) * s)
+    if cfg.checkpointing == "full":
+        kept = layers * tokens * h * a + (one_linear + one_core if layers else 0.0)
+    elif cfg.checkpointing == "selective":
+        kept = layers * linear + (one_core if layers else 0.0)
+    else:
+        kept = layers * (linear + core)
     if with_logits and m.vocab:
         kept += tokens * m.vocab / t * (a + 4)  # the logits and the loss's float32 softmax
     return kept
 
 
-def _flops(w: _Work, cfg: Config, samples: float, params: float) -> float:
-    """Training FLOPs for ``samples`` sequences through ``params`` parameters (6 per parameter per token, 8 with
-    recomputation), plus attention's scores (12 L h s per token)."""
+def _flops(w: _Work, cfg: Config, samples: float, params: float) -> tuple[float, float]:
+    """Training FLOPs (all, and the forward's) for ``samples`` sequences through ``params`` parameters.
+
+    Per token: 2 per parameter forward, 4 backward (6 in all), and the attention core's ``4 L h s`` forward (QK^T
+    and scores x V, 2 s h each per layer), three times that with its backward; ``L`` scaled to the share of
+    parameters (a pipeline stage's). Recomputation adds one forward of what it recomputes (Korthikanti et al. 2022,
+    section 5): full recomputes the whole block (8 instead of 6 per parameter, and the core's forward again);
+    selective only the core's forward, ``4 L h s`` per token: 2% of a 185M GPT's step at s = 512, 5% of a 7B
+    Llama's at s = 4096.
+    """
     m = w.model
     tokens = samples * m.seq_len
-    per_param = 8 if cfg.checkpointing else 6
-    attention = 12 * m.layers * m.hidden * m.seq_len * (params / max(m.numel, 1))
-    return tokens * (per_param * params + attention)
+    core_forward = 4 * m.layers * m.hidden * m.seq_len * (params / max(m.numel, 1))
+    forward = tokens * (2 * params + core_forward)
+    total = tokens * (6 * params + 3 * core_forward)
+    if cfg.checkpointing == "full":
+        total += forward
+    elif cfg.checkpointing == "selective":
+        total += tokens * core_forward
+    return total, forward
+
+
+# Host (CPU) time to issue one step's work, calibrated on one H200 host (docs/results.md, "On a GPU", evening slot
+# run 2 of 2026-11-28: gpt-d1024, the 185M GPT of 12 blocks, batch 8 x 512, bf16 autocast, world size 1, host
+# milliseconds per step by phase with nothing waited for; torch 2.11.0+cu130, Intel Xeon host).
+HOST_FORWARD_PER_LAYER = 5.07e-3 / 12
+"""Seconds to issue one block's forward for one micro-batch: gpudist DDP's forward, 5.07 ms, over its 12 blocks (the
+embedding, head and loss are not measured apart: they are charged to the blocks)."""
+HOST_BACKWARD_PER_LAYER = 11.50e-3 / 12
+"""One block's backward: gpudist DDP's 11.50 ms (its 148 gradient hooks, 2.4 ms of it, included) over 12 blocks."""
+HOST_STEP = (0.86 + 0.02) * 1e-3
+"""The optimizer step and zero_grad of gpudist DDP (0.86 and 0.02 ms; FSDP's were 0.84 and 0.13)."""
+HOST_PER_UNIT = ((17.18 + 23.33 + 0.84 + 0.13) - (5.07 + 11.50 + 0.86 + 0.02)) * 1e-3 / 13
+"""A ZeRO-3/FSDP unit's gathers, hooks and releases (1.85 ms per step): gpudist FSDP's host time over DDP's, 41.48
+against 17.45 ms, over its 13 units (12 blocks and the root). ZeRO-3's per-module units are assumed to cost the
+same (not measured)."""
+HOST_PER_OP = 10.1e-6
+"""One eager torch op (``x.add_(1)``: 10.1 us on the H200 host of the morning run,
+benchmarks/results/gpu_h200_2026-11-28/README.md): selective recomputation re-issues the attention call per block."""
+HOST_PER_CALL = 20.0e-6
+"""One collective or pipeline message: gpudist's NCCL all-reduce function, 20.0 us of host per call (docs/results.md,
+"Host microseconds per call", evening run 3; 12.2 us through a plan)."""
+
+
+def _host_time(cfg: Config, cluster: Cluster, layers: int, passes: int, units: int = 0, calls: int = 0) -> float:
+    """Seconds the host takes to issue one step: per micro-batch (``passes``) each of the rank's ``layers`` blocks
+    forward and backward, and again forward for full recomputation (one op for selective; torch.utils.checkpoint's
+    own Python is not measured), the optimizer step, each ZeRO-3/FSDP unit (:data:`HOST_PER_UNIT`, its collectives
+    included) and each other collective call or pipeline message (:data:`HOST_PER_CALL`).
+
+    The host issues asynchronously, ahead of the device, so a step takes the longer of the two: the predictions
+    charge ``max(0, host - device)`` as ``host`` time. The anchor (gpt-d1024 under gpudist DDP on one H200, fp32
+    parameters, bf16 autocast) is predicted at 17.5 ms (host 17.45 ms over the device model's 15.1 ms; 15.1 ms
+    without this term); measured 18.3-26.3 ms for gpudist DDP and 21.3-25.9 ms for torch DDP over three runs
+    (docs/plan.md, "Measured prediction errors"). Scaled by ``cluster.host_scale``.
+    """
+    recompute = {"full": HOST_FORWARD_PER_LAYER, "selective": HOST_PER_OP}.get(cfg.checkpointing, 0.0)
+    per_layer = HOST_FORWARD_PER_LAYER + HOST_BACKWARD_PER_LAYER + recompute
+    issue = passes * layers * per_layer + HOST_STEP + units * HOST_PER_UNIT + calls * HOST_PER_CALL
+    return cluster.host_scale * issue
+
+
+def _add_host(pred: Prediction, host: float) -> None:
+    """``pred``'s host time, and its step time: device parts plus the host time they do not hide."""
+    device = sum(v for k, v in pred.time_parts.items() if k != "overhead")
+    pred.host_time = host
+    pred.time_parts["host"] = max(0.0, host - device)
+    pred.step_time = sum(pred.time_parts.values())
 
 
 def _links(cfg: Config, cluster: Cluster) -> dict[str, tuple[str, float, float]]:
@@ -235,6 +340,7 @@ def _predict_data_parallel(cfg: Config, w: _Work) -> Prediction:
     k = _k(w.optimizer)
     mem: dict[str, float] = {"buffers": m.buffer_bytes}
     padding = 0
+    units = 0  # ZeRO-3/FSDP's gathered units (host time)
     if cfg.strategy in ("ddp", "zero1", "zero2"):
         counted, _, ops = _data_parallel_traffic(w, cfg, numels, n)
         if cfg.strategy == "ddp":
@@ -278,6 +384,7 @@ def _predict_data_parallel(cfg: Config, w: _Work) -> Prediction:
             order = list(dict.fromkeys(p.module for p in m.params))
         sizes = [groups.get(u, 0) for u in order if groups.get(u, 0)]
         shards = [padded_shard(s, n) for s in sizes]
+        units = len(shards)
         owned = sum(shards)
         padding = owned * n - numel
         wire = _BYTES[_DTYPES[cfg.comm_dtype]] if cfg.comm_dtype else pbytes
@@ -303,8 +410,9 @@ def _predict_data_parallel(cfg: Config, w: _Work) -> Prediction:
         base = op.removesuffix("_sync")
         pred.link_bytes[link] += int(_ring(base, payload, n))
         comm_times[op] = comm_times.get(op, 0.0) + _comm_time(base, payload, n, bw, lat, calls)
-    compute = _flops(w, cfg, samples, numel) / cl.device_flops
-    backward = compute * (2 / 3)
+    flops, forward_flops = _flops(w, cfg, samples, numel)
+    compute = flops / cl.device_flops
+    backward = (flops - forward_flops) / cl.device_flops
     opt_bytes = (
         mem["optimizer_state"] + mem["master"] + 3 * mem["gradients"] / max(1, n if cfg.strategy != "ddp" else 1)
     )
@@ -325,7 +433,8 @@ def _predict_data_parallel(cfg: Config, w: _Work) -> Prediction:
         parts = {"compute": compute, "exposed_comm": exposed, "optimizer": optimizer_time}
     parts["overhead"] = cl.step_overhead
     pred.time_parts = parts
-    pred.step_time = sum(parts.values())
+    calls = 0 if units else sum(c for _, _, c in ops)  # a unit's cost holds its gathers and reduce-scatter
+    _add_host(pred, _host_time(cfg, cl, m.layers, 1, units, calls))
     pred.memory = _finish_memory(mem)
     return pred
 
@@ -345,26 +454,46 @@ def _chunks_of(schedule: str, pp: int) -> int:
 
 def _stage_blocks(m: ModelSpec, pp: int, schedule: str = "1f1b") -> list[list[tuple[int, int]]]:
     """Per rank, the ``[first, end)`` blocks of each of its chunks (virtual stages placed as the schedule does)."""
+    return _chunk_bounds(tuple(m.block_costs), pp, schedule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_bounds(costs: tuple[int, ...], pp: int, schedule: str) -> list[list[tuple[int, int]]]:
     v = _chunks_of(schedule, pp)
-    counts = partition_blocks(m.block_costs, pp * v)
+    counts = partition_blocks(list(costs), pp * v)
     bounds = [(sum(counts[:u]), sum(counts[: u + 1])) for u in range(pp * v)]
     return [[bounds[virtual_stage(placement(schedule), pp, s, c)] for c in range(v)] for s in range(pp)]
 
 
 def _stage_params(m: ModelSpec, pp: int, schedule: str = "1f1b") -> list[list[ParamSpec]]:
     """Each stage's parameters (a tied parameter on every stage that uses it), as the pipeline splits them."""
+    return _split_params(tuple(m.params), tuple(m.block_costs), pp, schedule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_params(
+    params: tuple[ParamSpec, ...], costs: tuple[int, ...], pp: int, schedule: str
+) -> list[list[ParamSpec]]:
     return [
-        [p for p in m.params if any(lo <= b < hi for lo, hi in chunks for b in (p.block, *p.tied_blocks))]
-        for chunks in _stage_blocks(m, pp, schedule)
+        [p for p in params if any(lo <= b < hi for lo, hi in chunks for b in (p.block, *p.tied_blocks))]
+        for chunks in _chunk_bounds(costs, pp, schedule)
     ]
 
 
 @functools.cache
-def _orders(schedule: str, pp: int, micro: int) -> tuple[list[list[tuple]], float]:
-    """Every rank's op order and its bubble at equal F, B and W (forward 1, backward 2: ``schedule_bubble``)."""
+def _orders(schedule: str, pp: int, micro: int) -> tuple[list[list[tuple]], float, list[tuple[int, int, int]]]:
+    """Every rank's op order, its bubble at equal F, B and W (forward 1, backward 2: ``schedule_bubble``), and each
+    rank's messages (:func:`_messages`)."""
     v = _chunks_of(schedule, pp)
     orders = [stage_schedule(schedule, pp, s, micro, v) for s in range(pp)]
-    return orders, schedule_bubble(orders, 1.0, 2.0, 1.0, placement(schedule))
+    where = placement(schedule)
+    return orders, schedule_bubble(orders, 1.0, 2.0, 1.0, where), _messages(orders, where)
+
+
+@functools.lru_cache(maxsize=4096)
+def _alive(schedule: str, pp: int, micro: int, stage: int, layers: tuple[int, ...]) -> tuple[int, list[int]]:
+    """``activations_alive`` of ``stage``'s op order (:func:`_orders`)."""
+    return activations_alive(_orders(schedule, pp, micro)[0][stage], list(layers))
 
 
 def _tp_numel(params: list[ParamSpec], tp: int) -> list[int]:
@@ -412,8 +541,7 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
     v = len(chunk_blocks[0])
     where = placement(cfg.schedule)
     if pp > 1:
-        orders, bubble_fraction = _orders(cfg.schedule, pp, micro)
-        messages = _messages(orders, where)
+        _, bubble_fraction, messages = _orders(cfg.schedule, pp, micro)
     last_rank = holder(where, pp, pp * v - 1)[0] if pp > 1 else 0
     preds: list[Prediction] = []
     for s, params in enumerate(stages):
@@ -448,10 +576,10 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
         if pp == 1:
             mem["activations"] = _activation_bytes(w, cfg, mb, m.layers, True)
         else:
-            peak, alive = activations_alive(orders[s], layers)
+            peak, alive = _alive(cfg.schedule, pp, micro, s, tuple(layers))
             head = alive[holder(where, pp, pp * v - 1)[1]] if s == last_rank else 0
-            if cfg.schedule in ("1f1b", "gpipe"):  # one chunk: the same as below, the checkpointed block per in flight
-                mem["activations"] = _activation_bytes(w, cfg, mb * alive[0], layers[0], s == last_rank)
+            if cfg.schedule in ("1f1b", "gpipe"):  # one chunk: its in-flight micro-batches, one block recomputed
+                mem["activations"] = _activation_bytes(w, cfg, mb * alive[0], layers[0], s == last_rank, mb)
             else:
                 mem["activations"] = _activation_bytes(w, cfg, mb, peak, False) + (
                     _activation_bytes(w, cfg, mb * head, 0, True) if head else 0
@@ -502,7 +630,7 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
                 pred.link_bytes[link] += int(_ring(op, payload, size))
                 comm_time[group] = comm_time.get(group, 0.0) + _comm_time(op, payload, size, bw, lat, calls)
         stage_params = sum(p.numel for p in params) / tp
-        compute = _flops(w, cfg, per_replica, stage_params) / cl.device_flops
+        compute = _flops(w, cfg, per_replica, stage_params)[0] / cl.device_flops
         # the schedule's idle share at equal F, B, W (1F1B, GPipe: (p - 1) / (m + p - 1), so (p - 1) / m of compute)
         bubble = compute * bubble_fraction / (1 - bubble_fraction) if pp > 1 else 0.0
         optimizer_time = (mem["optimizer_state"] + mem["master"] + 3 * numel * pbytes) * 2 / cl.memory_bandwidth
@@ -513,7 +641,8 @@ def _predict_model_parallel(cfg: Config, w: _Work) -> Prediction:
             "optimizer": optimizer_time,
             "overhead": cl.step_overhead,
         }
-        pred.step_time = sum(pred.time_parts.values())
+        calls = sum(c for _, _, _, c in ops)
+        _add_host(pred, _host_time(cfg, cl, layers_here, micro if pp > 1 else 1, calls=calls))
         preds.append(pred)
     first = preds[0]
     first.bytes_by_stage = [p.bytes_per_step for p in preds]

@@ -14,6 +14,11 @@ from ..strategies.tensor.layers import require_divisible
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+CHECKPOINTING_MODES = ("none", "selective", "full")
+"""Activation checkpointing modes the planner searches (:attr:`Config.checkpointing`; the memory and time of each are
+in :func:`gpudist.plan.cost._activation_bytes` and :func:`gpudist.plan.cost._flops`)."""
+ATTENTION_KINDS = ("flash", "eager")
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in _DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
@@ -79,6 +84,14 @@ class ModelSpec:
     tied_head: bool = False
     layer_blocks: tuple[int, ...] = ()
     """Indices of the pipeline blocks that are transformer layers (their tensor-parallel collectives)."""
+    attention: str = "flash"
+    """How attention keeps its activations: "flash" (a fused kernel, torch's SDPA on a GPU or FlashAttention: no
+    tensor of sequence x sequence scores is kept, the backward recomputes them) or "eager" (scores, softmax and
+    dropout materialized and kept for backward, e.g. Hugging Face's ``attn_implementation="eager"``)."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_KINDS)}")
 
     @property
     def numel(self) -> int:
@@ -183,6 +196,7 @@ class ModelSpec:
             param_tensors=len(named),
             tied_head=any(p.tied_blocks for p in params),
             layer_blocks=layer_blocks,
+            attention=_attention_of(config),
         )
 
     @classmethod
@@ -205,6 +219,7 @@ class ModelSpec:
             tied=bool(get("tie_word_embeddings", default=gpt2)),
             gated=not gpt2,
             name=name or getattr(config, "model_type", "hf"),
+            attention=_attention_of(config),
         )
 
     @classmethod
@@ -221,9 +236,11 @@ class ModelSpec:
         tied: bool = False,
         gated: bool = True,
         name: str = "model",
+        attention: str = "flash",
     ) -> ModelSpec:
         """A decoder from its sizes: Llama's layout when ``gated`` (RMSNorm, q/k/v/o, SwiGLU gate/up/down, no
-        biases), GPT-2's otherwise (LayerNorms, fused qkv and MLP with biases, learned positions)."""
+        biases), GPT-2's otherwise (LayerNorms, fused qkv and MLP with biases, learned positions). ``attention``:
+        see :attr:`ModelSpec.attention`."""
         kv_heads = kv_heads or heads
         ffn = ffn or (int(8 * hidden / 3 + 255) // 256 * 256 if gated else 4 * hidden)
         head_dim = hidden // heads
@@ -308,6 +325,7 @@ class ModelSpec:
             param_tensors=len(params),
             tied_head=tied,
             layer_blocks=tuple(range(1, layers + 1)),
+            attention=attention,
         )
 
     @classmethod
@@ -332,6 +350,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b-like": dict(layers=80, hidden=8192, heads=64, kv_heads=8, vocab=32000, seq_len=4096, ffn=28672),
 }
 """Named model sizes (Llama-2 7B/13B/70B, Llama-3.2 1B, GPT-2 and GPT-2 XL shapes; sizes only, no weights)."""
+
+
+def _attention_of(config: Any) -> str:
+    """A Hugging Face config's attention as :attr:`ModelSpec.attention` ("eager" only when it says so: sdpa and
+    flash_attention_2 keep no scores)."""
+    return "eager" if getattr(config, "_attn_implementation", None) == "eager" else "flash"
 
 
 def _first_int(module, config, keys, default):
@@ -448,6 +472,10 @@ class Cluster:
     """Fraction of device memory a plan may use (allocator fragmentation, the framework's own, kernels' workspace)."""
     step_overhead: float = 0.0
     """Seconds per step that no term models (Python dispatch of a small model on CPU; calibrated by --measure)."""
+    host_scale: float = 1.0
+    """Multiplies the host's time to issue a step (:func:`gpudist.plan.cost._host_time`, calibrated on an H200's
+    host): above 1 for a slower host CPU; 0 where the host does the compute itself (a CPU cluster, as
+    :func:`~gpudist.plan.measure_cluster` calibrates)."""
 
     @property
     def world_size(self) -> int:
@@ -487,7 +515,16 @@ class Config:
     comm_dtype: str | None = None
     """The gradients' wire dtype (None: the parameters')."""
     compression: str | None = None
-    checkpointing: bool = False
+    checkpointing: str = "none"
+    """Activation checkpointing: "none" (autograd keeps every block's activations), "selective" (Korthikanti et al.
+    2022: the attention core's score-sized tensors are recomputed, the rest kept) or "full" (each block keeps its
+    input and is recomputed in backward). ``True``/``False`` are read as "full"/"none"."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.checkpointing, bool):
+            object.__setattr__(self, "checkpointing", "full" if self.checkpointing else "none")
+        if self.checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(f"checkpointing={self.checkpointing!r}; use one of {', '.join(CHECKPOINTING_MODES)}")
 
     def describe(self) -> str:
         parts = [self.strategy, f"dp{self.dp}"]
@@ -501,4 +538,6 @@ class Config:
             parts.append(f"wire={self.comm_dtype}")
         if self.compression:
             parts.append(self.compression)
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing}")
         return " ".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,12 +16,24 @@ from ..strategies.layout import ParallelLayout
 from ..strategies.pipeline.schedule import ALL_SCHEDULES, check_schedule, partition_blocks
 from .calibrate import measure_cluster
 from .cost import Prediction, predict
-from .model import _DTYPES, PRESETS, Cluster, Config, ModelSpec, _dtype_name, _parse_bytes
+from .model import _DTYPES, CHECKPOINTING_MODES, PRESETS, Cluster, Config, ModelSpec, _dtype_name, _parse_bytes
 from .report import PlanResult
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def checkpointing_modes(checkpointing: str | bool) -> tuple[str, ...]:
+    """The activation checkpointing modes to try: "auto" all of :data:`CHECKPOINTING_MODES`, a mode only itself;
+    ``True``/``False`` (the planner's former flag) mean "full"/"none"."""
+    if isinstance(checkpointing, bool):
+        return ("full",) if checkpointing else ("none",)
+    if checkpointing == "auto":
+        return CHECKPOINTING_MODES
+    if checkpointing in CHECKPOINTING_MODES:
+        return (checkpointing,)
+    raise ValueError(f"checkpointing={checkpointing!r}; use auto or one of {', '.join(CHECKPOINTING_MODES)}")
 
 
 def enumerate_configs(
@@ -29,13 +42,16 @@ def enumerate_configs(
     global_batch: int,
     *,
     devices_per_node: int | None = None,
-    checkpointing: bool = False,
+    checkpointing: str | bool = "auto",
     comm_dtypes: Sequence[str | None] = (None, "bf16"),
     compressions: Sequence[str | None] = (None, "int8"),
     bucket_mbs: Sequence[float] = (25.0,),
     micro_batch_factors: Sequence[int] = (1, 2, 4, 8),
 ) -> list[tuple[Config, str | None]]:
-    """Every configuration for ``world`` ranks, each with the reason it cannot run (None when it can)."""
+    """Every configuration for ``world`` ranks, each with the reason it cannot run (None when it can): every layout
+    (strategy, dp x tp x pp, micro-batches, schedule, ZeRO stage, wire dtype, compression) once per activation
+    checkpointing mode of ``checkpointing`` (:func:`checkpointing_modes`)."""
+    modes = checkpointing_modes(checkpointing)
     out: list[tuple[Config, str | None]] = []
     gpn = devices_per_node or world
     for tp in _divisors(world):
@@ -61,7 +77,7 @@ def enumerate_configs(
                     why = str(e)
             if why is None and global_batch % dp:
                 why = f"global batch {global_batch} does not split over dp={dp} replicas"
-            base = dict(dp=dp, tp=tp, pp=pp, checkpointing=checkpointing)
+            base = dict(dp=dp, tp=tp, pp=pp)
             if tp == 1 and pp == 1:
                 for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
                     for bucket in bucket_mbs:
@@ -94,7 +110,7 @@ def enumerate_configs(
                     for zs in stages:
                         cfg = Config(strategy, micro_batches=m, schedule=schedule, zero_stage=zs, **base)
                         out.append((cfg, why_s))
-    return out
+    return [(replace(cfg, checkpointing=mode), why) for cfg, why in out for mode in modes]
 
 
 def _why(p: Prediction, budget: float) -> str:
@@ -138,7 +154,7 @@ def plan(
     dtype: str = "bf16",
     mixed_precision: bool = True,
     optimizer: str = "adam",
-    checkpointing: bool = False,
+    checkpointing: str | bool = "auto",
     seq_len: int | None = None,
     blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
     tp_plan: Any = None,
@@ -160,8 +176,9 @@ def plan(
         dtype: The parameters' dtype, "fp32" or "bf16" (ZeRO keeps an fp32 master of the owned range for bf16).
         mixed_precision: Activations and matmuls in bf16 (else in ``dtype``).
         optimizer: "adam"/"adamw" (K = 2), "sgd" (momentum, K = 1) or "sgd-plain".
-        checkpointing: Activation checkpointing (each block keeps its input; 8 instead of 6 FLOPs per parameter
-            and token).
+        checkpointing: Activation checkpointing, searched like the layout: "auto" tries "none", "selective" and
+            "full" for every layout and ranks the fitting ones by step time; a mode forces it (``True``: "full").
+            The memory and time of each: :func:`gpudist.plan.cost._activation_bytes`, ``_flops``, ``_host_time``.
         seq_len, blocks, tp_plan: For an ``nn.Module``: see :meth:`ModelSpec.from_module`.
         measure: Calibrate the cluster on this machine (:func:`measure_cluster`) instead of the given numbers.
         comm_dtypes, compressions, bucket_mbs: The wire dtypes, gradient compressions and bucket sizes tried.
@@ -182,6 +199,7 @@ def plan(
     if optimizer not in ("adam", "adamw", "sgd", "sgd-plain"):
         raise ValueError(f"optimizer={optimizer!r}; use adam, adamw, sgd (momentum) or sgd-plain")
     wires = [w for w in comm_dtypes if w is None or _DTYPES[w] != param_dtype]
+    modes = checkpointing_modes(checkpointing)
     budget = cluster.device_memory * cluster.usable_memory
     preds = []
     configs = enumerate_configs(
@@ -212,12 +230,15 @@ def plan(
         else:
             p.why = _why(p, budget)
         preds.append(p)
-    preds.sort(key=lambda p: (not p.fits, p.step_time, p.memory.get("total", math.inf)))
+    recompute = CHECKPOINTING_MODES.index  # on a tie (a step bound by communication), the least recomputation
+    preds.sort(
+        key=lambda p: (not p.fits, p.step_time, p.memory.get("total", math.inf), recompute(p.config.checkpointing))
+    )
     settings = {
         "dtype": dtype,
         "compute_dtype": _dtype_name(compute_dtype),
         "optimizer": optimizer,
-        "checkpointing": checkpointing,
+        "checkpointing": "auto" if len(modes) > 1 else modes[0],
         "measured": measure,
     }
     return PlanResult(spec, cluster, global_batch, preds, settings)
