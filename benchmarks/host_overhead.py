@@ -102,7 +102,7 @@ def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
     saved = comm._comm, comm._rt
     comm._comm, comm._rt = raw, _ = _NullCommunicator(), _NullRuntime()
     lib = comm._lib
-    planned = comm.plan_all_reduce(x) if hasattr(comm, "plan_all_reduce") else None
+    planned = comm.plan_all_reduce(x)
 
     def unchecked() -> None:
         with comm.unchecked():
@@ -201,7 +201,10 @@ def backward_section(rounds: int, steps: int) -> dict:
             config = gpudist.ShardingConfiguration(comm, static_graph=static)
             model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
             model = model_cls(_tiny(), config)
-            built[f"gpudist_{strategy}{'_static' if static else ''}"] = (model, opt_cls(adamw(model.parameters()), config))
+            built[f"gpudist_{strategy}{'_static' if static else ''}"] = (
+                model,
+                opt_cls(adamw(model.parameters()), config),
+            )
         config = gpudist.ShardingConfiguration(comm)
         model_cls, opt_cls = DATA_PARALLEL_PAIRS["fsdp"]
         model = model_cls(_tiny(), config, auto_wrap_policy={nn.Linear})

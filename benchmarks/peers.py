@@ -144,7 +144,7 @@ def plain_params(module: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
 
 def transport(comm) -> str:
     """How a Gloo backend moves the collectives' bytes: ``"shm"`` (shared memory) or ``"tcp"``."""
-    return "shm" if getattr(comm, "shared_memory", False) else "tcp"
+    return "shm" if comm.shared_memory else "tcp"
 
 
 def other_transport(comm):

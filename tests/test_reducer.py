@@ -134,7 +134,7 @@ def _hook_of(handle):
     return handle.hooks_dict_ref()[handle.id]
 
 
-# -- static_graph: one hook per bucket once the order is known ----------------------------------------------------------
+# -- static_graph: one hook per bucket once the order is known ---------------------------------------------------------
 
 
 class _Layers(nn.Module):

@@ -1,23 +1,15 @@
 """Communication backends: one contract (:class:`CommunicationBackend`), several transports."""
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    AgreedOps,
-    CollectiveMismatchError,
-    CommStats,
-    CommunicationBackend,
-    CommunicationError,
-    CommunicationTimeoutError,
-    OpStats,
-    PlannedCollective,
-    ReductionOperation,
-    Work,
-    shard_range,
-    split_sizes,
-    stable_hash,
-)
+from .agreed import AgreedOps
+from .base import DEFAULT_TIMEOUT, CommunicationBackend
+from .errors import CollectiveMismatchError, CommunicationError, CommunicationTimeoutError
 from .gloo import GlooCommunicationBackend
 from .inmemory import InMemoryCommunicationBackend
+from .reduction import ReductionOperation
+from .shards import shard_range, split_sizes
+from .signature import stable_hash
+from .stats import CommStats, OpStats
+from .work import PlannedCollective, Work
 
 __all__ = [
     "DEFAULT_TIMEOUT",

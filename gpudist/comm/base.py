@@ -1,459 +1,41 @@
-"""The communication contract every gpudist backend implements.
+"""The communication contract every gpudist backend implements: :class:`CommunicationBackend`.
 
 One contract, four transports. Every public method of :class:`CommunicationBackend` validates its
 arguments locally (device, contiguity, dtype, sizes, rank range) *before* anything is sent, counts the
 bytes it moves in :attr:`CommunicationBackend.stats`, and turns transport failures into
 :class:`CommunicationError` naming the op, the group and the rank. Backends only implement the
-transport (``_all_reduce`` and friends) and a cross-rank consistency check of the call signature.
+transport (``_all_reduce`` and friends) and a cross-rank consistency check of the call signature, and say
+what they can do through the contract's declared capabilities (:attr:`~CommunicationBackend.shared_memory`,
+:meth:`~CommunicationBackend.abort`, :meth:`~CommunicationBackend.shutdown` and the transport properties), so
+nothing above ``gpudist.comm`` needs to ask which transport it holds.
 
-Uneven sizes (``reduce_scatter`` / ``all_gather``): a flat buffer of ``n`` elements is split over
-``N`` ranks into contiguous ranges in rank order; the first ``n % N`` ranks get ``n // N + 1``
-elements, the rest ``n // N`` (the ``numpy.array_split`` rule). :func:`split_sizes` and
-:func:`shard_range` are the single definition of that rule; ``gpudist.flat`` reuses them.
+What the contract is made of lives beside it, one job per module: ``errors`` (the errors), ``reduction``
+(:class:`ReductionOperation`), ``shards`` (the uneven-size rule, :func:`split_sizes` and :func:`shard_range`),
+``stats`` (byte counters), ``work`` (:class:`Work`, :class:`PlannedCollective`), ``signature`` (what ranks agree
+on, and the mismatch errors), ``agreed`` (:class:`AgreedOps`) and ``handshake`` (the point-to-point handshake of
+the CPU process transports).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "AgreedOps",
-    "CollectiveMismatchError",
-    "CommStats",
-    "CommunicationBackend",
-    "CommunicationError",
-    "CommunicationTimeoutError",
-    "OpStats",
-    "PlannedCollective",
-    "ReductionOperation",
-    "Work",
-    "shard_range",
-    "split_sizes",
-    "stable_hash",
-]
+from .agreed import AgreedOps
+from .errors import CollectiveMismatchError, CommunicationError, op_error
+from .reduction import ReductionOperation
+from .shards import _share
+from .signature import _DTYPE_CODES, SIGNATURE_LEN, Signature, mismatch_error, stable_hash
+from .stats import CommStats
+from .work import PlannedCollective, Work
+
+__all__ = ["DEFAULT_TIMEOUT", "CommunicationBackend"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a collective may wait for its peers before raising :class:`CommunicationTimeoutError`."""
-
-
-class CommunicationError(RuntimeError):
-    """A collective or point-to-point op could not complete. Names the op, the group and the rank.
-
-    Args:
-        message: What failed and what to do about it.
-        op: The op that failed (``"all_reduce"``, ``"init"``, ...), kept as ``self.op``.
-        group: The group's name, kept as ``self.group``.
-        rank: The rank that raised (-1: unknown), kept as ``self.rank``.
-    """
-
-    def __init__(self, message: str, *, op: str = "", group: str = "", rank: int = -1):
-        super().__init__(message)
-        self.op, self.group, self.rank = op, group, rank
-
-
-class CommunicationTimeoutError(CommunicationError):
-    """A peer did not take part in an op within the backend's timeout (it never joined, hangs, or died)."""
-
-
-class CollectiveMismatchError(CommunicationError):
-    """Ranks called an op with different names, shapes, dtypes or roots. Raised before anything was sent, so the
-    group stays usable."""
-
-
-class ReductionOperation(enum.Enum):
-    """How ``all_reduce`` and ``reduce_scatter`` combine the ranks' values."""
-
-    SUM = "sum"
-    AVERAGE = "average"
-    MAX = "max"
-    MIN = "min"
-    PRODUCT = "product"
-
-    @classmethod
-    def parse(cls, op: ReductionOperation | str) -> ReductionOperation:
-        """The reduction ``op`` names.
-
-        Args:
-            op: A ``ReductionOperation``, or a name: ``"sum"``, ``"average"`` (``"avg"``, ``"mean"``), ``"max"``,
-                ``"min"`` or ``"product"`` (``"prod"``), in any case.
-
-        Returns:
-            The ``ReductionOperation``.
-
-        Raises:
-            ValueError: When ``op`` is neither a ``ReductionOperation`` nor one of those names.
-        """
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str):
-            key = op.strip().upper()
-            key = {"AVG": "AVERAGE", "MEAN": "AVERAGE", "PROD": "PRODUCT"}.get(key, key)
-            if key in cls.__members__:
-                return cls[key]
-        raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(cls.__members__)}")
-
-
-def split_sizes(numel: int, world_size: int) -> list[int]:
-    """Element counts of each rank's contiguous range when ``numel`` elements are split over ``world_size``.
-
-    Args:
-        numel: Elements of the flat buffer (>= 0).
-        world_size: Ranks it is split over (>= 1).
-
-    Returns:
-        ``world_size`` counts in rank order: the first ``numel % world_size`` get ``numel // world_size + 1``.
-
-    Raises:
-        ValueError: When ``world_size < 1`` or ``numel < 0``.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    base, extra = divmod(numel, world_size)
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
-
-
-def _share(numel: int, world_size: int, rank: int) -> int:
-    """``split_sizes(numel, world_size)[rank]`` without the list (checked on every collective)."""
-    base, extra = divmod(numel, world_size)
-    return base + (rank < extra)
-
-
-def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(start, end)`` of ``rank``'s range of a flat buffer of ``numel`` elements (see :func:`split_sizes`).
-
-    Args:
-        numel: Elements of the flat buffer.
-        world_size: Ranks it is split over.
-        rank: The rank whose range to return.
-
-    Returns:
-        ``(start, end)``, end exclusive.
-
-    Raises:
-        ValueError: When ``rank`` is not in ``0..world_size-1``.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    base, extra = divmod(numel, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Statistics
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
-
-
-@dataclass
-class CommStats:
-    """Per-op call and byte counters of one backend (one rank of one group).
-
-    ``bytes`` is the op's payload as nccl-tests counts "size": the tensor for ``all_reduce``, ``broadcast``,
-    ``send`` and ``recv``; the input of ``reduce_scatter`` and ``all_to_all``; the output of ``all_gather``.
-    The consistency checks gpudist runs before ops are counted apart, in ``check_calls``/``check_bytes``.
-    """
-
-    ops: dict[str, OpStats] = field(default_factory=dict)
-    check_calls: int = 0
-    check_bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def record(self, op: str, nbytes: int) -> None:
-        with self._lock:
-            entry = self.ops.get(op)
-            if entry is None:
-                entry = self.ops[op] = OpStats()
-            entry.calls += 1
-            entry.bytes += nbytes
-
-    def record_check(self, nbytes: int) -> None:
-        with self._lock:
-            self.check_calls += 1
-            self.check_bytes += nbytes
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.ops.values())
-
-    @property
-    def total_calls(self) -> int:
-        return sum(s.calls for s in self.ops.values())
-
-    def bytes_of(self, op: str) -> int:
-        return self.ops[op].bytes if op in self.ops else 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.ops.clear()
-            self.check_calls = self.check_bytes = 0
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return {
-                "ops": {k: {"calls": v.calls, "bytes": v.bytes} for k, v in sorted(self.ops.items())},
-                "total_bytes": sum(s.bytes for s in self.ops.values()),
-                "check_calls": self.check_calls,
-                "check_bytes": self.check_bytes,
-            }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Async handles
-
-
-class Work:
-    """Handle of an op started with ``async_op=True``: ``wait()`` blocks until it completes (or raises its error).
-
-    Args:
-        wait_fn: Blocks until the op completes, raising its error; None: the op is already complete.
-        done_fn: Whether the op has completed, without blocking; None: unknown until ``wait`` returns.
-    """
-
-    def __init__(self, wait_fn: Callable[[], None] | None = None, done_fn: Callable[[], bool] | None = None):
-        self._wait_fn = wait_fn
-        self._done_fn = done_fn
-        self._finished = wait_fn is None
-        self._error: BaseException | None = None
-
-    def wait(self) -> None:
-        """Block until the op completes; later calls return (or raise) at once.
-
-        Raises:
-            CommunicationError: The op's error (or its subclasses :class:`CommunicationTimeoutError` and
-                :class:`CollectiveMismatchError`), raised again by every later call.
-        """
-        if self._error is not None:
-            raise self._error
-        if self._finished:
-            return
-        try:
-            self._wait_fn()
-        except BaseException as e:
-            self._error = e
-            raise
-        finally:
-            self._finished = True
-
-    def is_completed(self) -> bool:
-        """Whether the op has completed, without blocking.
-
-        Returns:
-            True once :meth:`wait` returned or raised, or when the transport reports the op done.
-        """
-        if self._finished:
-            return True
-        return bool(self._done_fn()) if self._done_fn is not None else False
-
-
-class PlannedCollective:
-    """One collective, checked when it was planned (``CommunicationBackend.plan_*``): :meth:`start` issues it and
-    returns its :class:`Work`. What the backend's public op does on every call beyond the transport's own (argument
-    checks, a signature, the unchecked context) happened once; what remains is the failure state, the byte counters
-    and the transport's call. A plan on fixed buffers (:meth:`CommunicationBackend.plan_all_reduce`) starts with no
-    argument; one of a fixed shape (:meth:`CommunicationBackend.plan_reduce_scatter`) takes its tensors per start."""
-
-    __slots__ = ("_backend", "_launch", "_nbytes", "_op")
-
-    def __init__(self, backend: CommunicationBackend, op: str, nbytes: int, launch: Callable[..., Work]):
-        self._backend, self._op, self._nbytes, self._launch = backend, op, nbytes, launch
-
-    def start(self, *tensors: torch.Tensor) -> Work:
-        """Issue the collective (asynchronously, as ``async_op=True``).
-
-        Args:
-            *tensors: Nothing for a plan on fixed buffers; the tensors of this start for a plan of a fixed shape
-                (as its ``plan_*`` method says: not checked here).
-
-        Returns:
-            Its :class:`Work`; ``wait()`` raises what the op's ``wait`` would.
-
-        Raises:
-            CommunicationError: When the group is unusable after an earlier failure, or the transport failed.
-        """
-        backend, op = self._backend, self._op
-        if backend._broken is not None:
-            backend._raise_if_broken(op)
-        backend.stats.record(op, self._nbytes)
-        try:
-            work = self._launch(*tensors)
-        except RuntimeError as e:
-            raise backend._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
-        return Work(lambda: backend._wait(work, op), work.is_completed)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Call signatures: what every rank must agree on
-
-
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int8: 7,
-    torch.uint8: 8,
-}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-_OP_CODES = {
-    name: i + 1
-    for i, name in enumerate(
-        ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "barrier", "new_group"]
-    )
-}
-_CODE_OPS = {v: k for k, v in _OP_CODES.items()}
-_RED_CODES = {op: i + 1 for i, op in enumerate(ReductionOperation)}
-_CODE_REDS = {v: k for k, v in _RED_CODES.items()}
-_MAX_DIMS = 8
-SIGNATURE_LEN = 5 + _MAX_DIMS + 1  # op, dtype, reduction, root, ndim, dims..., extra
-
-
-class Signature:
-    """What every rank of a group must agree on for one op: name, dtype, shape, reduction and root/peer.
-
-    ``extra`` carries op-specific agreement data (a hash of the rank list for ``new_group``). Encoded as
-    ``SIGNATURE_LEN`` int64 values so transports can exchange it in one small collective. ``ndim``: only in a decoded
-    signature whose shape had more than ``_MAX_DIMS`` dimensions, how many (``shape`` then holds the first
-    ``_MAX_DIMS - 1``), -1 otherwise; ``tail``: with ``ndim``, the hash ``encode`` folded the remaining dimensions into.
-
-    Built for every op, so a plain class with slots (a frozen dataclass's ``__init__`` costs the host ~5x more per
-    call); treat it as immutable.
-    """
-
-    __slots__ = ("dtype", "extra", "ndim", "op", "reduction", "root", "shape", "tail")
-
-    def __init__(
-        self,
-        op: str,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, ...] = (),
-        reduction: ReductionOperation | None = None,
-        root: int = -1,
-        extra: int = 0,
-        ndim: int = -1,
-        tail: int = 0,
-    ):
-        self.op, self.dtype, self.shape, self.reduction = op, dtype, shape, reduction
-        self.root, self.extra, self.ndim, self.tail = root, extra, ndim, tail
-
-    def _key(self) -> tuple:
-        return (self.op, self.dtype, self.shape, self.reduction, self.root, self.extra, self.ndim, self.tail)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Signature) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        fields = ("op", "dtype", "shape", "reduction", "root", "extra", "ndim", "tail")
-        return f"Signature({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
-
-    def encode(self) -> list[int]:
-        if self.ndim > len(self.shape):  # a decoded folded signature encodes back to what it was decoded from
-            dims, ndim = [*self.shape, self.tail], self.ndim
-        else:
-            dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
-            ndim = len(self.shape)
-            if ndim > _MAX_DIMS:  # fold the tail into the last slot so different tails still differ
-                dims[-1] = stable_hash(self.shape[_MAX_DIMS - 1 :])
-        return [
-            _OP_CODES[self.op],
-            _DTYPE_CODES.get(self.dtype, 0) if self.dtype is not None else 0,
-            _RED_CODES[self.reduction] if self.reduction is not None else 0,
-            self.root,
-            ndim,
-            *dims,
-            self.extra,
-        ]
-
-    @classmethod
-    def decode(cls, values: Sequence[int]) -> Signature:
-        """The signature ``encode`` gave, except that a shape of more than ``_MAX_DIMS`` dimensions comes back with
-        ``ndim`` and the hash of its tail in ``tail`` (its first ``_MAX_DIMS - 1`` sizes as they were): two such
-        shapes that differ anywhere still decode unequal."""
-        values = [int(v) for v in values]
-        ndim = values[4]
-        dims = values[5 : 5 + min(ndim, _MAX_DIMS)]
-        folded = ndim > _MAX_DIMS
-        return cls(
-            op=_CODE_OPS.get(values[0], f"op#{values[0]}"),
-            dtype=_CODE_DTYPES.get(values[1]),
-            shape=tuple(dims[:-1] if folded else dims),
-            reduction=_CODE_REDS.get(values[2]),
-            root=values[3],
-            extra=values[-1],
-            ndim=ndim if folded else -1,
-            tail=dims[-1] if folded else 0,
-        )
-
-    def describe(self) -> str:
-        parts = []
-        if self.dtype is not None:
-            shape = tuple(self.shape)
-            if self.ndim > len(shape):  # decoded from a folded encoding: the tail is known only by its hash
-                shape_text = f"({', '.join(map(str, shape))}, ... {self.ndim} dims, tail hash {self.tail:x})"
-            else:
-                shape_text = str(shape)
-            parts += [f"shape={shape_text}", f"dtype={str(self.dtype).removeprefix('torch.')}"]
-        if self.reduction is not None:
-            parts.append(f"op={self.reduction.name}")
-        if self.root >= 0:
-            parts.append(f"{'peer' if self.op == 'send' else 'root'}={self.root}")
-        if self.op == "new_group":
-            parts.append(f"ranks_hash={self.extra}")
-        return f"{self.op}({', '.join(parts)})"
-
-
-def mismatch_error(signatures: Sequence[Signature], *, group: str, rank: int) -> CollectiveMismatchError | None:
-    """The error every rank raises when the ranks' signatures differ, or None when they agree."""
-    reference = signatures[0]
-    for other_rank, sig in enumerate(signatures):
-        if sig != reference:
-            return CollectiveMismatchError(
-                f"{reference.op} mismatch on group '{group}': rank 0 called {reference.describe()} but rank "
-                f"{other_rank} called {sig.describe()}; every rank must call the same op with the same shape, "
-                f"dtype and root (raised on rank {rank}, before anything was sent)",
-                op=reference.op,
-                group=group,
-                rank=rank,
-            )
-    return None
-
-
-def p2p_mismatch_error(
-    group: str, rank: int, peer: int, *, sent: Signature, posted: Signature, side: str
-) -> CollectiveMismatchError:
-    """The error both ends of a send/recv raise when the sent tensor and the posted buffer differ."""
-    sender, receiver = (rank, peer) if side == "send" else (peer, rank)
-    return CollectiveMismatchError(
-        f"{side} mismatch on group '{group}': rank {sender} sent shape={tuple(sent.shape)}, dtype={sent.dtype} but "
-        f"rank {receiver} posted recv(shape={tuple(posted.shape)}, dtype={posted.dtype}); size the receive buffer "
-        f"like the sent tensor (raised on rank {rank}; the payload was not delivered)",
-        op=side,
-        group=group,
-        rank=rank,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The contract
 
 
 class CommunicationBackend(ABC):
@@ -498,6 +80,13 @@ class CommunicationBackend(ABC):
     #: an all-gather on the device, read back by the host). Per-step collectives whose shapes follow the data rather
     #: than a layout checked at wrap time (tensor-parallel activations) are checked only where this is False.
     check_syncs_host: bool = False
+
+    #: Whether the collectives are this process's own copying and adding through memory the ranks share, on a worker
+    #: thread of its own, rather than a NIC's, the kernel's or a device's work: Gloo's shared-memory path
+    #: (``gpudist.comm.shm``) only. There overlapping them with backward just makes the two share the cores, so DDP
+    #: launches its buckets at the end of backward instead. False everywhere else, the in-memory transport included
+    #: (its ranks are threads of one test process; strategies keep their real schedule on it).
+    shared_memory: bool = False
 
     #: Where the ranks sit (a ``gpudist.Topology``: node layout, intra- and inter-node groups). ``gpudist.init()``
     #: sets it on the world group's backend; None on backends built otherwise (build one with
@@ -1087,6 +676,35 @@ class CommunicationBackend(ABC):
         """False once an op failed in a way that leaves the group unusable (timeout, dead peer)."""
         return self._broken is None
 
+    # -- leaving the group ------------------------------------------------------------------------------------------
+
+    def abort(self, reason: str | None = None) -> None:
+        """Leave the group now, from any thread (a heartbeat watch's, a failed op's handler): what a survivor of a
+        failure calls on the old group before it forms the next one. From then on every op of this backend raises
+        :class:`CommunicationError` quoting ``reason``: the later ones, and the ``wait()`` of those pending here as soon
+        as the transport can release them. Transports that can also make the peers' ops that wait on this rank fail at
+        once, rather than at their timeout, do so (Gloo shuts down its connections, NCCL aborts its communicator, an
+        in-memory group fails on every member); MPI cannot (see its ``abort``). It never waits for a peer and never
+        ends the process. Idempotent (the first reason stays); :meth:`shutdown` still releases what the group holds.
+
+        The default marks this backend broken, so later ops raise; transports override it to release pending ops.
+
+        Args:
+            reason: Why, quoted in this rank's errors.
+        """
+        self._mark_broken(self._error(f"the group was aborted on this rank: {reason or 'aborted'}", "abort"))
+
+    def shutdown(self) -> None:
+        """Release what this rank holds of the group (threads, connections, communicators, shared memory), once it is
+        no longer used: at the end of a job, or a retired generation's group in live mode. Later ops raise
+        :class:`CommunicationError`. Idempotent.
+
+        The default holds nothing to release (the in-memory transport) and only marks the backend shut down."""
+        if self._broken is None:
+            self._broken = CommunicationError(
+                f"group {self.group!r} was shut down", op="shutdown", group=self.group, rank=self.rank
+            )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, group={self.group!r}, "
@@ -1190,76 +808,3 @@ class CommunicationBackend(ABC):
             )
         if peer == self.rank and not allow_self:
             raise ValueError(f"{op}: {what}={peer} is this rank itself; a rank cannot {op} to/from itself")
-
-
-def op_error(
-    detail: str, op: str, group: str, rank: int, cls: type[CommunicationError] = CommunicationError
-) -> CommunicationError:
-    """The error of ``op`` failing on ``rank`` of ``group``: its message names all three, then ``detail``."""
-    return cls(f"{op} on group '{group}' failed on rank {rank}: {detail}", op=op, group=group, rank=rank)
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (transport errors carry long C++ traces), or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def stable_hash(values: Sequence[int]) -> int:
-    """A 62-bit FNV-style hash of a sequence of ints, the same in every process and run (for comparing a rank list
-    or a parameter layout across ranks).
-
-    Args:
-        values: The ints to hash, in order.
-
-    Returns:
-        A non-negative int below ``2**62``.
-    """
-    h = 1469598103934665603
-    for v in values:
-        h = ((h ^ (v + 1)) * 1099511628211) & ((1 << 62) - 1)
-    return h
-
-
-class AgreedOps:
-    """A backend's ops without the cross-rank signature check (:attr:`CommunicationBackend.agreed`): the calls
-    whose agreement the caller's construction guarantees, said once where the handle is taken instead of with an
-    ``unchecked()`` block at every call."""
-
-    __slots__ = ("_backend",)
-
-    def __init__(self, backend: CommunicationBackend):
-        self._backend = backend
-
-    def __getattr__(self, name: str):
-        return getattr(self._backend, name)
-
-    def __repr__(self) -> str:
-        return f"{self._backend!r}.agreed"
-
-
-def _agreed_op(name: str) -> Callable[..., Work | None]:
-    def op(self: AgreedOps, *args, **kwargs):
-        backend = self._backend
-        previous, backend.validate = backend.validate, False
-        try:
-            return getattr(backend, name)(*args, **kwargs)
-        finally:
-            backend.validate = previous
-
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = f":meth:`CommunicationBackend.{name}` without the cross-rank signature check."
-    return op
-
-
-for _name in (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "send",
-    "recv",
-    "batch_send_recv",
-    "all_to_all",
-):
-    setattr(AgreedOps, _name, _agreed_op(_name))

@@ -9,8 +9,8 @@ pass different sizes or dtypes to a collective, and a ``recv`` larger than the m
 receives a short message (both seen with torch 2.13). With ``validate=True`` (the default) every collective
 first exchanges a 14-int64 signature among the ranks (one small all-gather) and raises
 :class:`CollectiveMismatchError` on every rank before the real op is sent; point-to-point ops exchange the
-receiver's expected shape before the payload (see ``_send``), and a mismatch raises on both ranks. The check
-costs one small-message latency per op (measured in ``benchmarks/collectives.py``); ``validate=False``, or
+receiver's expected shape before the payload (``gpudist.comm.handshake``), and a mismatch raises on both ranks. The
+check costs one small-message latency per op (measured in ``benchmarks/collectives.py``); ``validate=False``, or
 ``with comm.unchecked():`` around ops whose shapes agree by construction, removes it.
 """
 
@@ -26,25 +26,18 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    SIGNATURE_LEN,
-    CommunicationBackend,
-    CommunicationError,
-    CommunicationTimeoutError,
-    ReductionOperation,
-    Signature,
-    Work,
-    first_line,
-    p2p_mismatch_error,
-    shard_range,
-)
+from .base import DEFAULT_TIMEOUT, CommunicationBackend
+from .errors import CommunicationError, CommunicationTimeoutError, first_line
+from .handshake import Handshake
+from .reduction import ReductionOperation
+from .shards import shard_range
 from .shm import SharedMemoryChannel, shm_requested
+from .signature import Signature
+from .work import Work
 
 try:  # the option structs moved between modules across torch releases; both names exist in 2.11-2.13
     from torch.distributed.distributed_c10d import (
@@ -131,6 +124,9 @@ def _new_sockets(before: dict[int, int], store_port: int | None) -> frozenset[in
                 new.add(inode)
     return frozenset(new)
 
+
+_HANDSHAKE_TAG = 1
+"""Gloo's tag for the point-to-point handshake (status and payload go on tag 0): see ``gpudist.comm.handshake``."""
 
 _PEER_GONE = (
     "Connection reset",
@@ -297,7 +293,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         self.validate = validate
         self._delta = datetime.timedelta(seconds=self.timeout)
         self._subgroups = 0
-        self._sender: ThreadPoolExecutor | None = None
+        self._handshake = Handshake(self.group, self.rank, f"gpudist-send-r{self.rank}")
         self._children: weakref.WeakSet[GlooCommunicationBackend] = weakref.WeakSet()
         self._in_flight: list = []  # see _retain
         self._in_flight_lock = threading.Lock()
@@ -484,7 +480,7 @@ class GlooCommunicationBackend(CommunicationBackend):
             reason: Why, quoted in this rank's errors.
         """
         self._abort_reason = reason or "aborted"
-        self._mark_broken(self._error(f"the group was aborted on this rank: {self._abort_reason}", "abort"))
+        super().abort(self._abort_reason)
         shm = self._shm
         if shm is not None:  # a peer (or this rank's worker) waiting at a shared-memory sync point fails at once
             shm.abort()
@@ -645,51 +641,37 @@ class GlooCommunicationBackend(CommunicationBackend):
             self._shm.drain()
         return self._work(self._gloo.barrier(self._opts(BarrierOptions)))
 
-    # Point-to-point with validation. Gloo completes a send only once the receiver posted its recv, and aborts
-    # on a message longer than the posted buffer, so the sender must learn the receiver's shape first:
-    #   recv():  posts isend(expected signature, tag 1), irecv(status, tag 0), irecv(payload, tag 0), all at once;
-    #   send():  recv(expected signature, tag 1); on a match send(status = own signature) + send(payload), else a
-    #            receiver-sized dummy, and both ranks raise. Handshakes and payloads use separate tags so a pair
-    #            can exchange in both directions. Sends run in order on one background thread so that
-    #            ``isend(); recv(); wait()`` patterns never deadlock.
-    _HANDSHAKE_TAG = 1
+    # Point-to-point with validation: Gloo completes a send only once the receiver posted its recv, and aborts on a
+    # message longer than the posted buffer, so the sender first learns the receiver's shape: the handshake of
+    # ``gpudist.comm.handshake``, on tag 1 (the handshake) and tag 0 (status and payload).
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         if not self.validate:
             return self._work(self._gloo.send([tensor], dst, 0), p2p=True)
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-send-r{self.rank}")
-        future = self._sender.submit(self._send_checked, sig, tensor, dst)
-        return Work(future.result, future.done)
 
-    def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
-        expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        self._keep(self._gloo.recv([expected], dst, self._HANDSHAKE_TAG)).wait(self._delta)
-        wanted = Signature.decode(expected.tolist())
-        status = self._keep(self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], dst, 0))
-        matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
-        payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
-        self._keep(self._gloo.send([payload], dst, 0)).wait(self._delta)
-        status.wait(self._delta)
-        _op_completed()
-        if not matches:
-            raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
+        def receive_expected(expected: torch.Tensor) -> None:
+            self._keep(self._gloo.recv([expected], dst, _HANDSHAKE_TAG)).wait(self._delta)
+
+        def answer(status: torch.Tensor, payload: torch.Tensor) -> None:
+            sent = self._keep(self._gloo.send([status], dst, 0))
+            self._keep(self._gloo.send([payload], dst, 0)).wait(self._delta)
+            sent.wait(self._delta)
+            _op_completed()
+
+        return self._handshake.send(sig, tensor, dst, receive_expected=receive_expected, answer=answer)
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         if not self.validate:
             return self._work(self._gloo.recv([tensor], src, 0), p2p=True)
-        status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        works = (
-            self._gloo.send([torch.tensor(sig.encode(), dtype=torch.int64)], src, self._HANDSHAKE_TAG),
-            self._gloo.recv([status], src, 0),
-            self._gloo.recv([tensor], src, 0),
-        )
 
-        def check() -> None:
-            sent = Signature.decode(status.tolist())
-            if (sent.dtype, sent.shape) != (sig.dtype, sig.shape):
-                raise p2p_mismatch_error(self.group, self.rank, src, sent=sent, posted=sig, side="recv")
+        def post(expected: torch.Tensor, status: torch.Tensor, payload: torch.Tensor) -> tuple:
+            return (
+                self._gloo.send([expected], src, _HANDSHAKE_TAG),
+                self._gloo.recv([status], src, 0),
+                self._gloo.recv([payload], src, 0),
+            )
 
+        works, check = self._handshake.recv(sig, tensor, src, post=post)
         return self._work(*works, then=check, p2p=True)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
@@ -731,8 +713,7 @@ class GlooCommunicationBackend(CommunicationBackend):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-        if self._sender is not None:
-            self._sender.shutdown(wait=False, cancel_futures=True)
+        self._handshake.close()
         if self.group == "world" and dist.is_initialized():
             dist.destroy_process_group()
         self._gloo = None
@@ -744,7 +725,4 @@ class GlooCommunicationBackend(CommunicationBackend):
             time.sleep(0.05)
             del held
         self._store = None
-        if self._broken is None:
-            self._broken = CommunicationError(
-                f"group {self.group!r} was shut down", op="shutdown", group=self.group, rank=self.rank
-            )
+        super().shutdown()

@@ -28,18 +28,12 @@ from typing import Any
 
 import torch
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    CommunicationBackend,
-    CommunicationError,
-    CommunicationTimeoutError,
-    ReductionOperation,
-    Signature,
-    Work,
-    mismatch_error,
-    p2p_mismatch_error,
-    shard_range,
-)
+from .base import DEFAULT_TIMEOUT, CommunicationBackend
+from .errors import CommunicationError, CommunicationTimeoutError
+from .reduction import ReductionOperation
+from .shards import shard_range
+from .signature import Signature, mismatch_error, p2p_mismatch_error
+from .work import Work
 
 __all__ = ["InMemoryCommunicationBackend"]
 
@@ -339,15 +333,18 @@ class InMemoryCommunicationBackend(CommunicationBackend):
 
         return Work(wait, lambda: other in slot)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Fail the whole group, and every group :meth:`new_group` made from it, now: every rank waiting in (or later
-        entering) an op of them raises CommunicationError.
+        entering) an op of them raises CommunicationError. Idempotent (the first cause stays).
 
         Args:
             reason: Why, quoted in the other ranks' errors.
         """
         self._state.fail(
             CommunicationError(
-                f"rank {self.rank} aborted the group: {reason}", op="abort", group=self.group, rank=self.rank
+                f"rank {self.rank} aborted the group: {reason or 'aborted'}",
+                op="abort",
+                group=self.group,
+                rank=self.rank,
             )
         )

@@ -6,7 +6,8 @@ than its non-blocking (``Iallreduce``...) ones (docs/results.md, "MPI"), which a
 polls. So ``async_op=True``
 overlaps for real (the thread communicates while the caller computes; mpi4py releases the GIL), and a blocking
 op waits for the thread at most ``timeout`` seconds, then raises :class:`CommunicationTimeoutError` naming op,
-group and rank and marks the backend unusable (the thread stays stuck in MPI: end the job with :meth:`abort`).
+group and rank and marks the backend unusable (the thread stays stuck in MPI: end the job with
+:meth:`~MPICommunicationBackend.abort_job`).
 Uneven reduce-scatter and all-gather shares use MPI's vector forms (no padding). Sub-groups are ``Comm.Split``.
 
 MPI has no bf16 or fp16 reduction: those are reduced in fp32 and rounded once at the end (more accurate than a
@@ -16,8 +17,8 @@ elements, so one tensor may hold at most 2**31 - 1 elements (MPI's int count).
 Like the Gloo backend, collectives first exchange a 14-int64 signature (``validate=True``) and raise
 :class:`CollectiveMismatchError` on every rank before a mismatched op is sent. ``send``/``recv`` are MPI's
 non-blocking point-to-point calls polled with the timeout (so a blocking ``send`` and the peer's ``recv`` can meet
-in any order); the sender first learns the receiver's posted shape (a second thread; MPI_THREAD_MULTIPLE), and a
-mismatch raises on both ranks.
+in any order); the sender first learns the receiver's posted shape (the handshake of ``gpudist.comm.handshake``, on a
+second thread: MPI_THREAD_MULTIPLE), and a mismatch raises on both ranks.
 """
 
 from __future__ import annotations
@@ -26,23 +27,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    SIGNATURE_LEN,
-    CommunicationBackend,
-    CommunicationError,
-    CommunicationTimeoutError,
-    ReductionOperation,
-    Signature,
-    Work,
-    first_line,
-    p2p_mismatch_error,
-    split_sizes,
-)
+from .base import DEFAULT_TIMEOUT, CommunicationBackend
+from .errors import CommunicationError, CommunicationTimeoutError, first_line
+from .handshake import Handshake
+from .reduction import ReductionOperation
+from .shards import split_sizes
+from .signature import Signature
+from .work import Work
 
 __all__ = ["MPICommunicationBackend"]
 
@@ -98,6 +93,9 @@ class MPICommunicationBackend(CommunicationBackend):
 
     name = "mpi"
 
+    _abort_reason: str | None = None  # see abort
+    _shut = False
+
     def __init__(self, comm=None, *, timeout: float = DEFAULT_TIMEOUT, validate: bool = True, group: str = "world"):
         MPI = _mpi()
         self._MPI = MPI
@@ -113,8 +111,9 @@ class MPICommunicationBackend(CommunicationBackend):
             ReductionOperation.PRODUCT: MPI.PROD,
         }
         self._subgroups = 0
-        self._sender: ThreadPoolExecutor | None = None
+        self._handshake = Handshake(self.group, self.rank, f"gpudist-mpi-send-r{self.rank}")
         self._queue: queue.SimpleQueue | None = None  # the communication thread's work, started on first use
+        self._abandoned: list[tuple[Sequence, Sequence]] = []  # see _poll
 
     @property
     def device(self) -> torch.device:
@@ -122,11 +121,17 @@ class MPICommunicationBackend(CommunicationBackend):
 
     # -- machinery ---------------------------------------------------------------------------------------------------
 
-    def _poll(self, requests: Sequence, op: str) -> None:
-        """Complete ``requests`` or raise CommunicationTimeoutError once ``timeout`` seconds have passed."""
+    def _poll(self, requests: Sequence, op: str, keep: Sequence = ()) -> None:
+        """Complete ``requests``, or raise CommunicationTimeoutError once ``timeout`` seconds have passed (a
+        CommunicationError at once when this rank aborted the group meanwhile). Requests given up on stay pending in
+        MPI, so they and the buffers in ``keep`` are held for the backend's life: a message arriving later must not
+        land in freed memory."""
         deadline, pause = time.monotonic() + self.timeout, 0.0
         while not self._MPI.Request.Testall(list(requests)):
-            if time.monotonic() > deadline:
+            if self._abort_reason is not None or time.monotonic() > deadline:
+                self._abandoned.append((requests, keep))
+                if self._abort_reason is not None:
+                    raise self._aborted(op)
                 raise self._error(
                     f"timed out after {self.timeout:g}s: a peer never called {op}, hangs, or died",
                     op,
@@ -140,7 +145,7 @@ class MPICommunicationBackend(CommunicationBackend):
         mpi4py does not keep a non-blocking collective's buffers alive, and a temporary freed early is corrupted."""
 
         def wait() -> None:
-            self._poll(requests, op)
+            self._poll(requests, op, keep_alive)
             if then is not None:
                 then()
             keep_alive.clear()
@@ -161,6 +166,9 @@ class MPICommunicationBackend(CommunicationBackend):
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():
+                return
+            if self._abort_reason is not None:  # left the group: enter no collective the peers may never join
+                future.set_exception(self._aborted(sig.op))
                 return
             started.append(time.monotonic())
             try:
@@ -186,6 +194,8 @@ class MPICommunicationBackend(CommunicationBackend):
                     return future.result(timeout=0.05)
                 except TimeoutError:
                     pass
+                if self._abort_reason is not None:
+                    raise self._aborted(sig.op)
                 begun = started[0] if started else None
                 # Queued behind other ops: those time out first; a run that never starts is bounded by 2 timeouts.
                 if (begun is not None and time.monotonic() - begun > self.timeout) or (
@@ -198,6 +208,10 @@ class MPICommunicationBackend(CommunicationBackend):
                     )
 
         return Work(wait, future.done)
+
+    def _aborted(self, op: str) -> CommunicationError:
+        """The error of an op pending when :meth:`abort` was called."""
+        return self._error(f"the group was aborted on this rank ({self._abort_reason}) while {op} was pending", op)
 
     @staticmethod
     def _serve(work: queue.SimpleQueue) -> None:
@@ -271,10 +285,10 @@ class MPICommunicationBackend(CommunicationBackend):
     def _barrier(self, sig: Signature) -> Work:
         return self._collective(sig, self._comm.Barrier)
 
-    # Point-to-point, validated as in the Gloo backend: the receiver first tells the sender what it posted
-    # (_HANDSHAKE); the sender answers with its own signature (_STATUS) and then the payload, or zeros of the posted
-    # shape when they differ, so the receive completes cleanly and both sides raise. The sender's half runs on one
-    # background thread (MPI_THREAD_MULTIPLE), so a blocking send never waits for a recv this rank posts later.
+    # Point-to-point, validated by the handshake of ``gpudist.comm.handshake``: the receiver tells the sender what it
+    # posted on _HANDSHAKE, the sender answers with its own signature on _STATUS and the payload on _PAYLOAD. The
+    # sender's half runs on the handshake's thread (MPI_THREAD_MULTIPLE), so a blocking send never waits for a recv
+    # this rank posts later.
 
     def _send(self, sig: Signature, tensor: torch.Tensor, dst: int) -> Work:
         if not self.validate:
@@ -286,42 +300,33 @@ class MPICommunicationBackend(CommunicationBackend):
                 "or an MPI library built with thread support",
                 "send",
             )
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpudist-mpi-send-r{self.rank}")
-        future = self._sender.submit(self._send_checked, sig, tensor, dst)
-        return Work(future.result, future.done)
 
-    def _send_checked(self, sig: Signature, tensor: torch.Tensor, dst: int) -> None:
-        expected = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        buf = _buffer(expected)
-        self._poll([self._comm.Irecv(buf, dst, _HANDSHAKE)], "send")
-        wanted = Signature.decode(expected.tolist())
-        status = torch.tensor(sig.encode(), dtype=torch.int64)
-        matches = (wanted.dtype, wanted.shape) == (sig.dtype, sig.shape)
-        payload = tensor if matches else torch.zeros(wanted.shape, dtype=wanted.dtype)
-        bufs = (_buffer(status), _buffer(payload))
-        self._poll([self._comm.Isend(bufs[0], dst, _STATUS), self._comm.Isend(bufs[1], dst, _PAYLOAD)], "send")
-        if not matches:
-            raise p2p_mismatch_error(self.group, self.rank, dst, sent=sig, posted=wanted, side="send")
+        def receive_expected(expected: torch.Tensor) -> None:
+            buf = _buffer(expected)
+            self._poll([self._comm.Irecv(buf, dst, _HANDSHAKE)], "send", (buf,))
+
+        def answer(status: torch.Tensor, payload: torch.Tensor) -> None:
+            bufs = (_buffer(status), _buffer(payload))
+            requests = [self._comm.Isend(bufs[0], dst, _STATUS), self._comm.Isend(bufs[1], dst, _PAYLOAD)]
+            self._poll(requests, "send", bufs)
+
+        return self._handshake.send(sig, tensor, dst, receive_expected=receive_expected, answer=answer)
 
     def _recv(self, sig: Signature, tensor: torch.Tensor, src: int) -> Work:
         if not self.validate:
             buf = _buffer(tensor)
             return self._work([self._comm.Irecv(buf, src, _PAYLOAD)], "recv", keep=(buf,))
-        mine = torch.tensor(sig.encode(), dtype=torch.int64)
-        status = torch.empty(SIGNATURE_LEN, dtype=torch.int64)
-        bufs = (_buffer(mine), _buffer(status), _buffer(tensor))
-        requests = [
-            self._comm.Isend(bufs[0], src, _HANDSHAKE),
-            self._comm.Irecv(bufs[1], src, _STATUS),
-            self._comm.Irecv(bufs[2], src, _PAYLOAD),
-        ]
 
-        def check() -> None:
-            sent = Signature.decode(status.tolist())
-            if (sent.dtype, sent.shape) != (sig.dtype, sig.shape):
-                raise p2p_mismatch_error(self.group, self.rank, src, sent=sent, posted=sig, side="recv")
+        def post(expected: torch.Tensor, status: torch.Tensor, payload: torch.Tensor) -> tuple:
+            bufs = (_buffer(expected), _buffer(status), _buffer(payload))
+            requests = [
+                self._comm.Isend(bufs[0], src, _HANDSHAKE),
+                self._comm.Irecv(bufs[1], src, _STATUS),
+                self._comm.Irecv(bufs[2], src, _PAYLOAD),
+            ]
+            return requests, bufs
 
+        (requests, bufs), check = self._handshake.recv(sig, tensor, src, post=post)
         return self._work(requests, "recv", then=check, keep=bufs)
 
     def _new_group(self, sig: Signature, ranks: list[int]) -> CommunicationBackend | None:
@@ -340,7 +345,21 @@ class MPICommunicationBackend(CommunicationBackend):
         name = f"{self.group}/{self._subgroups}[{','.join(map(str, ranks))}]"
         return MPICommunicationBackend(split[0], timeout=self.timeout, validate=self.validate, group=name)
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, reason: str | None = None) -> None:
+        """Leave the group on this rank now, from any thread (:meth:`CommunicationBackend.abort`): every later op
+        raises :class:`CommunicationError` quoting ``reason``, and so does the ``wait()`` of every op pending here,
+        within 50 ms (its MPI call may stay in progress on the communication or send thread: MPI cannot cancel it).
+        Peers are not told (MPI has no way to fail their ops short of ending the job): theirs that wait on this rank
+        fail at their timeout. The job goes on; to end it (a rank stuck inside MPI after a timeout), call
+        :meth:`abort_job`. Idempotent.
+
+        Args:
+            reason: Why, quoted in this rank's errors.
+        """
+        self._abort_reason = reason or "aborted"
+        super().abort(self._abort_reason)
+
+    def abort_job(self, code: int = 1) -> None:
         """End the whole MPI job now (``MPI_Abort``): the way out after a timeout left a rank stuck inside MPI.
 
         Args:
@@ -349,10 +368,14 @@ class MPICommunicationBackend(CommunicationBackend):
         self._comm.Abort(code)
 
     def shutdown(self) -> None:
-        """Stop the threads and free a sub-group's communicator (``COMM_WORLD`` stays for MPI's own finalize)."""
+        """Stop the threads and free a sub-group's communicator (``COMM_WORLD`` stays for MPI's own finalize). Later
+        ops raise :class:`CommunicationError`. Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
         if self._queue is not None:
             self._queue.put(None)
-        if self._sender is not None:
-            self._sender.shutdown(wait=False, cancel_futures=True)
+        self._handshake.close()
         if self._comm is not self._MPI.COMM_WORLD:
             self._comm.Free()
+        super().shutdown()

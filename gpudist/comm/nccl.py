@@ -56,18 +56,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    CommunicationBackend,
-    CommunicationError,
-    CommunicationTimeoutError,
-    PlannedCollective,
-    ReductionOperation,
-    Signature,
-    Work,
-    first_line,
-    shard_range,
-)
+from .base import DEFAULT_TIMEOUT, CommunicationBackend
+from .errors import CommunicationError, CommunicationTimeoutError, first_line
+from .reduction import ReductionOperation
+from .shards import shard_range
+from .signature import Signature
+from .work import PlannedCollective, Work
 
 __all__ = ["NCCLCommunicationBackend", "nccl_version"]
 
@@ -920,8 +914,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
     def shutdown(self) -> None:
         """Stop the watchdog, then destroy the communicator once this rank's ops in flight have completed, or abort it
         if they have not by their deadline (a dead or stuck peer) or the group is already broken (``ncclCommDestroy``
-        could wait for the failed peer): it returns within the op timeout, never waits on the device unbounded.
-        Idempotent; also called at interpreter exit."""
+        could wait for the failed peer): it returns within the op timeout, never waits on the device unbounded. Later
+        ops raise :class:`CommunicationError`. Idempotent; also called at interpreter exit."""
         if self._shut:
             return
         self._shut = True
@@ -935,7 +929,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
                     self._abort(problem)
                 elif not self._inflight:
                     self._close(abort=False)
-                    return
+                    break
                 else:
                     time.sleep(0.01)
-            self._close(abort=True)  # broken by an op's error (no abort yet) or by the watchdog (a no-op then)
+            # Broken by an op's error (no abort yet): abort. After the watchdog's abort or the destroy above: a no-op.
+            self._close(abort=True)
+        super().shutdown()  # later ops raise here, before reaching the freed communicator

@@ -45,14 +45,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .base import (
-    CommunicationError,
-    CommunicationTimeoutError,
-    ReductionOperation,
-    Work,
-    op_error,
-    shard_range,
-)
+from .errors import CommunicationError, CommunicationTimeoutError, op_error
+from .reduction import ReductionOperation
+from .shards import shard_range
+from .work import Work
 
 __all__ = ["CHUNK_BYTES", "ENV", "SharedMemoryChannel", "host_identity", "shm_requested"]
 

@@ -433,20 +433,19 @@ class LiveElasticTrainer:
 
 
 def _abort(comm: CommunicationBackend, reason: str) -> None:
-    """Break ``comm`` from this worker now (any thread): Gloo shuts down its connections, NCCL aborts its
-    communicator, an in-memory group fails on every member; its pending ops fail at once."""
-    if isinstance(comm, (InMemoryCommunicationBackend, GlooCommunicationBackend, NCCLCommunicationBackend)):
-        try:
-            comm.abort(reason)
-        except Exception as e:  # best effort: the group is left either way, and its ops still time out
-            _log.warning("gpudist.live: aborting group %r failed: %s: %s", comm.group, type(e).__name__, e)
+    """Leave ``comm`` from this worker now (any thread), :meth:`CommunicationBackend.abort`: its pending ops fail at
+    once, and so do the peers' ops that wait on this worker (Gloo shuts down its connections, NCCL aborts its
+    communicator, an in-memory group fails on every member)."""
+    try:
+        comm.abort(reason)
+    except Exception as e:  # best effort: the group is left either way, and its ops still time out
+        _log.warning("gpudist.live: aborting group %r failed: %s: %s", comm.group, type(e).__name__, e)
 
 
 def _release(comm: CommunicationBackend) -> None:
-    """Close a group this worker no longer uses (Gloo: its connections; NCCL: ``ncclCommAbort`` when a failure broke
-    it, ``ncclCommDestroy`` otherwise; in-memory groups hold nothing)."""
-    if hasattr(comm, "shutdown"):
-        comm.shutdown()
+    """Close a group this worker no longer uses, :meth:`CommunicationBackend.shutdown` (Gloo: its connections; NCCL:
+    ``ncclCommAbort`` when a failure broke it, ``ncclCommDestroy`` otherwise; in-memory groups hold nothing)."""
+    comm.shutdown()
 
 
 def _broadcast_bytes(comm: CommunicationBackend, payload: bytes, src: int) -> bytes:

@@ -167,7 +167,7 @@ class AllReduceBuckets(BucketCollective):
         overlapping it with backward only makes the two share the cores. Measured on the loaded 2-core machine (2
         ranks, ``benchmarks/ddp.py``, 10 rounds), CPU time per step against torch DDP at its best: overlapped 1.01x
         (MLP) and 0.97x (GPT), at the end 1.12x and 1.06x."""
-        at_end = self.topology is None and self.hook is None and getattr(self.comm, "shared_memory", False)
+        at_end = self.topology is None and self.hook is None and self.comm.shared_memory
         return self.config.overlap_communication and not at_end
 
     # -- the gradient path ------------------------------------------------------------------------------------------
