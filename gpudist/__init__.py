@@ -7,6 +7,7 @@ in-memory backend. See docs/strategies.md for the strategy guide and docs/archit
 from importlib.metadata import PackageNotFoundError, version
 
 from . import compression
+from .capture import CapturedStep, capture
 from .checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -58,6 +59,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "AsyncSGDOptimizer",
+    "CapturedStep",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWrite",
@@ -92,6 +94,7 @@ __all__ = [
     "ZeRO3Model",
     "ZeRO3Optimizer",
     "__version__",
+    "capture",
     "compression",
     "detect_layout",
     "init",

@@ -23,7 +23,7 @@ LAYERS = [
     ["gpudist.config", "gpudist.fileio", "gpudist.memory", "gpudist.flat", "gpudist.compression"],
     ["gpudist.checkpoint"],
     ["gpudist.strategies"],
-    ["gpudist.elastic", "gpudist.live", "gpudist.launch"],
+    ["gpudist.elastic", "gpudist.live", "gpudist.launch", "gpudist.capture"],
     ["gpudist.testing", "gpudist.bench"],
     [
         "gpudist.cli",

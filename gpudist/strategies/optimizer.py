@@ -211,6 +211,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         return loss
 
+    def capture_refusal(self) -> str | None:
+        """Why a captured graph (:func:`gpudist.capture`) could not replay this optimizer's step, or None: it can.
+        Here: what :func:`torch_capture_refusal` says of the wrapped torch optimizer, which this one steps.
+
+        Returns:
+            The reason and the way out, or None.
+        """
+        return torch_capture_refusal(self.optimizer)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (a paired model's gradient buckets, or the wrapped optimizer's parameters').
 
@@ -457,6 +466,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
             pid, key = name.split(".", 1)
             state.setdefault(int(pid), {})[key] = value
         self.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+
+
+def torch_capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a captured graph could not replay ``optimizer.step()``, or None: torch's Adam and AdamW keep their step
+    count on the host unless built with ``capturable=True``, and a graph would freeze it at the captured step.
+
+    Returns:
+        The reason and the way out, or None.
+    """
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not all(
+        g.get("capturable") for g in optimizer.param_groups
+    ):
+        name = type(optimizer).__name__
+        return (
+            f"torch.optim.{name} keeps its step count on the host unless built with capturable=True; build "
+            f"torch.optim.{name}(..., capturable=True)"
+        )
+    return None
 
 
 class DataParallelWrapper(ShardedOptimizer):

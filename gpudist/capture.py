@@ -1,0 +1,249 @@
+"""Whole-step graphs: one training step (forward, backward, every collective of the strategy and the optimizer step)
+captured once and replayed, so that a host-bound step costs the host one replay call.
+
+    step = gpudist.capture(model, optimizer, loss_fn, (x, y))   # warm-up steps, then capture
+    for x, y in loader:
+        loss = step(x, y)                                         # copy into the static inputs, replay
+
+``loss_fn(model, *batch)`` returns the loss; the step zeroes the gradients (``set_to_none=False``: they stay where
+the graph wrote them), runs it, backward and ``optimizer.step()``. The loss comes back as a device tensor, the same
+tensor every replay (read it, or ``.clone()`` it to keep it). A batch whose shapes or dtypes differ from the captured
+ones runs eagerly, with a warning the first time.
+
+What capture takes, and what it refuses before capturing anything:
+
+- Strategies: a plain module, :class:`~gpudist.DDPModel`, ZeRO-1/2 and ZeRO-3/FSDP wrappers, whose per-step work
+  is planned at wrap time (buckets, launch plans, persistent gradient views, no host reads). Gradient compression,
+  pipelines and tensor parallelism are refused (their steps make host decisions or exchange shapes per step).
+- Optimizers: the step must keep its counters on the device. torch's Adam/AdamW need ``capturable=True`` (their
+  ``step`` then lives on the device); gpudist's ZeRO optimizers run SGD (no counters) captured; their Adam keeps its
+  step count on the host, so they refuse Adam until it moves to the device. A learning rate is a constant of the
+  graph: change it by capturing again.
+- Every rank must capture the same collectives: after capture the ranks compare the collectives each one recorded
+  (count and bytes per kind) and refuse a mismatch with an error naming the ranks, before the first replay (a
+  mismatched graph would hang NCCL or mix up buffers).
+
+The warm-up steps (``warmup``, default 3) are real training steps on ``example_batch``: they build what a step
+allocates once (buckets, optimizer state, launch plans) and let ``static_graph`` learn the order of gradients, as
+torch's whole-network capture recipe does. On CUDA the graph is a ``torch.cuda.CUDAGraph``; on the CPU tier a
+simulated graph (tests/graphsim.py) is passed as ``graph``. When capture pays (a host-bound step) and when it does
+not: docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .comm import CollectiveMismatchError
+from .flat import exchange_bytes
+from .strategies.model import ShardedModel
+from .strategies.optimizer import ShardedOptimizer, torch_capture_refusal
+
+__all__ = ["CapturedStep", "Graph", "capture"]
+
+
+class Graph(Protocol):
+    """What :func:`capture` needs of a graph: record inside :meth:`capture`, run the record on :meth:`replay`."""
+
+    def capture(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """A ``torch.cuda.CUDAGraph`` captured on a side stream (as torch's ``torch.cuda.graph`` does), with its own
+    memory pool."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph):
+            yield
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+_REFUSED_STRATEGIES = {
+    "GradientCompressionOptimizer": "compression decides per step on the host (error feedback, rank choice)",
+    "PipelineParallelModel": "a pipeline's schedule exchanges activations point to point per micro-batch",
+    "TensorParallelModel": "tensor parallelism is not captured yet",
+    "AsyncSGDOptimizer": "asynchronous SGD waits on other ranks' progress on the host",
+    "ElasticOptimizer": "an elastic step may change the group",
+}
+
+
+def _check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what a graph cannot replay, before anything is captured (the reason and the way out named)."""
+    for obj in (model, optimizer):
+        for cls in type(obj).__mro__:
+            if cls.__name__ in _REFUSED_STRATEGIES:
+                raise ValueError(
+                    f"gpudist.capture: {type(obj).__name__} cannot be captured: {_REFUSED_STRATEGIES[cls.__name__]}; "
+                    "run it eagerly"
+                )
+    refusal = (
+        optimizer.capture_refusal() if isinstance(optimizer, ShardedOptimizer) else torch_capture_refusal(optimizer)
+    )
+    if refusal is not None:
+        raise ValueError(f"gpudist.capture: {type(optimizer).__name__} cannot be captured: {refusal}")
+
+
+def _collectives(comm) -> dict[str, list[int]]:
+    return {op: [s["calls"], s["bytes"]] for op, s in comm.stats.as_dict()["ops"].items()} if comm else {}
+
+
+class CapturedStep:
+    """A training step captured as one graph (:func:`capture` builds it).
+
+    Attributes:
+        replays: Steps run by replaying the graph.
+        eager_steps: Steps run eagerly because the batch did not match the captured shapes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor],
+        example_batch: Sequence[torch.Tensor] | torch.Tensor,
+        *,
+        warmup: int = 3,
+        graph: Callable[[], Graph] | None = None,
+    ):
+        batch = (example_batch,) if isinstance(example_batch, torch.Tensor) else tuple(example_batch)
+        if not batch or not all(isinstance(t, torch.Tensor) for t in batch):
+            raise TypeError(
+                "gpudist.capture: example_batch must be a tensor or a sequence of tensors (the step's inputs), got "
+                f"{type(example_batch).__name__}"
+            )
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+            raise ValueError(
+                f"gpudist.capture: warmup={warmup!r} must be an int >= 2 (what a step allocates once, and the "
+                "order of gradients, are learned before capture)"
+            )
+        _check_capturable(model, optimizer)
+        device = batch[0].device
+        if graph is None:
+            if device.type != "cuda":
+                raise ValueError(
+                    f"gpudist.capture: the batch is on {device}; CUDA graphs need CUDA tensors (the CPU tier passes "
+                    "a simulated graph as graph=)"
+                )
+            graph = CudaGraph
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.comm = model.comm if isinstance(model, ShardedModel) else None
+        self._static = [t.detach().clone() for t in batch]
+        self._signature = [(t.shape, t.dtype, t.device) for t in self._static]
+        self.replays = 0
+        self.eager_steps = 0
+        self._warned = False
+        with self._warm_up_stream():
+            for _ in range(warmup):
+                self._eager(self._static)
+        self.graph = graph()
+        before = _collectives(self.comm)
+        with self.graph.capture():
+            self.loss = self._eager(self._static)
+        self._check_same_capture(before)
+
+    @contextlib.contextmanager
+    def _warm_up_stream(self) -> Iterator[None]:
+        """CUDA: warm up on a side stream (the capture's allocations then come from the graph's pool alone)."""
+        if self._static[0].device.type != "cuda":
+            yield
+            return
+        side = torch.cuda.Stream(self._static[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _eager(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.loss_fn(self.model, *batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"gpudist.capture: loss_fn must return a one-element tensor, got {type(loss).__name__}")
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _check_same_capture(self, before: dict[str, list[int]]) -> None:
+        """Every rank captured the same collectives (per kind: calls and bytes); else refuse before any replay."""
+        if self.comm is None or self.comm.world_size == 1:
+            return
+        after = _collectives(self.comm)
+        mine = {op: [c - before.get(op, [0, 0])[0], b - before.get(op, [0, 0])[1]] for op, (c, b) in after.items()}
+        mine = {op: v for op, v in mine.items() if v[0]}
+        everyone = [json.loads(p) for p in exchange_bytes(self.comm.agreed, json.dumps(mine, sort_keys=True).encode())]
+        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differ:
+            raise CollectiveMismatchError(
+                f"gpudist.capture: ranks captured different collectives (rank 0: {everyone[0]}; rank {differ[0]}: "
+                f"{everyone[differ[0]]}; group {self.comm.group!r}, this rank {self.comm.rank}); every rank must "
+                "run the same step (same model, strategy and loss_fn) to be replayed"
+            )
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One training step on ``batch`` (the inputs ``loss_fn`` takes after the model).
+
+        Returns:
+            The loss, a device tensor (the captured one: the next call overwrites it).
+        """
+        if [(t.shape, t.dtype, t.device) for t in batch] != self._signature:
+            if not self._warned:
+                warnings.warn(
+                    "gpudist.capture: a batch of other shapes or dtypes than the captured one runs eagerly "
+                    f"(captured: {[(tuple(s), d) for s, d, _ in self._signature]})",
+                    stacklevel=2,
+                )
+                self._warned = True
+            self.eager_steps += 1
+            return self._eager(batch)
+        with torch.no_grad():
+            for static, t in zip(self._static, batch, strict=True):
+                static.copy_(t)
+        self.graph.replay()
+        self.replays += 1
+        return self.loss
+
+
+def capture(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor],
+    example_batch: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    warmup: int = 3,
+    graph: Callable[[], Graph] | None = None,
+) -> CapturedStep:
+    """Capture one training step of ``model`` and ``optimizer`` and return it as a callable (module docstring).
+
+    Args:
+        model: A plain module or a gpudist data-parallel wrapper (DDP, ZeRO-1/2, ZeRO-3/FSDP).
+        optimizer: Its optimizer (the paired gpudist optimizer, or a torch one for a plain module).
+        loss_fn: ``loss_fn(model, *batch) -> loss`` (a one-element tensor).
+        example_batch: The inputs of one step, shaped as every captured step's (a tensor or a sequence).
+        warmup: Eager training steps on ``example_batch`` before capture (at least 2).
+        graph: Makes the graph (default: a ``torch.cuda.CUDAGraph``; the CPU tier passes a simulated one).
+
+    Returns:
+        The captured step: ``step(*batch)`` returns the loss.
+
+    Raises:
+        ValueError: For a strategy or optimizer a graph cannot replay (named, with the way out), a batch off CUDA
+            without ``graph``, or ``warmup`` < 2.
+        TypeError: When ``example_batch`` is not tensors or ``loss_fn`` does not return a one-element tensor.
+        CollectiveMismatchError: When the ranks captured different collectives.
+    """
+    return CapturedStep(model, optimizer, loss_fn, example_batch, warmup=warmup, graph=graph)

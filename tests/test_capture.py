@@ -1,0 +1,188 @@
+"""Whole-step capture (gpudist.capture) on the CPU tier's simulated CUDA graph (tests/graphsim.py) over the simulated
+NCCL (tests/fakenccl.py): inside capture nothing runs, replay runs the record, so a replayed step that equals the
+eager one bit for bit shows that everything the step does on the device was captured, in order, and that nothing the
+step needs was decided on the host from a value computed during capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gpudist
+from gpudist.comm import CollectiveMismatchError
+from gpudist.strategies import DATA_PARALLEL_PAIRS
+
+from .fakenccl import FakeNccl, run_nccl
+from .graphsim import CaptureError, SimulatedGraph
+
+STEPS = 4
+WARMUP = 3
+
+
+def _net() -> nn.Module:
+    """Built from a seed of its own (rank threads share torch's global generator)."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+    return net
+
+
+def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def _pair(comm, strategy: str, **config):
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0005, first_bucket_mb=0.0005, **config)
+    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+    kw = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}
+    model = model_cls(_net(), config, **kw)
+    return model, opt_cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
+
+
+def _params(model) -> list[torch.Tensor]:
+    if hasattr(model, "full_state_dict"):
+        return [t.clone() for t in model.full_state_dict().values()]
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def _eager_and_replayed(comm, strategy: str) -> dict:
+    batches = _batches(comm.rank, WARMUP + STEPS)
+    static = strategy != "fsdp"
+    model, opt = _pair(comm, strategy, static_graph=static)
+    eager = []
+    for i, (x, y) in enumerate([batches[0]] * WARMUP + batches[WARMUP:]):
+        opt.zero_grad(set_to_none=False)
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        if i >= WARMUP:
+            eager.append(loss.item())
+    eager_params = _params(model)
+
+    model, opt = _pair(comm, strategy, static_graph=static)
+    step = gpudist.capture(model, opt, _loss, batches[0], warmup=WARMUP, graph=SimulatedGraph)
+    replayed = [step(x, y).item() for x, y in batches[WARMUP:]]
+    return {
+        "eager": eager,
+        "replayed": replayed,
+        "eager_params": eager_params,
+        "params": _params(model),
+        "replays": step.replays,
+        "nccl_calls": step.graph.nccl_calls,
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy):
+    """Catches a step that a graph would replay wrongly: a collective not captured (the gradients would stay this
+    rank's own), a value the host read during capture and baked in (the loss or the parameters would freeze or go
+    NaN: the simulation fills what capture computes with NaN), a bucket launched from Python state that replay does
+    not rerun, or capture itself changing the model (nothing runs inside capture)."""
+    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy):
+        assert r["replays"] == STEPS and r["nccl_calls"] > 0, r
+        assert r["replayed"] == r["eager"], (r["replayed"], r["eager"])
+        for a, b in zip(r["params"], r["eager_params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _host_sync_in_capture(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+
+    def loss_fn(m, x, y):
+        loss = _loss(m, x, y)
+        if loss.item() > 1e9:  # a host read of a value the device has not computed yet
+            raise AssertionError
+        return loss
+
+    with pytest.raises(CaptureError, match="_local_scalar_dense") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=SimulatedGraph)
+    return str(caught.value)
+
+
+def _upload_in_capture(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+
+    def loss_fn(m, x, y):
+        return _loss(m, x, y) * torch.tensor(1.0)  # host data uploaded at every eager step
+
+    with pytest.raises(CaptureError, match="lift_fresh") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=SimulatedGraph)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("body", [_host_sync_in_capture, _upload_in_capture])
+def test_host_syncs_and_uploads_inside_capture_are_refused(body):
+    """Catches a capture that silently bakes in a value read on the host (``.item()`` during capture reads memory
+    the device has not written) or a tensor made from host data (an upload CUDA refuses inside capture)."""
+    for message in run_nccl(body, 1, FakeNccl()):
+        assert "inside capture" in message
+
+
+def _mismatched(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+    extra = torch.ones(3)
+    capturing = [False]
+
+    def loss_fn(m, x, y):
+        if comm.rank == 1 and capturing[0]:
+            comm.agreed.all_reduce(extra)  # only rank 1 captures this collective
+        return _loss(m, x, y)
+
+    class Marking(SimulatedGraph):
+        def capture(self):
+            capturing[0] = True
+            return super().capture()
+
+    with pytest.raises(CollectiveMismatchError, match="captured different collectives") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=Marking)
+    return str(caught.value)
+
+
+def test_ranks_that_capture_different_collectives_are_refused_before_replay():
+    """Catches a graph replayed while ranks recorded different collectives (NCCL would hang or mix buffers): the
+    ranks compare what each captured and every rank raises, naming the ranks."""
+    for message in run_nccl(_mismatched, 2, FakeNccl()):
+        assert "rank 1" in message
+
+
+def test_unsupported_optimizers_and_batches_are_refused_before_capture():
+    """Catches a torch Adam captured with its step count on the host (every replay would reuse the captured step's
+    bias correction), gpudist's ZeRO Adam, which keeps its counts on the host too, or a batch off CUDA with no graph
+    given: each refused with the way out."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1)
+    x, y = _batches(0, 1)[0]
+    net = _net()
+    with pytest.raises(ValueError, match="capturable=True"):
+        gpudist.capture(net, torch.optim.Adam(net.parameters()), _loss, (x, y), graph=SimulatedGraph)
+    config = gpudist.ShardingConfiguration(comm)
+    model = gpudist.ZeRO2Model(_net(), config)
+    opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters()), config)
+    with pytest.raises(ValueError, match="step count on the host"):
+        gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
+    with pytest.raises(ValueError, match="CUDA graphs need CUDA tensors"):
+        gpudist.capture(net, torch.optim.SGD(net.parameters(), lr=0.1), _loss, (x, y))
+
+
+def test_a_batch_of_other_shapes_runs_eagerly_with_one_warning():
+    """Catches a replay on a batch that does not fit the static inputs (a copy error, or silently the old batch)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    x, y = _batches(0, 1)[0]
+    step = gpudist.capture(net, opt, _loss, (x, y), graph=SimulatedGraph)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        step(x[:3], y[:3])
+    step(x[:2], y[:2])
+    step(x, y)
+    assert (step.eager_steps, step.replays) == (2, 1)
