@@ -87,6 +87,9 @@ class _NullRuntime:
     def record(self) -> _DoneEvent:
         return self._event
 
+    def record_current(self) -> _DoneEvent:
+        return self._event
+
     def recycle(self, event) -> None:
         pass
 

@@ -19,6 +19,9 @@ What capture takes, and what it refuses before capturing anything:
   ``step`` then lives on the device); gpudist's ZeRO optimizers run SGD (no counters) captured; their Adam keeps its
   step count on the host, so they refuse Adam until it moves to the device. A learning rate is a constant of the
   graph: change it by capturing again.
+- The group's watchdog looks at nothing while capture is under way (an event query from any thread would invalidate
+  it), and each replay is timed as one op named "captured step": a replay that hangs fails at the group's timeout
+  with an error naming it, the group and the rank.
 - Every rank must capture the same collectives: after capture the ranks compare the collectives each one recorded
   (count and bytes per kind) and refuse a mismatch with an error naming the ranks, before the first replay (a
   mismatched graph would hang NCCL or mix up buffers).
@@ -153,7 +156,8 @@ class CapturedStep:
                 self._eager(self._static)
         self.graph = graph()
         before = _collectives(self.comm)
-        with self.graph.capture():
+        watching = self.comm.graph_capture() if self.comm is not None else contextlib.nullcontext()
+        with watching, self.graph.capture():
             self.loss = self._eager(self._static)
         self._check_same_capture(before)
 
@@ -214,6 +218,8 @@ class CapturedStep:
             for static, t in zip(self._static, batch, strict=True):
                 static.copy_(t)
         self.graph.replay()
+        if self.comm is not None:
+            self.comm.watch_graph("captured step")  # a replay that hangs times out, named, like any op
         self.replays += 1
         return self.loss
 

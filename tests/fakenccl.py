@@ -515,6 +515,10 @@ class HostRuntime:
     def record(self):
         return _Never() if self.stuck else _Done()
 
+    def record_current(self):
+        """An event after the current stream's work (a replayed graph); never completes when ``stuck``."""
+        return _Never() if self.stuck else _Done()
+
     def recycle(self, event) -> None:
         pass  # its events hold no state
 
@@ -704,6 +708,11 @@ class AsyncRuntime:
             event = self._free.pop()
             event.free, event.upto = False, self._enqueued
             return event
+        self.events_made += 1
+        return _AsyncEvent(self, self._enqueued)
+
+    def record_current(self) -> _AsyncEvent:
+        """After everything enqueued so far (compute runs at once here; the communication queue is what can lag)."""
         self.events_made += 1
         return _AsyncEvent(self, self._enqueued)
 

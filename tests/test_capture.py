@@ -5,6 +5,9 @@ step needs was decided on the host from a value computed during capture."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,3 +189,57 @@ def test_a_batch_of_other_shapes_runs_eagerly_with_one_warning():
     step(x[:2], y[:2])
     step(x, y)
     assert (step.eager_steps, step.replays) == (2, 1)
+
+
+def _watched(comm) -> dict:
+    model, opt = _pair(comm, "ddp")
+    batches = _batches(comm.rank, 2)
+    looks = []  # the watchdog's looks at the communicator (each poll's async-error check), and whether in capture
+    check = comm._comm.check_async_error
+
+    def counting_check():
+        looks.append(comm._graph_events is not None)
+        return check()
+
+    comm._comm.check_async_error = counting_check
+    inflight = {}
+
+    class Slow(SimulatedGraph):
+        def capture(self):
+            @contextlib.contextmanager
+            def slow():
+                inflight["before"] = len(comm._inflight)
+                with SimulatedGraph.capture(self):
+                    yield
+                    time.sleep(0.3)  # long enough for several watchdog polls inside capture
+                    inflight["after"] = len(comm._inflight)
+
+            return slow()
+
+    step = gpudist.capture(model, opt, _loss, batches[0], graph=Slow)
+    captured_inflight = inflight["after"] - inflight["before"]
+    comm._rt.stuck = True  # the replay's event never completes: a peer died inside the graph
+    comm.timeout = 0.5
+    step(*batches[1])
+    with pytest.raises(gpudist.CommunicationTimeoutError, match="captured step") as caught:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            comm.agreed.all_reduce(torch.ones(1))
+            time.sleep(0.05)
+    return {
+        "captured_inflight": captured_inflight,
+        "graph_events": len(comm.graph_events[-1]),
+        "looks_in_capture": sum(looks),
+        "looks": len(looks),
+        "error": str(caught.value),
+    }
+
+
+def test_capture_pauses_the_watchdog_and_a_hung_replay_times_out_named():
+    """Catches the watchdog querying events while a graph is captured (on a GPU that invalidates the capture), the
+    graph's events handed to the watchdog or the event pool (they never complete as ops do), and a replay that hangs
+    without an error (a peer dead inside the graph would block the rank forever)."""
+    for r in run_nccl(_watched, 1, FakeNccl()):
+        assert r["captured_inflight"] == 0 and r["graph_events"] > 0, r
+        assert r["looks_in_capture"] == 0 and r["looks"] > 0, r
+        assert "captured step" in r["error"] and "rank 0" in r["error"], r

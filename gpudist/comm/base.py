@@ -705,6 +705,22 @@ class CommunicationBackend(ABC):
                 f"group {self.group!r} was shut down", op="shutdown", group=self.group, rank=self.rank
             )
 
+    # -- captured graphs (gpudist.capture) ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """A CUDA graph is being captured on the current stream: the ops issued inside are recorded into it, not run.
+        A transport that watches its ops from another thread stops looking while capture is under way (a query of
+        an event recorded inside capture, from any thread, invalidates it) and keeps what the graph records with the
+        graph. The default has nothing to watch."""
+        yield
+
+    def watch_graph(self, what: str) -> None:
+        """A captured graph was just replayed on the current stream: time it as one op named ``what``, so that a
+        replay that hangs (a peer that died inside it) fails with :class:`CommunicationTimeoutError` naming ``what``,
+        this group and rank, like any op. The default has nothing to watch."""
+        return None
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, group={self.group!r}, "

@@ -32,6 +32,11 @@ Gloo or MPI backend of the same processes).
   lock-free), and an exception of its own breaks the group with its text. ``shutdown()`` (also registered at
   interpreter exit) joins the watchdog and destroys the communicator once this rank's ops have completed, or aborts
   it when they have not by their deadline: it never waits on the device unbounded.
+- Captured graphs (``gpudist.capture``): inside :meth:`~NCCLCommunicationBackend.graph_capture` the watchdog
+  queries nothing (an event query from any thread invalidates a capture in CUDA's global mode) and the ops' events
+  are the graph's, kept in ``graph_events``, never pooled or watched; after each replay
+  :meth:`~NCCLCommunicationBackend.watch_graph` times the whole replay as one op, so a replay that hangs times out
+  with an error naming it. (Designed and tested on the CPU tier's simulated NCCL and graph; not yet run on a GPU.)
 - Rebuilding after a failure, without leaving Python: a survivor calls :meth:`~NCCLCommunicationBackend.abort` on
   the old group (``ncclCommAbort``: local, it never waits for the dead peer; the watchdog does the same when an op
   times out), then every member of the next group calls :meth:`~NCCLCommunicationBackend.join_group` with a fresh
@@ -220,6 +225,12 @@ class _CudaRuntime:
         event is free (:meth:`recycle`), so a steady-state step creates and destroys no CUDA event."""
         event = self._free.pop() if self._free else torch.cuda.Event()
         event.record(self._comm())
+        return event
+
+    def record_current(self) -> torch.cuda.Event:
+        """An event after everything enqueued so far on the current stream (a replayed graph, :meth:`watch_graph`)."""
+        event = self._free.pop() if self._free else torch.cuda.Event()
+        event.record(self.current())
         return event
 
     def recycle(self, event: torch.cuda.Event) -> None:
@@ -416,6 +427,9 @@ class NCCLCommunicationBackend(CommunicationBackend):
         self._inflight: collections.deque[_InFlight] = collections.deque()
         """Ops in issue order: one communication stream runs them in that order, so the oldest completes first."""
         self._comm_lock = threading.Lock()  # the watchdog's async-error check vs. freeing the communicator
+        self._graph_events: list | None = None
+        self.graph_events: list[list] = []
+        """The events of the ops each captured graph recorded (the graph's hand-overs), kept as long as the backend."""
         self._comm_gone = False  # destroyed or aborted: the handle must not be passed to NCCL again
         self._stop = threading.Event()
         self._shut = False
@@ -632,8 +646,34 @@ class NCCLCommunicationBackend(CommunicationBackend):
         rt = self._rt
         rt.hold(tensors)
         entry = _InFlight(self, rt.record(), op, tensors, then)
+        if self._graph_events is not None:  # inside capture: the event belongs to the graph, the watchdog never sees it
+            entry._token = [True, True]  # (never recycled into the pool)
+            self._graph_events.append(entry.event)
+            return entry
         self._inflight.append(entry)  # (a deque: append and the watchdog's popleft are atomic)
         return entry
+
+    @contextlib.contextmanager
+    def graph_capture(self):
+        """Capture on the current stream (see the contract): the ops' events are the graph's, kept with this backend
+        (``graph_events``) and never queried, pooled or handed to the watchdog; the watchdog skips its polls, which
+        would query events (and would invalidate a capture in CUDA's global mode) until capture ends."""
+        if self._graph_events is not None:
+            raise RuntimeError(f"group {self.group!r}, rank {self.rank}: a graph capture is already under way")
+        events: list = []
+        self._graph_events = events
+        try:
+            yield
+        finally:
+            self._graph_events = None
+            self.graph_events.append(events)
+
+    def watch_graph(self, what: str) -> None:
+        """Time the replay just enqueued on the current stream as one op named ``what`` (the watchdog retires it when
+        it completes, and aborts the group with a timeout naming it when it does not)."""
+        entry = _InFlight(self, self._rt.record_current(), what, (), None)
+        entry._token = [True, True, True]  # (retired by the watchdog, never waited for: recycled by neither)
+        self._inflight.append(entry)
 
     def _finish(self, entry: _InFlight) -> None:
         """The wait of an op's Work: the current stream waits for its event (no host sync). From here the stream that
@@ -672,6 +712,8 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """One look at the ops in flight: retire the completed ones from the oldest on (one stream completes them in
         issue order, so the first that has not completed is the only one that can be late); the error to abort with,
         if any. Nothing here holds a lock an op needs, so a slow query never delays an op being issued."""
+        if self._graph_events is not None:  # a capture is under way: query nothing (module docstring)
+            return None
         inflight = self._inflight
         while True:
             head = inflight[0] if inflight else None
