@@ -357,7 +357,7 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     strategies, then the benchmarks), ``--parts tests`` not standing for the four test parts, and ``--quick`` not
     shrinking the measurements (an option given explicitly still wins)."""
     assert G.GPUSettings().parts[:4] == ("tests-kernels", "tests-nccl", "tests-host-sync", "tests-strategies")
-    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "profile", "gate")
+    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "capture", "profile", "gate")
     parser = argparse.ArgumentParser()
     G.add_arguments(parser)
     full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))
@@ -369,3 +369,32 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     selected = " ".join(a for args in G.TEST_PARTS.values() for a in args)
     assert "tests/test_kernels.py" in selected and "tests/test_kernels_compression.py" in selected
     assert "not (nccl_world_one_every_op or compressed_collectives or no_host_sync)" in selected
+
+
+def _capture_row(comm, group):
+    from gpudist.bench.gpu.graphs import capture_rows
+
+    from .graphsim import SimulatedGraph
+
+    tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
+    return capture_rows(comm, group, torch.device("cpu"), "gpt", 2, 2, 2, tiny, optimizer="sgd", graph=SimulatedGraph)
+
+
+def test_capture_rows_on_cpu():
+    """The capture part's rank code on the CPU tier: the simulated NCCL and graph stand in for NCCL and CUDA graphs,
+    Gloo for torch's NCCL group, SGD for the capturable AdamW (torch refuses capturable on the CPU). Catches a
+    variant missing or paired wrongly, a captured step that trains another function than the eager one (their losses
+    over the same batches must be identical), and host times not measured."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        row = run_nccl(_capture_row, 1, FakeNccl(), group=dist.group.WORLD)[0]
+    finally:
+        dist.destroy_process_group()
+    assert set(row["step_ms"]) == {"torch_ddp", "gpudist_ddp", "gpudist_ddp_graphed"}
+    assert set(row["peer_over_gpudist"]) == {"torch_ddp/gpudist_ddp", "torch_ddp/gpudist_ddp_graphed"}
+    assert row["loss_max_abs_diff"] == 0.0 and len(row["replayed_losses"]) == 3, row
+    assert all(v > 0 for v in row["host_ms"].values()) and row["replay_host_share"] > 0
+    doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [row]}
+    assert "gpudist_ddp_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)

@@ -71,6 +71,7 @@ class GPUSettings:
         "collectives",
         "host",
         "strategies",
+        "capture",
         "profile",
         "gate",
     )
@@ -115,6 +116,7 @@ class GPUSettings:
             "collectives": 90.0,
             "host": 60.0,
             "strategies": 240.0,
+            "capture": 120.0,
             "profile": 120.0,
             "gate": 120.0,
         }

@@ -71,6 +71,19 @@ def _part_summary(name: str, r: dict) -> str:
         return "host us per call, gpudist plan / peer: " + ", ".join(
             f"{a} {us[a]:.1f} / {us[b]:.1f}" for a, b in pairs if a in us and b in us
         )
+    if name == "capture":
+        return (
+            "torch DDP time / gpudist time: "
+            + "; ".join(
+                f"{row['workload']}: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["peer_over_gpudist"].items())
+                + f" (replay host share {row['replay_host_share']:.3f}, "
+                f"losses differ by {row['loss_max_abs_diff']:.1e})"
+                for row in r["rows"]
+                if "step_ms" in row
+            )
+            + errs
+        )
     if name == "strategies":
         ratios = "; ".join(
             f"{row['workload']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["peer_over_gpudist"].items())
@@ -133,6 +146,17 @@ def _part_table(name: str, r: dict) -> str:
                 f"{v['accumulate_grad_calls']:>6.0f} {busy:>8}"
             )
         lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in r["errors"].items()]
+    elif name == "capture":
+        for row in r["rows"]:
+            if "error" in row:
+                lines.append(f"  {row['workload']} FAILED: {row['error'].strip().splitlines()[-1]}")
+                continue
+            lines.append(
+                f"  {row['workload']} ({row['model']['parameters'] / 1e6:.1f}M, batch {row['batch_per_rank']})"
+            )
+            lines += [
+                f"{k:>22} {row['step_ms'][k]:>8.2f} ms/step {row['host_ms'][k]:>8.3f} host ms" for k in row["step_ms"]
+            ]
     elif name == "strategies":
         for row in r["rows"]:
             failures = {"all": row["error"]} if "error" in row else row["errors"]

@@ -33,6 +33,7 @@ from .common import (
     _error_text,
     _repo,
 )
+from .graphs import capture_part
 from .measure import collectives_part, host_part, kernels_part
 from .pytest_part import MIN_PART_SECONDS, PART_RESERVE, _run_streaming, pytest_part
 from .report import _part_table, _safely, format_summary
@@ -81,6 +82,7 @@ PARTS: dict[str, Callable[[GPUSettings], dict]] = {
     "collectives": collectives_part,
     "host": host_part,
     "strategies": strategies_part,
+    "capture": capture_part,
     "profile": profile_part,
     "gate": gate_part,
 }
@@ -241,6 +243,12 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
             ("workloads", workloads),
         ],
     }
+    checks["capture"] = [
+        ("cupy.cuda.nccl", _cupy_nccl),
+        ("torch NCCL", torch_nccl),
+        ("CUDAGraph", lambda: torch.cuda.CUDAGraph),
+        ("workloads", workloads),
+    ]
     checks["profile"] = [*checks["strategies"], ("torch.profiler", lambda: importlib.import_module("torch.profiler"))]
     cuda = torch.cuda.is_available()
     plan = {}
