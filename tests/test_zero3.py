@@ -7,6 +7,7 @@ here use its tolerance: single-process training in float64, within a multiple of
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import weakref
@@ -88,14 +89,14 @@ def test_zero3_frees_gathered_parameters_between_forward_and_backward():
     comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-free")
     model = ZeRO3Model(fresh_net(initial_state()), ShardingConfiguration(comm))
     gathered = []
-    original = model._start_gather
 
-    def spy(group):
-        original(group)
+    def spy(group, unshard):
+        unshard()
         if group.full is not None and all(ref() is not group.full for ref in gathered):
             gathered.append(weakref.ref(group.full))
 
-    model._start_gather = spy
+    for group in model._groups:
+        group.unshard = functools.partial(spy, group, group.unshard)
     x, y = batch(0)
     loss = F.mse_loss(model(x), y)
     gc.collect()
@@ -112,18 +113,21 @@ def test_zero3_prefetches_the_next_unit():
     comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-prefetch")
     model = ZeRO3Model(fresh_net(initial_state()), ShardingConfiguration(comm))
     events = []
-    start, before = model._start_gather, model._before_unit
+    step = model._step
+    before = step.unit_pre_forward
 
-    def spy_start(group):
-        if group.full is None and group.gathering is None:
-            events.append(("gather", group.unit))
-        start(group)
+    def spy_start(group, unshard):
+        if group.full is None:  # not gathered, nor being gathered
+            events.append(("gather", group.layout.unit))
+        unshard()
 
     def spy_before(unit):
         events.append(("forward", unit))
         before(unit)
 
-    model._start_gather, model._before_unit = spy_start, spy_before
+    for group in model._groups:
+        group.unshard = functools.partial(spy_start, group, group.unshard)
+    step.unit_pre_forward = spy_before
     for step in range(2):
         events.clear()
         x, y = batch(step)
@@ -139,6 +143,66 @@ def test_zero3_prefetches_the_next_unit():
     ]
     backward = [e for e in events[len(forward) :] if e[0] == "gather"]
     assert backward == [("gather", "norm"), ("gather", "fc2"), ("gather", "fc1")]
+
+
+TRANSITIONS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "finalize_backward", "reset")
+
+
+def _record_transitions(model) -> list[tuple[str, str, str]]:
+    """``(unit, transition, state after it)`` for every transition of every group of ``model``, from now on."""
+    log = []
+
+    def recorded(group, name, transition, *args):
+        transition(*args)
+        log.append((group.layout.unit, name, group.state.name))
+
+    for group in model._groups:
+        for name in TRANSITIONS:
+            setattr(group, name, functools.partial(recorded, group, name, getattr(group, name)))
+    return log
+
+
+def test_zero3_groups_follow_the_named_lifecycle():
+    """Catches per-step state changed outside a group's named transitions or in the wrong order (what the flags
+    ``_in_backward``/``ready``/``used``/``reduced``, set from four kinds of hooks, let drift: a recomputation taken for
+    a new forward, a gradient reduced before its unit's regather, a unit resharded but still marked installed): in a
+    forward and backward every group goes IDLE -> FORWARD -> IDLE -> PRE_BACKWARD -> POST_BACKWARD -> IDLE, units in
+    forward order then reversed; and a transition out of order raises an error naming the group and its state, and
+    leaves the wrapper usable (the forward that raised is undone)."""
+    from gpudist.strategies.fsdp import TrainingState
+
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-lifecycle")
+    net = fresh_net(initial_state())
+    model = ZeRO3Model(net, ShardingConfiguration(comm))
+    log = _record_transitions(model)
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    for group in model._groups:
+        assert group.state is TrainingState.IDLE and group.shard.grad is not None
+        mine = [(name, state) for unit, name, state in log if unit == group.layout.unit]
+        assert mine == [
+            ("pre_forward", "FORWARD"),
+            ("post_forward", "IDLE"),
+            ("pre_backward", "PRE_BACKWARD"),
+            ("post_backward", "POST_BACKWARD"),
+            ("reset", "IDLE"),
+        ], group.layout.unit
+    units = [unit for unit, name, _ in log if name == "pre_forward"]
+    assert units == ["fc1", "fc2", "norm"]
+    assert [unit for unit, name, _ in log if name == "post_backward"] == units[::-1]
+
+    first = model._groups[0]
+    with pytest.raises(RuntimeError, match=r"fc1.*post_forward out of order, in state IDLE"):
+        first.post_forward()
+    second = model._groups[1]
+    handle = net.fc2.register_forward_pre_hook(lambda m, a: second.pre_backward())  # while fc2 runs its forward
+    with pytest.raises(RuntimeError, match=r"fc2.*pre_backward out of order, in state FORWARD"):
+        model(x)
+    handle.remove()
+    assert all(g.state is TrainingState.IDLE and g.full is None for g in model._groups)
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()  # the wrapper still works
+    assert all(g.shard.grad is not None for g in model._groups)
 
 
 def train_lm(comm, stage, dtype=torch.float32, steps=4):

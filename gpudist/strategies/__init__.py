@@ -5,8 +5,8 @@ family             classes                                                    mo
 =================  =========================================================  ======================================
 base classes       ShardedModel, ShardedOptimizer, OptimizationResult         ``model``, ``optimizer``
 DDP                DDPModel, DDPOptimizer                                     ``ddp``
-ZeRO-1 / ZeRO-2    ZeRO1Model, ZeRO2Model, ZeRO1Optimizer, ZeRO2Optimizer     ``zero``
-ZeRO-3 / FSDP      ZeRO3Model, FSDPModel, ZeRO3Optimizer                      ``fsdp``
+ZeRO-1 / ZeRO-2    ZeRO1Model, ZeRO2Model, ZeRO1Optimizer, ZeRO2Optimizer     ``zero`` (+ ``flat_optimizer``)
+ZeRO-3 / FSDP      ZeRO3Model, FSDPModel, ZeRO3Optimizer                      ``fsdp/``
 pipeline           PipelineParallelModel                                      ``pipeline/``
 tensor             TensorParallelModel and the parallel layers                ``tensor/``
 3D hybrid          HybridShardedModel, HybridShardedOptimizer                 ``hybrid`` (+ ``layout``)
