@@ -14,6 +14,15 @@ MPI = pytest.param(
 
 ALL = ["inmemory", "gloo", MPI]
 
+ALL_FAST_INMEMORY = [
+    "inmemory",
+    pytest.param("gloo", marks=pytest.mark.slow),
+    pytest.param("mpi", marks=(*MPI.marks, pytest.mark.slow)),
+]
+""":data:`ALL` with the Gloo and MPI cases in the slow tier (which CI also runs): for tests whose failure path is
+the same code on every transport above the wait, and whose Gloo and MPI cases wait seconds for a timeout or a
+process to die."""
+
 
 def mpi_world(world: int, slow: bool = False):
     """``("mpi", world)`` as a (backend, world) parameter pair, marked and skipped like :data:`MPI` (and marked

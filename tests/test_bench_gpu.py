@@ -317,6 +317,7 @@ def test_after():
 '''
 
 
+@pytest.mark.slow
 def test_a_hanging_test_costs_only_its_own_timeout_and_later_parts_run(tmp_path):
     """On the simulated NCCL, a test of a part waits in an all-reduce that one rank never calls (600 s): it fails at
     its own pytest-timeout (3 s here), the tests after it in the part still run and pass, the part reports its

@@ -23,9 +23,10 @@ from .backends import mpi_world
 from .tolerances import sum_rtol
 
 WORLDS = [1, 2, 3, 4]
-BACKEND_WORLDS = [(b, w) for b in ("inmemory", "gloo", "nccl-sim") for w in WORLDS] + [mpi_world(2), mpi_world(3)]
-"""MPI at 2 and 3 processes (mpirun -np 2 / -np 3): one mpirun per world size runs every dtype. ``nccl-sim`` is the
-real NCCL backend over the simulated NCCL of tests/fakenccl.py (strict in-order p2p, NCCL's aliasing rules)."""
+BACKEND_WORLDS = [(b, w) for b in ("inmemory", "gloo", "nccl-sim") for w in WORLDS] + [mpi_world(2), mpi_world(3, True)]
+"""MPI at 2 and 3 processes (mpirun -np 2 / -np 3; 3 in the slow tier): one mpirun per world size runs every
+dtype. ``nccl-sim`` is the real NCCL backend over the simulated NCCL of tests/fakenccl.py (strict in-order p2p,
+NCCL's aliasing rules)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
 REDUCTIONS = ["SUM", "AVERAGE", "MAX", "MIN", "PRODUCT"]
 ROUNDINGS = {"SUM": lambda w: w - 1, "AVERAGE": lambda w: w + 1, "PRODUCT": lambda w: w - 1}

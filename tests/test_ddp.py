@@ -119,7 +119,7 @@ def branch_step(comm, state, find_unused, strategy="ddp"):
         ("inmemory", 3),
         ("inmemory", 4),
         ("gloo", 2),
-        ("gloo", 3),
+        pytest.param("gloo", 3, marks=pytest.mark.slow, id="gloo-3"),
         mpi_world(2),
         mpi_world(3, slow=True),
     ],

@@ -282,7 +282,9 @@ def test_gloo_processes_survive_a_sigkill_and_a_replacement_heals_over_gloo(tmp_
     assert any(e["heal"] == "peer" for _, ev in results.values() for e in ev)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "zero_stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)
 def test_buddy_mirrors_rebuild_a_dead_members_zero_shard_without_redoing_a_step(tmp_path, zero_stage):
     """Catches a buddy mirror that is missing, stale or loaded into the wrong ranges: two members die one after the
     other (backward of step 3, while ZeRO-2/3's reduce-scatters are in flight; forward of step 6), each time the
