@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import gpudist
 from examples import train
 from gpudist.comm import CommunicationError, CommunicationTimeoutError
-from gpudist.comm import nccl as nccl_module
+from gpudist.comm.cuda_runtime import CudaRuntime
 from gpudist.comm.nccl import NCCLCommunicationBackend, nccl_version
 from gpudist.testing import free_port, run_ranks
 
@@ -532,7 +532,7 @@ class _Event:
 
 
 class _Cuda:
-    """torch.cuda as the real CUDA seam (``nccl._CudaRuntime``) uses it, stood in for on the CPU: streams and events
+    """torch.cuda as the real CUDA seam (``CudaRuntime``) uses it, stood in for on the CPU: streams and events
     that log what was done to them (``log``), a current stream the test can switch (``current``), torch's C lookup of
     the current stream where ``fast`` (torch 2.11-2.13 have it; without it the seam falls back to
     ``current_stream()``), and every call counted by name, on the thread that built this only (the watchdog's event
@@ -598,7 +598,7 @@ def test_cuda_runtime_issues_on_its_own_stream_after_the_current_one(monkeypatch
     pool that is not recorded again. Both with torch's C lookup of the current stream and without it."""
     cuda = _Cuda(monkeypatch, fast)
     first = cuda.current.cuda_stream
-    rt = nccl_module._CudaRuntime(0, "world", 0)
+    rt = CudaRuntime(0, "world", 0)
     comm = rt.stream()
     assert rt.stream() == comm and len(cuda.made) == 1 and comm == cuda.made[0].cuda_stream != first
     assert cuda.joined(comm) == [first, first]  # one stream, made to wait for the current one per op
@@ -620,7 +620,7 @@ def test_cuda_runtime_issues_on_its_own_stream_after_the_current_one(monkeypatch
     assert rt.record() is not event  # the pool is empty again: a new one
 
 
-class _CudaOnCpuTensors(nccl_module._CudaRuntime):
+class _CudaOnCpuTensors(CudaRuntime):
     """The real CUDA seam (over :class:`_Cuda`'s stand-ins) for a backend whose tensors are the CPU tier's."""
 
     def __init__(self, device, group: str, rank: int):
