@@ -11,7 +11,8 @@ from .bucket import PackPlan, pack, unpack
 from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import SquaredNorm, clip_scalars, squared_norm
-from .optim import AdamStep, SGDStep, adam_step, sgd_step
+from .optim import adam_step, sgd_step
+from .optim_plan import AdamStep, SGDStep
 from .quantize import (
     check_block_size,
     dequantize_1bit,

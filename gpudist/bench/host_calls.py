@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels as K
-from ..kernels import bucket, optim
+from ..kernels import bucket, optim, optim_plan
 
 __all__ = ["adam_variants", "cuda_call_rows", "interleaved", "pack_variants", "per_call_us", "triton_launches_stubbed"]
 
@@ -90,13 +90,15 @@ def triton_launches_stubbed():
     """The Triton path of the pack and Adam plans on CPU tensors, with their kernels' launches made no-ops: what
     remains is gpudist's own host work per call on the GPU's path, without Triton's launcher (measured on the GPU
     itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host)."""
-    saved = (bucket.use_triton, optim.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel)
-    bucket.use_triton = optim.use_triton = lambda tensor: True
+    saved = (bucket.use_triton, optim.use_triton, optim_plan.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel)
+    bucket.use_triton = optim.use_triton = optim_plan.use_triton = lambda tensor: True
     bucket._bucket_copy_kernel = optim._adam_kernel = _NullKernel()
     try:
         yield
     finally:
-        bucket.use_triton, optim.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel = saved
+        (bucket.use_triton, optim.use_triton, optim_plan.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel) = (
+            saved
+        )
 
 
 def _stubbed(measure: Callable[[], float]) -> Callable[[], float]:
