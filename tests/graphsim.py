@@ -9,9 +9,10 @@ What it models, as strictly as CUDA's stream capture:
   as a graph's memory pool holds whatever was there. Code that used a value computed during capture therefore sees
   garbage here, as on a GPU. Simulated NCCL calls (tests/fakenccl.py) are recorded, not issued.
 - **What a graph cannot hold raises** :class:`CaptureError`, naming the op: a host sync (``.item()``, ``bool()`` of a
-  tensor, ``.tolist()``), a data-dependent shape (``nonzero``, ``masked_select``), and a tensor made from host data
+  tensor, ``.tolist()``), a data-dependent shape (``nonzero``, ``masked_select``), a tensor made from host data
   (``torch.tensor([...])``: an upload from pageable memory, which CUDA refuses inside capture and which would
-  otherwise be baked into the graph).
+  otherwise be baked into the graph), and a pinned host allocation (``pin_memory=True``: ``cudaHostAlloc``, refused
+  while a graph is captured).
 - **Replay** runs the recorded ops against the same tensors (the static inputs, the parameters, the graph's own
   intermediates), writing each op's result into the outputs recorded for it, then issues the recorded NCCL calls in
   their place in the order; every rank replays in its own thread, so the collectives meet as they would on a GPU.
@@ -49,6 +50,9 @@ _HOST_SYNCS = {
     aten.lift_fresh.default: "makes a tensor from host data (torch.tensor(...)): an upload the graph cannot hold",
 }
 
+_PINNING = {aten._pin_memory.default}
+"""Ops that allocate pinned host memory (besides any op given ``pin_memory=True``)."""
+
 _local = threading.local()
 
 
@@ -82,6 +86,11 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _HOST_SYNCS:
             raise CaptureError(f"{func} inside capture: it {_HOST_SYNCS[func]}; a CUDA graph cannot capture it")
+        if kwargs.get("pin_memory") or func in _PINNING:
+            raise CaptureError(
+                f"{func} inside capture: it allocates pinned host memory (cudaHostAlloc), which CUDA refuses while "
+                "a graph is captured; allocate it before capture"
+            )
         schema = func._schema
         if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
             return func(*args, **kwargs)  # a view: metadata only, no data moves

@@ -97,6 +97,17 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _marking(flag: list[bool]) -> type[SimulatedGraph]:
+    """A simulated graph that sets ``flag[0]`` when capture starts (so a loss_fn can act inside capture only)."""
+
+    class Marking(SimulatedGraph):
+        def capture(self):
+            flag[0] = True
+            return super().capture()
+
+    return Marking
+
+
 def _host_sync_in_capture(comm) -> str:
     model, opt = _pair(comm, "ddp")
     x, y = _batches(comm.rank, 1)[0]
@@ -124,10 +135,26 @@ def _upload_in_capture(comm) -> str:
     return str(caught.value)
 
 
-@pytest.mark.parametrize("body", [_host_sync_in_capture, _upload_in_capture])
+def _pinned_in_capture(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+    capturing = [False]
+
+    def loss_fn(m, x, y):
+        if capturing[0]:
+            torch.empty(1, pin_memory=True)  # a host staging buffer made per step, as ZeRO's verdict once did
+        return _loss(m, x, y)
+
+    with pytest.raises(CaptureError, match="pinned host memory") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=_marking(capturing))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("body", [_host_sync_in_capture, _upload_in_capture, _pinned_in_capture])
 def test_host_syncs_and_uploads_inside_capture_are_refused(body):
     """Catches a capture that silently bakes in a value read on the host (``.item()`` during capture reads memory
-    the device has not written) or a tensor made from host data (an upload CUDA refuses inside capture)."""
+    the device has not written), a tensor made from host data (an upload CUDA refuses inside capture), or a pinned
+    host allocation (``cudaHostAlloc``, refused while a graph is captured)."""
     for message in run_nccl(body, 1, FakeNccl()):
         assert "inside capture" in message
 
@@ -143,13 +170,8 @@ def _mismatched(comm) -> str:
             comm.agreed.all_reduce(extra)  # only rank 1 captures this collective
         return _loss(m, x, y)
 
-    class Marking(SimulatedGraph):
-        def capture(self):
-            capturing[0] = True
-            return super().capture()
-
     with pytest.raises(CollectiveMismatchError, match="captured different collectives") as caught:
-        gpudist.capture(model, opt, loss_fn, (x, y), graph=Marking)
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=_marking(capturing))
     return str(caught.value)
 
 
