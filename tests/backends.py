@@ -14,6 +14,9 @@ MPI = pytest.param(
 
 ALL = ["inmemory", "gloo", MPI]
 
+ALL_MPI_SLOW = ["inmemory", "gloo", pytest.param("mpi", marks=(*MPI.marks, pytest.mark.slow))]
+""":data:`ALL` with the MPI case in the slow tier (an mpirun of its own, seconds, for code above the transport)."""
+
 ALL_FAST_INMEMORY = [
     "inmemory",
     pytest.param("gloo", marks=pytest.mark.slow),

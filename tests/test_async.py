@@ -85,7 +85,9 @@ def _train_async(comm, kind: str, template: nn.Module, max_staleness: int):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-@pytest.mark.parametrize("world,backend", [(2, "inmemory"), (3, "inmemory"), (2, "gloo")])
+@pytest.mark.parametrize(
+    "world,backend", [(2, "inmemory"), (3, "inmemory"), pytest.param(2, "gloo", marks=pytest.mark.slow, id="2-gloo")]
+)
 def test_staleness_zero_equals_synchronous(world, backend, kind):
     """max_staleness=0 must be synchronous SGD on the global batch, for momentum SGD and AdamW with two param groups
     and an LR schedule. Catches a round closing before every worker's gradient arrived, a gradient applied twice or

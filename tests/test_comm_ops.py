@@ -19,7 +19,7 @@ from gpudist.comm import ReductionOperation, shard_range, split_sizes
 from gpudist.testing import run_ranks
 
 from .backends import ALL as BACKENDS
-from .backends import mpi_world
+from .backends import ALL_MPI_SLOW, mpi_world
 from .tolerances import sum_rtol
 
 WORLDS = [1, 2, 3, 4]
@@ -258,7 +258,7 @@ def _subgroups(comm) -> dict:
     }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_MPI_SLOW)
 def test_subgroups(backend):
     """Sub-groups of 2 inside 4 ranks (rank order as given, not sorted) and a nested sub-group. Catches sub-group
     ranks mapped by sorting, members meeting the wrong group, and non-members getting a backend."""
