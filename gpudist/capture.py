@@ -77,29 +77,16 @@ class CudaGraph:
         self.graph.replay()
 
 
-_REFUSED_STRATEGIES = {
-    "GradientCompressionOptimizer": "compression decides per step on the host (error feedback, rank choice)",
-    "PipelineParallelModel": "a pipeline's schedule exchanges activations point to point per micro-batch",
-    "TensorParallelModel": "tensor parallelism is not captured yet",
-    "AsyncSGDOptimizer": "asynchronous SGD waits on other ranks' progress on the host",
-    "ElasticOptimizer": "an elastic step may change the group",
-}
-
-
 def _check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse what a graph cannot replay, before anything is captured (the reason and the way out named)."""
+    """Refuse what a graph cannot replay, before anything is captured: each strategy and optimizer says why it
+    cannot be (``capture_refusal``); a torch optimizer is asked :func:`torch_capture_refusal`."""
     for obj in (model, optimizer):
-        for cls in type(obj).__mro__:
-            if cls.__name__ in _REFUSED_STRATEGIES:
-                raise ValueError(
-                    f"gpudist.capture: {type(obj).__name__} cannot be captured: {_REFUSED_STRATEGIES[cls.__name__]}; "
-                    "run it eagerly"
-                )
-    refusal = (
-        optimizer.capture_refusal() if isinstance(optimizer, ShardedOptimizer) else torch_capture_refusal(optimizer)
-    )
-    if refusal is not None:
-        raise ValueError(f"gpudist.capture: {type(optimizer).__name__} cannot be captured: {refusal}")
+        if isinstance(obj, ShardedModel | ShardedOptimizer):
+            refusal = obj.capture_refusal()
+        else:
+            refusal = torch_capture_refusal(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        if refusal is not None:
+            raise ValueError(f"gpudist.capture: {type(obj).__name__} cannot be captured: {refusal}")
 
 
 def _collectives(comm) -> dict[str, list[int]]:

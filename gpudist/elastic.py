@@ -296,6 +296,10 @@ class ElasticOptimizer(DataParallelWrapper):
     def reduce_gradients(self) -> None:
         self.inner.reduce_gradients()
 
+    def capture_refusal(self) -> str | None:
+        """An elastic step may change the group: not captured."""
+        return "an elastic step may change the group; run it eagerly"
+
     def step(self, closure=None):
         """Commit the pending checkpoint, step the data-parallel optimizer (collective), count the step and the
         samples, and start a checkpoint every ``checkpoint_every`` steps.

@@ -522,6 +522,10 @@ class AsyncSGDOptimizer(ShardedOptimizer):
     def reduce_gradients(self) -> None:
         """Nothing to reduce: gradients go to the parameter-server shards as they are (see :meth:`step`)."""
 
+    def capture_refusal(self) -> str | None:
+        """Asynchronous SGD waits on other ranks' progress on the host: not captured."""
+        return "asynchronous SGD waits on other ranks' progress on the host; run it eagerly"
+
     def step(self, closure=None):
         """Push this rank's gradients to every shard and pull newer parameters (waits only as the bound says).
 

@@ -355,6 +355,10 @@ class GradientCompressionOptimizer(ShardedOptimizer):
 
     # -- stepping ----------------------------------------------------------------------------------------------------
 
+    def capture_refusal(self) -> str | None:
+        """Compression decides on the host per step (error feedback, rank choice): not captured."""
+        return "compression decides per step on the host (error feedback, rank choice); run it eagerly"
+
     def step(self, closure=None):
         """One optimizer step with compressed communication (collective), then count it for warm-up and reports.
 

@@ -136,6 +136,16 @@ class ShardedModel(nn.Module):
         """The number of ranks in ``comm``."""
         return self.comm.world_size
 
+    def capture_refusal(self) -> str | None:
+        """Why a captured graph (:func:`gpudist.capture`) could not replay this strategy's step, or None: it can
+        (the data-parallel wrappers, whose per-step work is planned at wrap time). Strategies whose step decides on
+        the host override it.
+
+        Returns:
+            The reason, or None.
+        """
+        return None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module.
 

@@ -166,6 +166,7 @@ class Reducer:
         }
         self.thinned = set()
         self._previous = None
+        self._learning = self.static_graph and self._thinnable()
 
     def _hook(self, bucket: GradientBucket, j: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate hook of slot ``j`` of ``bucket``: everything it needs is bound here, at wrap time (the
@@ -266,7 +267,7 @@ class Reducer:
             for bucket, work in self.pending:
                 work.wait()
                 self.collective.finished(bucket)
-            if self.static_graph:
+            if self._learning:
                 self._learn_order()
         finally:
             self.reset()
@@ -274,11 +275,15 @@ class Reducer:
 
     def _learn_order(self) -> None:
         """``static_graph``: compare which gradient completed each bucket with the last backward, and thin the hooks
-        of the buckets where both agree."""
-        if len(self.thinned) < len(self.buckets):
-            if self._previous is not None:
-                self._thin()
-            self._previous = dict(self._completed_by)  # (the hooks hold this dict: reset() empties it)
+        of the buckets where both agree; stop once no bucket is left to thin."""
+        if self._previous is not None:
+            self._thin()
+            self._learning = self._thinnable()
+        self._previous = dict(self._completed_by)  # (the hooks hold this dict: reset() empties it)
+
+    def _thinnable(self) -> bool:
+        """Whether some bucket could still keep one hook: not thinned yet, and nothing to do per gradient."""
+        return any(b.index not in self.thinned and not b.on_arrival for b in self.buckets)
 
     def mark_all_ready(self) -> None:
         """Every slot ready now, its gradient taken where it is (for gradients produced outside a synced backward)."""

@@ -498,6 +498,10 @@ class PipelineParallelModel(ShardedModel):
 
     # -- inference ---------------------------------------------------------------------------------------------------
 
+    def capture_refusal(self) -> str | None:
+        """A pipeline's schedule exchanges activations point to point per micro-batch: not captured."""
+        return "a pipeline's schedule exchanges activations point to point per micro-batch; run it eagerly"
+
     def forward(self, inputs: Any) -> Any:
         """The whole model's output for ``inputs`` (on every rank), without gradients; train with train_step.
 

@@ -267,6 +267,10 @@ class TensorParallelModel(VocabParallelOutput, ShardedModel):
     def manages(self, param: torch.Tensor) -> bool:
         return any(param is p for p in self.module.parameters())
 
+    def capture_refusal(self) -> str | None:
+        """Tensor parallelism is not captured yet."""
+        return "tensor parallelism is not captured yet; run it eagerly"
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the converted module. With a ``vocab_output`` layer its logits are split by vocabulary, except in a
         call given ``labels`` (a Hugging Face model computing its own loss from them): the output layer then
