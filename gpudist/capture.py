@@ -16,9 +16,13 @@ What capture takes, and what it refuses before capturing anything:
   is planned at wrap time (buckets, launch plans, persistent gradient views, no host reads). Gradient compression,
   pipelines and tensor parallelism are refused (their steps make host decisions or exchange shapes per step).
 - Optimizers: the step must keep its counters on the device. torch's Adam/AdamW need ``capturable=True`` (their
-  ``step`` then lives on the device); gpudist's ZeRO optimizers run SGD (no counters) captured; their Adam keeps its
-  step count on the host, so they refuse Adam until it moves to the device. A learning rate is a constant of the
-  graph: change it by capturing again.
+  ``step`` then lives on the device), and so do gpudist's ZeRO optimizers wrapping them (their counts and bias
+  corrections then live on the device, and a step the device skips is not counted); their SGD's counts move to the
+  device at capture.
+- Hyper-parameters given as numbers (lr, betas, weight decay) are constants of the graph: a replay after one of
+  them changed (a scheduler stepping a float lr) is refused, naming it. A learning rate that should move between
+  replays is a tensor (``torch.optim.AdamW(params, lr=torch.tensor(1e-3), capturable=True)``): schedulers fill it in
+  place and every replay reads it.
 - The group's watchdog looks at nothing while capture is under way (an event query from any thread would invalidate
   it), and each replay is timed as one op named "captured step": a replay that hangs fails at the group's timeout
   with an error naming it, the group and the rank.
@@ -89,6 +93,15 @@ def _check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
             raise ValueError(f"gpudist.capture: {type(obj).__name__} cannot be captured: {refusal}")
 
 
+def _numbers(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The hyper-parameters a graph holds as constants: every value of every parameter group but the parameters and
+    tensors (which replays read)."""
+    return [
+        {k: v for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)}
+        for g in optimizer.param_groups
+    ]
+
+
 def _collectives(comm) -> dict[str, list[int]]:
     return {op: [s["calls"], s["bytes"]] for op, s in comm.stats.as_dict()["ops"].items()} if comm else {}
 
@@ -144,9 +157,11 @@ class CapturedStep:
         self.graph = graph()
         before = _collectives(self.comm)
         watching = self.comm.graph_capture() if self.comm is not None else contextlib.nullcontext()
-        with watching, self.graph.capture():
+        settled = optimizer.graph_capture() if isinstance(optimizer, ShardedOptimizer) else contextlib.nullcontext()
+        with settled, watching, self.graph.capture():
             self.loss = self._eager(self._static)
         self._check_same_capture(before)
+        self._constants = _numbers(optimizer)
 
     @contextlib.contextmanager
     def _warm_up_stream(self) -> Iterator[None]:
@@ -201,6 +216,8 @@ class CapturedStep:
                 self._warned = True
             self.eager_steps += 1
             return self._eager(batch)
+        if _numbers(self.optimizer) != self._constants:
+            self._refuse_changed_constants()
         with torch.no_grad():
             for static, t in zip(self._static, batch, strict=True):
                 static.copy_(t)
@@ -209,6 +226,18 @@ class CapturedStep:
             self.comm.watch_graph("captured step")  # a replay that hangs times out, named, like any op
         self.replays += 1
         return self.loss
+
+    def _refuse_changed_constants(self) -> None:
+        for g, (now, then) in enumerate(zip(_numbers(self.optimizer), self._constants, strict=True)):
+            for key in sorted(set(now) | set(then), key=str):
+                if now.get(key) != then.get(key):
+                    raise RuntimeError(
+                        f"gpudist.capture: parameter group {g}'s {key} changed from {then.get(key)!r} to "
+                        f"{now.get(key)!r} after capture, and the graph holds the captured value; give it as a tensor "
+                        "that is filled in place (torch.optim.AdamW(params, lr=torch.tensor(1e-3), capturable=True): "
+                        "schedulers fill it, every replay reads it), or capture again"
+                    )
+        raise RuntimeError("gpudist.capture: the optimizer's parameter groups changed after capture; capture again")
 
 
 def capture(
@@ -236,6 +265,7 @@ def capture(
     Raises:
         ValueError: For a strategy or optimizer a graph cannot replay (named, with the way out), a batch off CUDA
             without ``graph``, or ``warmup`` < 2.
+        RuntimeError: From a call of the step, when a hyper-parameter given as a number changed after capture.
         TypeError: When ``example_batch`` is not tensors or ``loss_fn`` does not return a one-element tensor.
         CollectiveMismatchError: When the ranks captured different collectives.
     """

@@ -12,7 +12,7 @@ from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import SquaredNorm, clip_scalars, squared_norm
 from .optim import adam_step, sgd_step
-from .optim_plan import AdamStep, SGDStep
+from .optim_plan import AdamStep, DeviceStep, SGDStep, advance_steps
 from .quantize import (
     check_block_size,
     dequantize_1bit,
@@ -26,12 +26,14 @@ from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
     "AdamStep",
+    "DeviceStep",
     "FlatLayout",
     "PackPlan",
     "SGDStep",
     "SquaredNorm",
     "TopKResult",
     "adam_step",
+    "advance_steps",
     "check_block_size",
     "clip_scalars",
     "dequantize_1bit",

@@ -104,6 +104,7 @@ def _adam_kernel(
     neg_step_size,
     bias_correction2_sqrt,
     eps,
+    coeff_ptr,
     DECOUPLED: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -113,8 +114,13 @@ def _adam_kernel(
     HAS_CLIP: tl.constexpr,
     CLIP_EPS: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    HAS_COEFFS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    if HAS_COEFFS:  # a device step (capturable): -lr / bias_correction1, sqrt(bias_correction2), 1 - lr * weight_decay
+        neg_step_size = tl.load(coeff_ptr)
+        bias_correction2_sqrt = tl.load(coeff_ptr + 1)
+        decay = tl.load(coeff_ptr + 2)
     offs, mask, clip = _step_mask(
         tl.program_id(0), n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS,
         BLOCK,
@@ -265,13 +271,18 @@ def adam_step_triton(
 
 def _adam_launch(
     param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, squared_norm, max_norm, *, step, lr, beta1,
-    beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale,
+    beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, coefficients=None,
 ):  # fmt: skip
-    """The Adam kernel's launch (:func:`adam_step_triton`'s and :class:`AdamStep`'s): nothing for an empty shard."""
+    """The Adam kernel's launch (:func:`adam_step_triton`'s and :class:`AdamStep`'s): nothing for an empty shard.
+    With ``coefficients`` (3 fp32 on the device: ``-lr / bias_correction1``, ``sqrt(bias_correction2)``,
+    ``1 - lr * weight_decay``), the kernel reads the step's scalars there and ``step`` and ``lr`` are not used."""
     n = param.numel()
     if not n:
         return
-    s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+    if coefficients is None:
+        s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
+    else:  # the betas' terms (constant); the ones that move with the step or lr are read in the kernel
+        s = _adam_scalars(1, 0.0, beta1, beta2, 0.0)
     max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
     _adam_kernel[(-(-n // BLOCK),)](  # (not triton.cdiv: a jit function, ~5 us per host call)
         param,
@@ -294,6 +305,7 @@ def _adam_launch(
         s["neg_step_size"],
         s["bias_correction2_sqrt"],
         eps,
+        coefficients if coefficients is not None else param,
         DECOUPLED=decoupled_weight_decay,
         HAS_WEIGHT_DECAY=weight_decay != 0,
         MAXIMIZE=maximize,
@@ -303,6 +315,7 @@ def _adam_launch(
         HAS_CLIP=max_norm is not None,
         CLIP_EPS=CLIP_EPS,
         HAS_OUT=param_out is not None,
+        HAS_COEFFS=coefficients is not None,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

@@ -4,8 +4,11 @@ torch's fused step (CPU)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ._triton import tl, triton
 from .dispatch import use_triton
 from .optim import (
     _adam_launch,
@@ -18,7 +21,98 @@ from .optim import (
     sgd_step,
 )
 
-__all__ = ["AdamStep", "SGDStep"]
+__all__ = ["AdamStep", "DeviceStep", "SGDStep", "advance_steps"]
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """An Adam step whose count and bias corrections live on the device, so that a captured graph replays every step
+    with its own (torch's ``capturable=True``). The caller advances them on the device before each call.
+
+    Attributes:
+        count: The 1-based number of this step, a 0-dim fp32 tensor (torch's fused Adam reads it, as its
+            ``state_steps``).
+        coefficients: 3 fp32 on the device, what the Triton kernel reads instead of host numbers:
+            ``-lr / (1 - beta1**count)``, ``sqrt(1 - beta2**count)`` and ``1 - lr * weight_decay``.
+    """
+
+    count: torch.Tensor
+    coefficients: torch.Tensor
+
+
+_POW_BITS = 25
+"""Bits of a step count the kernel's pow reads: fp32 counts are exact integers up to 2**24 (as torch's)."""
+
+
+@triton.jit
+def _advance_kernel(total_ptr, counts_ptr, owned_ptr, hyper_ptr, coeff_ptr, groups, BITS: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    g = tl.arange(0, BLOCK)
+    mask = g < groups
+    total = tl.load(total_ptr).to(tl.float64)
+    counts = tl.load(counts_ptr + g, mask=mask, other=0.0)
+    owned = tl.load(owned_ptr + g, mask=mask, other=0.0)
+    counts = tl.where(total - total == 0, counts + owned, counts)  # NaN and Inf give NaN: not counted
+    tl.store(counts_ptr + g, counts, mask=mask)
+    lr = tl.load(hyper_ptr + 4 * g, mask=mask, other=0.0)
+    weight_decay = tl.load(hyper_ptr + 4 * g + 1, mask=mask, other=0.0)
+    beta1 = tl.load(hyper_ptr + 4 * g + 2, mask=mask, other=0.0)
+    beta2 = tl.load(hyper_ptr + 4 * g + 3, mask=mask, other=0.0)
+    # beta ** count in fp64 by squaring (at most BITS roundings: ~1e-14 relative, invisible once cast to fp32)
+    n = counts.to(tl.int32)
+    pow1 = tl.full([BLOCK], 1.0, tl.float64)
+    pow2 = tl.full([BLOCK], 1.0, tl.float64)
+    for _ in tl.static_range(BITS):
+        odd = (n & 1) != 0
+        pow1 = tl.where(odd, pow1 * beta1, pow1)
+        pow2 = tl.where(odd, pow2 * beta2, pow2)
+        beta1 = beta1 * beta1
+        beta2 = beta2 * beta2
+        n = n >> 1
+    # fp64 division and square root are IEEE (div.rn.f64, sqrt.rn.f64), as the host's. A count of 0 (a group this
+    # rank does not step, or no step taken yet) has no bias correction: its coefficients are never read; 1 avoids 0/0.
+    correction1 = 1.0 - pow1
+    correction1 = tl.where(correction1 == 0, 1.0, correction1)
+    tl.store(coeff_ptr + 3 * g, (-(lr / correction1)).to(tl.float32), mask=mask)
+    tl.store(coeff_ptr + 3 * g + 1, tl.sqrt(1.0 - pow2).to(tl.float32), mask=mask)
+    tl.store(coeff_ptr + 3 * g + 2, (1.0 - lr * weight_decay).to(tl.float32), mask=mask)
+
+
+def advance_steps(
+    squared_norm: torch.Tensor,
+    counts: torch.Tensor,
+    owned: torch.Tensor,
+    hyper: torch.Tensor | None = None,
+    coefficients: torch.Tensor | None = None,
+) -> None:
+    """Count a step on the device, and compute the next Adam step's coefficients there (what :class:`DeviceStep`
+    holds), with no host sync: one launch on the GPU.
+
+    Args:
+        squared_norm: The step's global squared gradient norm (1 float64); a step whose norm is not finite is not
+            counted (it is skipped).
+        counts: Per parameter group, the steps taken (fp32), advanced in place by ``owned``.
+        owned: Per group, 1.0 where this rank steps the group, else 0.0 (fp32).
+        hyper: Per group, ``(lr, weight_decay, beta1, beta2)`` (fp64, ``groups x 4``), or None: counts only.
+        coefficients: Per group, written with ``-lr / (1 - beta1**count)``, ``sqrt(1 - beta2**count)`` and
+            ``1 - lr * weight_decay`` (fp32, ``groups x 3``); with ``hyper``.
+    """
+    if hyper is not None and use_triton(counts):
+        groups = counts.numel()
+        block = max(16, 1 << (groups - 1).bit_length())
+        _advance_kernel[(1,)](squared_norm, counts, owned, hyper, coefficients, groups, BITS=_POW_BITS, BLOCK=block,
+                              num_warps=1)  # fmt: skip
+        return
+    counts.add_(owned * torch.isfinite(squared_norm))
+    if hyper is None:
+        return
+    lr, weight_decay = hyper[:, 0], hyper[:, 1]
+    corrections = torch.pow(hyper[:, 2:4], counts.double().unsqueeze(1)).neg_().add_(1)  # 1 - beta**count
+    corrections[:, 0].masked_fill_(corrections[:, 0] == 0, 1.0)  # count 0: never read (as the kernel)
+    # As the host computes them for a count it holds (fp64, then fp32): -lr / bc1, sqrt(bc2), 1 - lr * wd.
+    coefficients.copy_(
+        torch.stack((lr.div(corrections[:, 0]).neg_(), corrections[:, 1].sqrt(), 1 - lr * weight_decay), 1)
+    )
 
 
 def _flag(found_inf: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,8 +153,8 @@ class AdamStep:
         self,
         grad: torch.Tensor,
         *,
-        step: int,
-        lr: float,
+        step: int | DeviceStep,
+        lr: float | torch.Tensor,
         beta1: float = 0.9,
         beta2: float = 0.999,
         eps: float = 1e-8,
@@ -75,19 +169,27 @@ class AdamStep:
     ) -> None:
         """One step with ``grad``, as :func:`adam_step` with ``check_finite=False`` (nothing is checked here). The
         Triton path reads ``squared_norm`` in the kernel; the torch path computes the flags first (the function's
-        path, which allocates them)."""
+        path, which allocates them). ``step`` a :class:`DeviceStep`: the count and coefficients are read on the device
+        (``lr`` may then be a device tensor, which the torch path reads; the Triton path reads the coefficients)."""
         param, exp_avg, exp_avg_sq = self.buffers
         if max_norm is not None and squared_norm is None:
             _check_clip(squared_norm, max_norm)  # raises: a threshold without the norm would clip nothing
+        device_step = isinstance(step, DeviceStep)
         if self._triton:
             _adam_launch(
                 param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, squared_norm,
                 max_norm, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
+                coefficients=step.coefficients if device_step else None,
             )  # fmt: skip
             return
         hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
         if not self._fused or squared_norm is not None:  # mixed dtypes, or flags to compute: the function's path
+            if device_step:
+                raise ValueError(
+                    "AdamStep: a DeviceStep on the torch path needs param, exp_avg and exp_avg_sq in one dtype and "
+                    "no squared_norm (torch's fused Adam reads the count; the function's path takes an int)"
+                )
             adam_step(
                 param, grad, exp_avg, exp_avg_sq, step=step, **hyper, decoupled_weight_decay=decoupled_weight_decay,
                 maximize=maximize, grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf,
@@ -96,10 +198,14 @@ class AdamStep:
             return
         scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
         g = _scaled_grad(grad, grad_scale, grad_scale_tensor, False, param.dtype) if scaled else grad
-        self._step.fill_(float(step))
+        if device_step:
+            count = step.count
+        else:
+            count = self._step
+            count.fill_(float(step))
         fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
         fused(
-            [param], [g], [exp_avg], [exp_avg_sq], [], [self._step], **hyper, amsgrad=False, maximize=maximize,
+            [param], [g], [exp_avg], [exp_avg_sq], [], [count], **hyper, amsgrad=False, maximize=maximize,
             found_inf=_flag(found_inf),
         )  # fmt: skip
         if self.param_out is not None:

@@ -7,7 +7,9 @@ What it models, as strictly as CUDA's stream capture:
   that writes its arguments (in place, ``out=``) is recorded and returns them unwritten; any other op gets outputs
   allocated with the shapes, strides and dtypes its meta kernel gives, filled with garbage (NaN, or a large integer),
   as a graph's memory pool holds whatever was there. Code that used a value computed during capture therefore sees
-  garbage here, as on a GPU. Simulated NCCL calls (tests/fakenccl.py) are recorded, not issued.
+  garbage here, as on a GPU. Simulated NCCL calls (tests/fakenccl.py) are recorded, not issued, and so are Triton
+  launches in the interpreter (the GPU's kernels): replay launches them again with the arguments they were given,
+  numbers included, as a graph's kernel node holds its parameters.
 - **What a graph cannot hold raises** :class:`CaptureError`, naming the op: a host sync (``.item()``, ``bool()`` of a
   tensor, ``.tolist()``), a data-dependent shape (``nonzero``, ``masked_select``), a tensor made from host data
   (``torch.tensor([...])``: an upload from pageable memory, which CUDA refuses inside capture and which would
@@ -173,6 +175,33 @@ def _install_nccl_recording() -> None:
             setattr(cls, name, _recording(name, method))
 
 
+def _launch(run: Callable, kernel, args: tuple, kwargs: dict) -> None:
+    run(kernel, *args, **kwargs)
+
+
+def _install_triton_recording() -> None:
+    """Make Triton's interpreted launches recordable (once per process; a launch outside capture runs as before)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # no Triton: nothing launches one
+        return
+    run = InterpretedFunction.run
+    if getattr(run, "__graphsim__", False):
+        return
+
+    @functools.wraps(run)
+    def recorded(self, *args, grid, warmup, **kwargs):
+        tape = _tape()
+        if tape is None or warmup:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        tape.append(functools.partial(_launch, run, self, args, {"grid": grid, "warmup": False, **kwargs}))
+        return None
+
+    recorded.__graphsim__ = True
+    InterpretedFunction.run = recorded
+
+
+_install_triton_recording()
 _install_nccl_recording()  # at import: the NCCL backend binds its calls when it plans them, before any capture
 
 
@@ -199,7 +228,12 @@ class SimulatedGraph:
     @property
     def nccl_calls(self) -> int:
         """How many NCCL calls the record holds."""
-        return sum(1 for entry in self.tape if entry.func is not _run)
+        return sum(1 for entry in self.tape if entry.func not in (_run, _launch))
+
+    @property
+    def triton_launches(self) -> int:
+        """How many Triton launches the record holds."""
+        return sum(1 for entry in self.tape if entry.func is _launch)
 
     def replay(self) -> None:
         with torch.no_grad():

@@ -115,7 +115,24 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}),  # no fused kernel: the generic path over owned views
+    # capturable=True: the step counts and bias corrections on the device; a learning rate held as a device tensor
+    "adam-capturable": (torch.optim.Adam, {"lr": 1e-2, "capturable": True}),
+    "adamw-capturable-tensor-lr": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "capturable": True}),
 }
+
+
+def optimizer_kw(opt_name: str) -> dict:
+    """The keywords that build ``OPTIMIZERS[opt_name]`` (a learning rate of its own as a tensor where named so)."""
+    kw = dict(OPTIMIZERS[opt_name][1])
+    if opt_name.endswith("tensor-lr"):
+        kw["lr"] = torch.tensor(kw["lr"])
+    return kw
+
+
+def reference_kw(opt_name: str) -> dict:
+    """The keywords of the single-process torch reference of ``OPTIMIZERS[opt_name]`` (torch's capturable Adam does
+    not step on the CPU; the arithmetic is the same)."""
+    return {k: v for k, v in OPTIMIZERS[opt_name][1].items() if k != "capturable"}
 
 
 STAGES = {
@@ -131,8 +148,8 @@ def train_zero1(comm, state, opt_name="adam", wrap_model=True, steps=STEPS, conf
     net = fresh_net(state)
     model_cls, opt_cls = STAGES[stage]
     model = model_cls(net, config) if wrap_model else net
-    cls, kw = OPTIMIZERS[opt_name]
-    opt = opt_cls(cls(model.parameters(), **kw), config)
+    cls = OPTIMIZERS[opt_name][0]
+    opt = opt_cls(cls(model.parameters(), **optimizer_kw(opt_name)), config)
     step_bytes, skipped = [], []
     for step in range(steps):
         x, y = batch(step, comm.rank, comm.world_size)

@@ -382,10 +382,11 @@ def _capture_row(comm, group):
 
 
 def test_capture_rows_on_cpu():
-    """The capture part's rank code on the CPU tier: the simulated NCCL and graph stand in for NCCL and CUDA graphs,
-    Gloo for torch's NCCL group, SGD for the capturable AdamW (torch refuses capturable on the CPU). Catches a
-    variant missing or paired wrongly, a captured step that trains another function than the eager one (their losses
-    over the same batches must be identical), and host times not measured."""
+    """The capture part's rank code on the CPU tier (DDP and ZeRO-2, each eager, captured and against its peer): the
+    simulated NCCL and graph stand in for NCCL and CUDA graphs, Gloo for torch's NCCL group, SGD for the capturable
+    AdamW (torch refuses capturable on the CPU). Catches a variant missing or paired wrongly, a captured step that
+    trains another function than the eager one (their losses over the same batches must be identical), and host times
+    not measured."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -393,9 +394,15 @@ def test_capture_rows_on_cpu():
         row = run_nccl(_capture_row, 1, FakeNccl(), group=dist.group.WORLD)[0]
     finally:
         dist.destroy_process_group()
-    assert set(row["step_ms"]) == {"torch_ddp", "gpudist_ddp", "gpudist_ddp_graphed"}
-    assert set(row["peer_over_gpudist"]) == {"torch_ddp/gpudist_ddp", "torch_ddp/gpudist_ddp_graphed"}
-    assert row["loss_max_abs_diff"] == 0.0 and len(row["replayed_losses"]) == 3, row
-    assert all(v > 0 for v in row["host_ms"].values()) and row["replay_host_share"] > 0
+    names = {"torch_ddp", "torch_zero", "gpudist_ddp", "gpudist_ddp_graphed", "gpudist_zero2", "gpudist_zero2_graphed"}
+    assert set(row["step_ms"]) == names
+    assert set(row["peer_over_gpudist"]) == {
+        "torch_ddp/gpudist_ddp",
+        "torch_ddp/gpudist_ddp_graphed",
+        "torch_zero/gpudist_zero2",
+        "torch_zero/gpudist_zero2_graphed",
+    }
+    assert row["loss_max_abs_diff"] == 0.0 and [len(r["replayed"]) for r in row["losses"].values()] == [3, 3], row
+    assert all(v > 0 for v in row["host_ms"].values()) and all(v > 0 for v in row["replay_host_share"].values())
     doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [row]}
-    assert "gpudist_ddp_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)
+    assert "gpudist_zero2_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)

@@ -17,6 +17,7 @@ import gpudist
 from gpudist.comm import CollectiveMismatchError
 from gpudist.strategies import DATA_PARALLEL_PAIRS
 
+from . import graphsim
 from .fakenccl import FakeNccl, run_nccl
 from .graphsim import CaptureError, SimulatedGraph
 
@@ -43,12 +44,18 @@ def _loss(model, x, y):
     return F.mse_loss(model(x), y)
 
 
-def _pair(comm, strategy: str, **config):
+def _pair(comm, strategy: str, opt_name: str = "sgd", **config):
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0005, first_bucket_mb=0.0005, **config)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     kw = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}
     model = model_cls(_net(), config, **kw)
-    return model, opt_cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
+    if opt_name == "sgd":
+        return model, opt_cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
+    if opt_name == "adamw-float":  # the counts and the learning rate on the host
+        return model, opt_cls(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), config)
+    # The counts on the device, and a learning rate a scheduler fills in place between replays
+    inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), weight_decay=0.1, capturable=True)
+    return model, opt_cls(inner, config)
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -57,30 +64,56 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.module.parameters()]
 
 
-def _eager_and_replayed(comm, strategy: str) -> dict:
-    batches = _batches(comm.rank, WARMUP + STEPS)
-    static = strategy != "fsdp"
-    model, opt = _pair(comm, strategy, static_graph=static)
-    eager = []
+def _scheduled(opt, opt_name: str):
+    """A scheduler for the tensor learning rate (filled in place: every replay reads it), else none."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s) if opt_name != "sgd" else None
+
+
+def _eager(comm, strategy: str, opt_name: str, batches: list) -> tuple[list[float], list[torch.Tensor]]:
+    model, opt = _pair(comm, strategy, opt_name, static_graph=strategy != "fsdp")
+    schedule = _scheduled(opt, opt_name)
+    losses = []
     for i, (x, y) in enumerate([batches[0]] * WARMUP + batches[WARMUP:]):
         opt.zero_grad(set_to_none=False)
         loss = _loss(model, x, y)
         loss.backward()
         opt.step()
         if i >= WARMUP:
-            eager.append(loss.item())
-    eager_params = _params(model)
+            losses.append(loss.item())
+            if schedule is not None:
+                schedule.step()
+    return losses, _params(model)
 
-    model, opt = _pair(comm, strategy, static_graph=static)
+
+def _eager_and_replayed(comm, strategy: str, opt_name: str = "sgd", nan_step: int | None = None) -> dict:
+    batches = _batches(comm.rank, WARMUP + STEPS)
+    if nan_step is not None and comm.rank == 0:  # one rank's batch poisons the global norm: every rank skips
+        batches[WARMUP + nan_step][0].fill_(float("nan"))
+    static = strategy != "fsdp"
+    eager, eager_params = _eager(comm, strategy, opt_name, batches)
+    # The same schedule with the counts and learning rate on the host (the numbers the device's must give)
+    host_params = _eager(comm, strategy, "adamw-float", batches)[1] if opt_name == "adamw" else None
+
+    model, opt = _pair(comm, strategy, opt_name, static_graph=static)
+    schedule = _scheduled(opt, opt_name)
     step = gpudist.capture(model, opt, _loss, batches[0], warmup=WARMUP, graph=SimulatedGraph)
-    replayed = [step(x, y).item() for x, y in batches[WARMUP:]]
+    replayed = []
+    for x, y in batches[WARMUP:]:
+        replayed.append(step(x, y).item())
+        if schedule is not None:
+            schedule.step()
     return {
         "eager": eager,
         "replayed": replayed,
         "eager_params": eager_params,
+        "host_params": host_params,
         "params": _params(model),
         "replays": step.replays,
         "nccl_calls": step.graph.nccl_calls,
+        "triton_launches": step.graph.triton_launches,
+        "rank": comm.rank,
+        "last_grad_norm": getattr(opt, "last_grad_norm", None),
+        "steps": opt.state_dict().get("steps"),
     }
 
 
@@ -95,6 +128,99 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy):
         assert r["replayed"] == r["eager"], (r["replayed"], r["eager"])
         for a, b in zip(r["params"], r["eager_params"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_replayed_adam_follows_a_scheduled_tensor_lr_and_skips_on_the_device(strategy):
+    """gpudist's ZeRO AdamW built with ``capturable=True``, its learning rate a tensor that a scheduler fills between
+    replays, and one replayed step whose global norm is NaN (rank 0's batch): eager and replayed equal bit for bit.
+    Catches a step count or bias correction frozen at the captured step (every replay would repeat it), a skipped
+    step counted, a learning rate read once at capture (the schedule would not move the replays), and a verdict the
+    host reads from capture (``last_grad_norm`` must be the last replay's)."""
+    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy, opt_name="adamw", nan_step=1):
+        assert r["replays"] == STEPS
+        torch.testing.assert_close(torch.tensor(r["replayed"]), torch.tensor(r["eager"]), rtol=0, atol=0,
+                                   equal_nan=True)  # fmt: skip
+        assert (r["replayed"][1] != r["replayed"][1]) == (r["rank"] == 0)  # rank 0's poisoned loss is NaN
+        for a, b in zip(r["params"], r["eager_params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert r["steps"][0] == WARMUP + STEPS - 1  # the skipped step is not counted
+        assert r["last_grad_norm"] > 0 and r["last_grad_norm"] == r["last_grad_norm"]
+        for a, b in zip(r["params"], r["host_params"], strict=True):  # lr held in fp32 on the device: ulps apart
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_replayed_adam_on_the_triton_kernels_reads_its_step_on_the_device(strategy, serial_interpreter):
+    """The GPU's path of the same step (Triton kernels in the interpreter, recorded into the graph as launches with
+    the numbers they were given): the kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd from the device, which the
+    step computes there before it. Catches a coefficient computed on the host and baked into the captured launch
+    (the schedule and the count would stop at the captured step), or a launch the graph does not hold."""
+    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy, opt_name="adamw", nan_step=1):
+        assert r["triton_launches"] > 0
+        torch.testing.assert_close(torch.tensor(r["replayed"]), torch.tensor(r["eager"]), rtol=0, atol=0,
+                                   equal_nan=True)  # fmt: skip
+        for a, b in zip(r["params"], r["eager_params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert r["steps"][0] == WARMUP + STEPS - 1
+        for a, b in zip(r["params"], r["host_params"], strict=True):  # lr held in fp32 on the device: ulps apart
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _verdicts_in_capture(comm) -> dict:
+    model, opt = _pair(comm, "zero2")
+    batches = _batches(comm.rank, 3)
+    read_inside = []
+    verdict = gpudist.strategies.step_scalars._Verdict
+    ready, value = verdict.ready, verdict.value
+
+    def spied(original):
+        def call(self):
+            read_inside.append(graphsim._tape() is not None)
+            return original(self)
+
+        return call
+
+    verdict.ready, verdict.value = spied(ready), spied(value)
+    try:
+        step = gpudist.capture(model, opt, _loss, batches[0], graph=SimulatedGraph)
+    finally:
+        verdict.ready, verdict.value = ready, value
+    norms = []
+    for x, y in batches[1:]:
+        step(x, y)
+        norms.append(opt.last_grad_norm)
+    return {"read_inside": sum(read_inside), "read": len(read_inside), "norms": norms}
+
+
+def test_the_step_reads_no_verdict_inside_capture_and_reports_each_replays_norm():
+    """ZeRO's SGD counts on the host and learns each step's verdict (the global norm) a step later, by an event the
+    host queries: inside capture that query (from any thread, in CUDA's global mode) invalidates the graph. Catches
+    a captured step that still settles or queries verdicts (they are all read before capture, none inside), and a
+    ``last_grad_norm`` stuck at the captured step after replays."""
+    for r in run_nccl(_verdicts_in_capture, 2, FakeNccl()):
+        assert r["read"] > 0 and r["read_inside"] == 0, r
+        assert r["norms"][0] != r["norms"][1] and all(n > 0 for n in r["norms"]), r
+
+
+def _changed_lr(comm) -> str:
+    model, opt = _pair(comm, "zero1")
+    x, y = _batches(comm.rank, 1)[0]
+    step = gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
+    step(x, y)
+    for group in opt.param_groups:
+        group["lr"] *= 0.5  # a scheduler stepping a number the graph holds
+    with pytest.raises(RuntimeError, match=r"parameter group 0's lr changed from 0\.05 to 0\.025") as caught:
+        step(x, y)
+    return str(caught.value)
+
+
+def test_a_number_changed_after_capture_is_refused_before_replay():
+    """Catches a learning rate given as a number that a scheduler changes after capture: the graph keeps the captured
+    value, so training would silently go on at the old rate. The replay is refused, naming the group, the value and
+    the way out (a tensor learning rate)."""
+    for message in run_nccl(_changed_lr, 1, FakeNccl()):
+        assert "lr=torch.tensor" in message
 
 
 def _marking(flag: list[bool]) -> type[SimulatedGraph]:
@@ -184,8 +310,8 @@ def test_ranks_that_capture_different_collectives_are_refused_before_replay():
 
 def test_unsupported_optimizers_and_batches_are_refused_before_capture():
     """Catches a torch Adam captured with its step count on the host (every replay would reuse the captured step's
-    bias correction), gpudist's ZeRO Adam, which keeps its counts on the host too, or a batch off CUDA with no graph
-    given: each refused with the way out."""
+    bias correction), gpudist's ZeRO Adam wrapping one (its counts on the host too), or a batch off CUDA with no
+    graph given: each refused with the way out."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1)
     x, y = _batches(0, 1)[0]
     net = _net()
@@ -193,8 +319,8 @@ def test_unsupported_optimizers_and_batches_are_refused_before_capture():
         gpudist.capture(net, torch.optim.Adam(net.parameters()), _loss, (x, y), graph=SimulatedGraph)
     config = gpudist.ShardingConfiguration(comm)
     model = gpudist.ZeRO2Model(_net(), config)
-    opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters(), capturable=True), config)
-    with pytest.raises(ValueError, match="fused adamw keeps its step count on the host"):
+    opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters()), config)
+    with pytest.raises(ValueError, match=r"fused adamw keeps its step count on the host.*capturable=True"):
         gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
     with pytest.raises(ValueError, match="CUDA graphs need CUDA tensors"):
         gpudist.capture(net, torch.optim.SGD(net.parameters(), lr=0.1), _loss, (x, y))

@@ -26,6 +26,8 @@ from .helpers import (
     fresh_net,
     initial_state,
     lm_batch,
+    optimizer_kw,
+    reference_kw,
     single_process,
     tiny_lm,
     train_steps,
@@ -44,8 +46,7 @@ def build(comm, state, stage, opt_name, seed_shift=0.0):
                 p.add_(seed_shift)  # a different starting point: loading must overwrite every element
     model_cls, opt_cls = PAIRS[stage]
     model = model_cls(net, config)
-    cls, kw = OPTIMIZERS[opt_name]
-    return model, opt_cls(cls(model.parameters(), **kw), config)
+    return model, opt_cls(OPTIMIZERS[opt_name][0](model.parameters(), **optimizer_kw(opt_name)), config)
 
 
 def save_after(comm, state, path, stage, opt_name, steps):
@@ -57,7 +58,12 @@ def save_after(comm, state, path, stage, opt_name, steps):
 
 def load_and_continue(comm, state, path, stage, opt_name, steps):
     model, opt = build(comm, state, stage, opt_name, seed_shift=0.5)
+    lr = opt.param_groups[0]["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr.fill_(123.0)  # a tensor learning rate is filled in place (a captured graph reads this one)
     info = load_checkpoint(path, model, opt)
+    if isinstance(lr, torch.Tensor):
+        assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(OPTIMIZERS[opt_name][1]["lr"])
     assert info.extra == {"data_position": info.step * 12}
     loaded = model.gather_full_parameters()
     train_steps(model, opt, steps, comm.rank, comm.world_size, start=info.step)
@@ -71,6 +77,7 @@ CASES = [  # (saved by, at N, loaded into, at M, optimizer)
     ("ddp", 2, "fsdp", 4, "adamw"),
     (2, 3, 1, 2, "rmsprop"),  # no fused kernel: the wrapped optimizer's per-view state, resharded
     ("fsdp", 3, 3, 1, "rmsprop"),
+    (2, 2, 3, 3, "adamw-capturable-tensor-lr"),  # step counts on the device, a tensor learning rate
 ]
 
 
@@ -85,8 +92,7 @@ def test_resharded_checkpoint_continues_like_an_uninterrupted_run(tmp_path, save
     results = run_ranks(
         load_and_continue, m, "inmemory", state=state, path=path, stage=loaded, opt_name=opt_name, steps=10
     )
-    cls, kw = OPTIMIZERS[opt_name]
-    expected = reference_pair(single_process, state, cls, **kw)
+    expected = reference_pair(single_process, state, OPTIMIZERS[opt_name][0], **reference_kw(opt_name))
     for loaded_params, final in results:
         assert torch.equal(loaded_params, at_save[0])
         assert_matches_reference(final, *expected)

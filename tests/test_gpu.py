@@ -220,22 +220,29 @@ def test_compressed_collectives_on_cuda(name):
         torch.testing.assert_close(applied + pending, true, rtol=0, atol=bound)
 
 
-def _graph_pair(comm, strategy: str):
+def _graph_pair(comm, strategy: str, opt_name: str = "adamw"):
     """A wrapper pair whose step a CUDA graph can replay: DDP with torch's fused AdamW built capturable, the ZeRO and
-    FSDP optimizers with SGD (their fused Adam keeps its step counts on the host; gpudist.capture refuses it)."""
+    FSDP optimizers with capturable AdamW (counts, bias corrections and a tensor learning rate on the device) or SGD
+    (counts moved to the device at capture)."""
     config = gpudist.ShardingConfiguration(comm, static_graph=strategy != "fsdp")
     model_cls, opt_cls = GPU_PAIRS[strategy]
     model = model_cls(_cuda_mlp(), config)
     if strategy == "ddp":
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+    elif opt_name == "adamw":
+        lr = torch.tensor(1e-2, device="cuda")
+        inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, capturable=True)
     else:
         inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, opt_cls(inner, config)
 
 
 @needs_nccl
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
-def test_captured_steps_equal_eager_steps_on_a_real_gpu(strategy):
+@pytest.mark.parametrize(
+    ("strategy", "opt_name"),
+    [("ddp", "adamw"), ("zero1", "sgd"), ("zero2", "sgd"), ("zero1", "adamw"), ("zero2", "adamw"), ("fsdp", "adamw")],
+)
+def test_captured_steps_equal_eager_steps_on_a_real_gpu(strategy, opt_name):
     """``gpudist.capture`` on CUDA and NCCL at world 1: the replayed steps give exactly the eager steps' losses (the
     graph replays the same kernels on the same data). Catches what the CPU tier's simulated graph cannot: a CUDA call
     that stream capture refuses (an event query, a pinned allocation, a sync), NCCL's communication stream not joined
@@ -248,7 +255,7 @@ def test_captured_steps_equal_eager_steps_on_a_real_gpu(strategy):
     batches = [_cuda_batch(step) for step in range(6)]
     comm = nccl_solo()
     try:
-        model, opt = _graph_pair(comm, strategy)
+        model, opt = _graph_pair(comm, strategy, opt_name)
         eager = []
         for i, (x, y) in enumerate([batches[0]] * 3 + batches[1:]):
             opt.zero_grad(set_to_none=False)
@@ -257,7 +264,7 @@ def test_captured_steps_equal_eager_steps_on_a_real_gpu(strategy):
             opt.step()
             if i >= 3:
                 eager.append(loss.item())
-        step = gpudist.capture(*_graph_pair(comm, strategy), loss_fn, batches[0])
+        step = gpudist.capture(*_graph_pair(comm, strategy, opt_name), loss_fn, batches[0])
         replayed = [step(x, y).item() for x, y in batches[1:]]
     finally:
         comm.shutdown()

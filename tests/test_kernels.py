@@ -430,9 +430,11 @@ def test_float32_hyperparameters_are_allowed_their_own_shift_and_no_more():
 @pytest.mark.parametrize("case", ADAM_CASES)
 def test_planned_adam_step_equals_the_function(device, kernel_impl, case):
     """AdamStep (the buffers checked once, a call only launches) against adam_step on copies of the same buffers, over
-    5 steps with a clip coefficient tensor, a bf16 parameter copy and a skipped step (found_inf set): bit for bit.
+    5 steps with a clip coefficient tensor, a bf16 parameter copy and a skipped step (found_inf set): bit for bit; and
+    a third copy stepped with a :class:`~gpudist.kernels.DeviceStep` (the count and coefficients on the device).
     Catches the plan launching a different kernel variant, losing the skip flag or the scale tensor, a step count
-    that is not the one given (the torch path's step tensor is refilled, not re-made), or param_out not written."""
+    that is not the one given (the torch path's step tensor is refilled, not re-made), param_out not written, or a
+    device step's coefficient read from the wrong slot (or a host number used instead)."""
     n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 4099
     g = _gen(11)
     start = [torch.randn(n, generator=g).to(device) for _ in range(2)]
@@ -441,16 +443,56 @@ def test_planned_adam_step_equals_the_function(device, kernel_impl, case):
     b = [t.clone() for t in a]
     outs = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(2)]
     planned = K.AdamStep(b[0], b[1], b[2], b[3], param_out=outs[1])
+    c = [t.clone() for t in a]  # stepped with the count and coefficients on the device (capturable)
+    outs.append(torch.empty_like(outs[1]))
+    on_device = K.AdamStep(c[0], c[1], c[2], c[3], param_out=outs[2])
     kw = _kernel_adam_kw({"weight_decay": 0.0, **case})
     clip = torch.tensor([0.5], device=device)
     for step, grad in enumerate(grads, 1):
         skip = torch.tensor([1.0 if step == 3 else 0.0], device=device)
-        a[1].copy_(grad)
-        b[1].copy_(grad)
+        for t in (a, b, c):
+            t[1].copy_(grad)
         adam_step(*a, step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip, param_out=outs[0])
         planned(b[1], step=step, lr=1e-2, **kw, grad_scale_tensor=clip, found_inf=skip)
-    for x, y in zip([*a, outs[0]], [*b, outs[1]], strict=True):
-        assert torch.equal(x, y)
+        bc1, bc2 = 1 - kw["beta1"] ** step, 1 - kw["beta2"] ** step
+        coefficients = [-(1e-2 / bc1), math.sqrt(bc2), 1 - 1e-2 * kw.get("weight_decay", 0.0)]
+        device_step = K.DeviceStep(
+            torch.tensor(float(step), device=device), torch.tensor(coefficients, dtype=torch.float32, device=device)
+        )
+        on_device(c[1], step=device_step, lr=1e-2, **kw, grad_scale_tensor=clip,
+                  found_inf=skip)  # fmt: skip
+    for x, y, z in zip([*a, outs[0]], [*b, outs[1]], [*c, outs[2]], strict=True):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def test_advance_steps_counts_on_the_device_and_gives_the_hosts_coefficients(device, kernel_impl):
+    """advance_steps (a capturable Adam's count and coefficients, computed on the device) against the host's
+    arithmetic for the same counts (fp64, then fp32), over counts from 1 to 2**24 - 1 and three pairs of betas:
+    at most one fp32 ulp apart (the kernel takes beta**count by squaring in fp64). Catches a pow off by one step, a
+    coefficient in the wrong slot, a skipped step (norm NaN or Inf) that is counted, and a group this rank does not
+    step that is."""
+    counts = [0.0, 1.0, 2.0, 3.0, 10.0, 999.0, 123456.0, float(2**24 - 2)]
+    betas = [(0.9, 0.999), (0.8, 0.99), (0.5, 0.95)] * 3
+    groups = len(betas)
+    lr, weight_decay = 3e-4, 0.1
+    for column, start in enumerate(counts):
+        c = torch.full((groups,), start, device=device)
+        owned = torch.ones(groups, device=device)
+        owned[-1] = 0.0  # this rank does not step the last group
+        hyper = torch.tensor([[lr, weight_decay, b1, b2] for b1, b2 in betas], dtype=torch.float64, device=device)
+        coefficients = torch.empty(groups, 3, device=device)
+        for bad in (float("nan"), float("inf")):  # skipped: nothing counted
+            K.advance_steps(torch.tensor([bad], dtype=torch.float64, device=device), c, owned, hyper, coefficients)
+        assert c.tolist() == [start] * groups, column
+        K.advance_steps(torch.tensor([4.0], dtype=torch.float64, device=device), c, owned, hyper, coefficients)
+        n = start + 1
+        assert c.tolist() == [n] * (groups - 1) + [start]
+        host = torch.tensor(
+            [[-(lr / (1 - b1 ** int(n))), math.sqrt(1 - b2 ** int(n)), 1 - lr * weight_decay] for b1, b2 in betas[:-1]]
+        ).float()
+        got = coefficients[:-1].cpu()
+        ulp = torch.finfo(torch.float32).eps * host.abs()
+        assert ((got - host).abs() <= ulp).all(), (n, got, host)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

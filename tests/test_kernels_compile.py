@@ -123,6 +123,14 @@ def _drive_every_op() -> None:
     for kw in adam:
         grad = _randn(N, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         K.adam_step(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N), step=1, lr=1e-2, **kw)
+    # A capturable step: its count and coefficients advanced on the device (3 groups), then the step reading them
+    counts, hyper = torch.zeros(3), torch.tensor([[1e-2, 0.1, 0.9, 0.999]] * 3, dtype=torch.float64)
+    K.advance_steps(norm["squared_norm"], counts, torch.ones(3), hyper, torch.empty(3, 3))
+    grad = _randn(N, f32, 3)
+    device_step = K.DeviceStep(torch.ones(()), torch.tensor([-1e-2, 1.0, 1.0]))
+    K.AdamStep(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N))(
+        grad, step=device_step, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, **norm, max_norm=1.0
+    )
     sgd = [
         {},
         {"momentum": 0.9, "first_step": True},

@@ -29,6 +29,7 @@ from .helpers import (
     flat,
     fresh_net,
     initial_state,
+    reference_kw,
     single_process,
     train_steps,
     train_zero1,
@@ -180,13 +181,15 @@ def _skipping_reference(state, dtype, skip):
     return flat(net)
 
 
+@pytest.mark.parametrize("opt_name", ["adam", "adam-capturable"])
 @pytest.mark.parametrize("stage", [1, 3, "fsdp"])  # ZeRO-2 steps the same code; its model frees param.grad
-def test_a_step_skipped_on_the_device_is_not_counted(stage):
-    """The skip decision stays on the device, so the host learns of it a step later: catches a skipped step still
-    counted in Adam's bias correction (the next steps' updates come out too small), and a skip that leaves state
-    changed. One rank's gradient is NaN at step 1: the result equals single-process Adam without step 1."""
+def test_a_step_skipped_on_the_device_is_not_counted(stage, opt_name):
+    """The skip decision stays on the device, so the host learns of it a step later (capturable=True: never, the
+    count itself is on the device): catches a skipped step still counted in Adam's bias correction (the next steps'
+    updates come out too small), and a skip that leaves state changed. One rank's gradient is NaN at step 1: the
+    result equals single-process Adam without step 1."""
     state = initial_state()
-    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="adam", nan_step=1, stage=stage)
+    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, nan_step=1, stage=stage)
     expected = reference_pair(_skipping_reference, state, skip=1)
     for r in results:
         assert r["skipped"] == [step == 1 for step in range(STEPS)]
@@ -198,7 +201,8 @@ def test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step(stage, 
     """The GPU's path (Triton kernels, in the interpreter): the fused step reads the global squared norm itself, and
     no launch computes the scalars in between (``clip_scalars`` is never called). Catches a kernel that drops the
     clip (0.05 clips every step here), a NaN on one rank that does not skip the step on every rank, and a skipped
-    step still counted in Adam's bias correction, each against single-process training."""
+    step still counted in Adam's bias correction (host counts, and capturable=True's device counts, whose bias
+    corrections the kernel reads from the device), each against single-process training."""
     calls = []
     monkeypatch.setattr(gpudist.kernels, "clip_scalars", lambda *a, **k: calls.append(a))
     state = initial_state()
@@ -209,13 +213,35 @@ def test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step(stage, 
     for r in clipped:
         assert_matches_reference(r["params"], *expected)
     # ZeRO2Model frees param.grad in backward (nowhere to put the NaN): ZeRO-2's optimizer over the plain module
-    skipped = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name="adam", nan_step=1, stage=stage,
-                        wrap_model=stage != 2)  # fmt: skip
     expected = reference_pair(_skipping_reference, state, skip=1)
-    for r in skipped:
-        assert r["skipped"] == [step == 1 for step in range(STEPS)]
-        assert_matches_reference(r["params"], *expected)
+    for opt_name in ("adam", "adam-capturable"):
+        skipped = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, nan_step=1, stage=stage,
+                            wrap_model=stage != 2)  # fmt: skip
+        for r in skipped:
+            assert r["skipped"] == [step == 1 for step in range(STEPS)]
+            assert_matches_reference(r["params"], *expected, what=opt_name)
+    opt_name = "adamw-capturable-tensor-lr"  # the kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd on the device
+    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, stage=stage)
+    expected = reference_pair(single_process, state, OPTIMIZERS[opt_name][0], **reference_kw(opt_name))
+    for r in results:
+        assert_matches_reference(r["params"], *expected, what=opt_name)
     assert not calls, "the step's scalars were launched on their own"
+
+
+@pytest.mark.parametrize("opt_name", ["adam-capturable", "adamw-capturable-tensor-lr"])
+@pytest.mark.parametrize("stage", [1, 2, 3, "fsdp"])
+def test_capturable_adam_matches_single_process(stage, opt_name):
+    """Adam and AdamW built with ``capturable=True`` keep their step counts and bias corrections on the device (what a
+    captured graph replays); AdamW's learning rate here is a device tensor. Catches a count that does not advance
+    (every step would take step 1's bias correction), one advanced for a group this rank does not step, and a
+    tensor learning rate or weight decay left out of the update, against single-process torch Adam/AdamW."""
+    state = initial_state()
+    results = run_ranks(
+        train_zero1, 2, "inmemory", state=state, opt_name=opt_name, stage=stage, config_kw=SMALL_BUCKETS
+    )
+    expected = reference_pair(single_process, state, OPTIMIZERS[opt_name][0], **reference_kw(opt_name))
+    for r in results:
+        assert_matches_reference(r["params"], *expected)
 
 
 def test_zero1_rejects_mixed_dtypes():

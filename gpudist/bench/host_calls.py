@@ -90,15 +90,17 @@ def triton_launches_stubbed():
     """The Triton path of the pack and Adam plans on CPU tensors, with their kernels' launches made no-ops: what
     remains is gpudist's own host work per call on the GPU's path, without Triton's launcher (measured on the GPU
     itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host)."""
-    saved = (bucket.use_triton, optim.use_triton, optim_plan.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel)
+    kernels = (bucket, "_bucket_copy_kernel"), (optim, "_adam_kernel"), (optim_plan, "_advance_kernel")
+    saved = (bucket.use_triton, optim.use_triton, optim_plan.use_triton, *(getattr(m, k) for m, k in kernels))
     bucket.use_triton = optim.use_triton = optim_plan.use_triton = lambda tensor: True
-    bucket._bucket_copy_kernel = optim._adam_kernel = _NullKernel()
+    for module, name in kernels:
+        setattr(module, name, _NullKernel())
     try:
         yield
     finally:
-        (bucket.use_triton, optim.use_triton, optim_plan.use_triton, bucket._bucket_copy_kernel, optim._adam_kernel) = (
-            saved
-        )
+        bucket.use_triton, optim.use_triton, optim_plan.use_triton = saved[:3]
+        for (module, name), kernel in zip(kernels, saved[3:], strict=True):
+            setattr(module, name, kernel)
 
 
 def _stubbed(measure: Callable[[], float]) -> Callable[[], float]:
@@ -139,6 +141,16 @@ def adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], flo
         rows["adam_step_plan_launch_stubbed"] = _stubbed(
             lambda: per_call_us(lambda: planned(g, **hyper, squared_norm=total, max_norm=1.0), calls)
         )
+        # capturable=True as ZeRO steps it: the count and coefficients advanced on the device, then the step
+        counts, owned, coefficients = torch.zeros(1), torch.ones(1), torch.zeros(1, 3)
+        scalars = torch.tensor([[1e-3, 0.01, 0.9, 0.999]], dtype=torch.float64)
+        device_step = K.DeviceStep(counts[0], coefficients[0])
+
+        def capturable() -> None:
+            K.advance_steps(total, counts, owned, scalars, coefficients)
+            planned(g, **hyper | {"step": device_step}, squared_norm=total, max_norm=1.0)
+
+        rows["adam_plan_capturable_stubbed"] = _stubbed(lambda: per_call_us(capturable, calls))
     return rows
 
 

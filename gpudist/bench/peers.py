@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LR", "adamw", "fsdp_units", "gpudist_units"]
+__all__ = ["LR", "adamw", "fsdp_units", "gpudist_units", "zero_redundancy"]
 
 LR = 1e-4
 """The learning rate of every variant's AdamW."""
@@ -15,6 +15,21 @@ LR = 1e-4
 
 def adamw(params, fused: bool) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, fused=True) if fused else torch.optim.AdamW(params, lr=LR)
+
+
+def zero_redundancy(params, process_group, optimizer_class=torch.optim.AdamW, **kw):
+    """torch's ZeRO peer at its best: ``ZeroRedundancyOptimizer`` with parameters as bucket views (fused AdamW by
+    default), over the given process group."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        params,
+        optimizer_class=optimizer_class,
+        process_group=process_group,
+        lr=LR,
+        parameters_as_bucket_view=True,
+        **({"fused": True} if optimizer_class is torch.optim.AdamW else {}) | kw,
+    )
 
 
 def fsdp_units(workload: str, model: nn.Module) -> list[nn.Module]:

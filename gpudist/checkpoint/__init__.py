@@ -64,6 +64,7 @@ from .protocol import (
     stage_optimizer,
     stage_torch_optimizer,
     torch_optimizer_pieces,
+    update_group,
 )
 from .read import load_checkpoint
 from .snapshot import frame_length, frame_snapshot, load_snapshots, snapshot_frame, snapshot_state
@@ -102,5 +103,6 @@ __all__ = [
     "stage_optimizer",
     "stage_torch_optimizer",
     "torch_optimizer_pieces",
+    "update_group",
     "written",
 ]

@@ -144,7 +144,28 @@ def module_segments(module: nn.Module) -> list[tuple[torch.Tensor, Segments]]:
 
 
 def group_hyperparameters(groups: list[dict]) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in groups]
+    """The groups' hyper-parameters as JSON values; a one-element tensor (a learning rate kept on the device) as its
+    number (read on the host), which :func:`update_group` fills back into the tensor in place."""
+    return [
+        {k: scalar_of(v) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params" and _saved(v)}
+        for g in groups
+    ]
+
+
+def _saved(value) -> bool:
+    return value.numel() == 1 if isinstance(value, torch.Tensor) else _jsonable(value)
+
+
+def update_group(group: dict, hyper: dict) -> None:
+    """Set a parameter group's hyper-parameters to ``hyper``, filling those it holds as tensors in place (a captured
+    graph and a scheduler keep reading the same tensor)."""
+    for key, value in hyper.items():
+        held = group.get(key)
+        if isinstance(held, torch.Tensor) and isinstance(value, (int, float, torch.Tensor)) and held.numel() == 1:
+            with torch.no_grad():
+                held.copy_(value) if isinstance(value, torch.Tensor) else held.fill_(value)
+        else:
+            group[key] = value
 
 
 def scalar_of(value) -> float | int | None:

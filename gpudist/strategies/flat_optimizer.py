@@ -10,7 +10,9 @@ return to every rank) is the subclasses' part, through the protected interface t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from ..checkpoint import (
     put_piece,
     saved_optimizer,
     scalar_of,
+    update_group,
     written,
 )
 from ..comm import shard_range, stable_hash
@@ -36,7 +39,7 @@ from ..config import ShardingConfiguration
 from ..flat import BufferSpec, flatten_parameters, padded_range, padded_shard
 from .model import same_on_every_rank
 from .optimizer import ShardedOptimizer
-from .step_scalars import StepScale, _StepScalars, _Verdict
+from .step_scalars import StepScale, _DeviceSteps, _LiveVerdict, _StepScalars, _Verdict
 
 __all__ = ["FlatShardOptimizer"]
 
@@ -62,7 +65,21 @@ def _fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
         return None
     if any(g.get("amsgrad") or g.get("differentiable") for g in optimizer.param_groups):
         return None  # amsgrad / differentiable: the generic path (torch's own step over the owned views)
+    for g in optimizer.param_groups:
+        tensors = {k for k, v in g.items() if isinstance(v, torch.Tensor) or (k == "betas" and _has_tensor(v))}
+        if tensors and not (tensors == {"lr"} and _device_counted(kind, optimizer)):
+            return None  # tensor hyper-parameters the kernels take as numbers: torch's own step over the views
     return kind
+
+
+def _has_tensor(values) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _device_counted(kind: str | None, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the fused Adam keeps its step counts on the device: the wrapped Adam/AdamW was built with
+    ``capturable=True`` (its learning rate may then be a device tensor)."""
+    return kind in ("adam", "adamw") and all(g.get("capturable") for g in optimizer.param_groups)
 
 
 class FlatShardOptimizer(ShardedOptimizer):
@@ -148,6 +165,12 @@ class FlatShardOptimizer(ShardedOptimizer):
         self._grad = torch.empty(0, dtype=dtype, device=device)
         self._kind = _fused_kind(optimizer)
         self._steps = [0] * len(self.param_groups)
+        self._device_steps: _DeviceSteps | None = None
+        """The step counts on the device (Adam/AdamW built with ``capturable=True``, or any fused step once
+        captured), advanced by the device's verdict; ``_steps`` then counts every step taken, skipped or not."""
+        if _device_counted(self._kind, optimizer):
+            self._device_steps = _DeviceSteps(self._steps, self._by_group(), device)
+        self._capturing = False
         self._state: dict[str, torch.Tensor] = {}
         fp32_state = lambda: torch.zeros(owned, dtype=self._state_dtype, device=device)
         if self._kind in ("adam", "adamw"):
@@ -330,18 +353,34 @@ class FlatShardOptimizer(ShardedOptimizer):
 
     # -- stepping ----------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def capture_refusal(self) -> str | None:
-        """Why a captured graph could not replay this step, or None. The fused Adam and AdamW keep their step counts on
-        the host (``_steps``) and pass the bias corrections to the kernel as numbers, which a graph would freeze at
-        the captured step; the fused SGD has no counter. Other optimizers step through the wrapped one (its own
+        """Why a captured graph could not replay this step, or None. The fused Adam and AdamW keep their step counts
+        on the host and pass the bias corrections to the kernel as numbers, which a graph would freeze at the captured
+        step, unless the wrapped optimizer was built with ``capturable=True`` (counts and corrections on the device);
+        the fused SGD's counts move to the device at capture. Other optimizers step through the wrapped one (its own
         answer)."""
-        if self._kind in ("adam", "adamw"):
+        if self._kind in ("adam", "adamw") and self._device_steps is None:
+            name = type(self.optimizer).__name__
             return (
                 f"its fused {self._kind} keeps its step count on the host (a graph would freeze the bias correction at "
-                "the captured step); capture it with torch.optim.SGD, or run it eagerly"
+                f"the captured step); build torch.optim.{name}(..., capturable=True), which keeps it on the device"
             )
         return super().capture_refusal()
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """A graph is being captured (:func:`gpudist.capture`): the verdicts of the eager steps before it are read
+        now (a host sync, outside the graph), the fused step's counts move to the device if they were on the host,
+        and inside, the step's verdict is the norm's device buffer (nothing copied for the host, no event recorded:
+        a query of one during capture would invalidate it)."""
+        if self._kind is not None and self._device_steps is None:
+            self._settle(wait=True)
+            self._device_steps = _DeviceSteps(self._steps, self._by_group(), self._flat.data.device)
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
 
     def step(self, closure=None):
         """Reduce the gradients, take the global gradient norm (one all-reduce; collective), and, unless it is not
@@ -372,7 +411,7 @@ class FlatShardOptimizer(ShardedOptimizer):
             scalars.squared_norm(self._grad)  # into scalars.total
             scalars.all_reduce.start().wait()  # one float64 on every rank (planned once: no per-step check)
         max_norm = self.config.max_grad_norm
-        self._verdict = _Verdict(scalars.total, scalars.slots)
+        self._verdict = _LiveVerdict(scalars.total) if self._capturing else _Verdict(scalars.total, scalars.slots)
         if self._kind is not None and scalars.in_kernel:
             # The Triton steps take the skip flag and the clipping coefficient from the global norm themselves: a
             # step is the norm (one launch), its all-reduce and the update, with nothing launched in between.
@@ -413,6 +452,8 @@ class FlatShardOptimizer(ShardedOptimizer):
         and backward earlier), so this does not wait; if the device lags further behind, the check moves to the
         next step, and a step taken meanwhile uses a count one too high for its bias correction (only ever after a
         skipped step, which torch's GradScaler path handles no better)."""
+        if not self._unsettled:
+            return
         pending = []
         for verdict, groups in self._unsettled:
             if wait or verdict.ready():
@@ -493,7 +534,23 @@ class FlatShardOptimizer(ShardedOptimizer):
         groups = list(self._by_group())
         for g in groups:
             self._steps[g] += 1
-        self._unsettled.append((self._verdict, groups))
+        if self._device_steps is None:
+            self._unsettled.append((self._verdict, groups))
+        else:  # counted on the device; the Triton Adam reads its coefficients there too
+            adam = self._kind != "sgd" and self._scalars.in_kernel
+            self._device_steps.advance(self._scalars.total, self.param_groups if adam else None)
+
+    def _step_counts(self) -> list[int]:
+        """Every group's count of steps taken (not skipped), on the host (a sync when counted on the device)."""
+        if self._device_steps is not None:
+            return self._device_steps.host_counts()
+        self._settle(wait=True)
+        return list(self._steps)
+
+    def _set_step_counts(self, steps: list[int]) -> None:
+        self._steps, self._unsettled = list(steps), []
+        if self._device_steps is not None:
+            self._device_steps.load(steps)
 
     def _fused_step(self, scale: StepScale, window: tuple[int, int] | None = None) -> None:
         """One fused launch per contiguous owned piece, restricted to owned[window[0]:window[1]] if given."""
@@ -531,7 +588,7 @@ class FlatShardOptimizer(ShardedOptimizer):
                     beta1, beta2 = h["betas"]
                     plan(
                         grad,
-                        step=self._steps[g],
+                        step=self._steps[g] if self._device_steps is None else self._device_steps.steps[g],
                         beta1=beta1,
                         beta2=beta2,
                         eps=h["eps"],
@@ -663,11 +720,11 @@ class FlatShardOptimizer(ShardedOptimizer):
                         elif (s := scalar_of(value)) is not None:
                             scalars.setdefault(name, {})[key] = s
         else:
-            self._settle(wait=True)
+            counts = self._step_counts()
             for g, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     for _, _, name, _ in segmap.get(id(p), []):
-                        scalars.setdefault(name, {})["step"] = self._steps[g]
+                        scalars.setdefault(name, {})["step"] = counts[g]
         kind = type(self.optimizer).__name__
         return pieces, scalars, {"class": kind, "groups": group_hyperparameters(self.param_groups)}
 
@@ -736,8 +793,8 @@ class FlatShardOptimizer(ShardedOptimizer):
 
         def finish() -> None:
             for group, hyper in zip(self.param_groups, saved["groups"], strict=True):
-                group.update(hyper)
-            self._steps, self._unsettled = steps, []
+                update_group(group, hyper)
+            self._set_step_counts(steps)
             if not any(reader.has("state.master", name) for _, _, name, _ in owned):
                 self._refresh_master()  # no fp32 copy saved: start from the loaded parameters
             if inner_state is not None:
@@ -755,16 +812,18 @@ class FlatShardOptimizer(ShardedOptimizer):
             optimizer's state (generic path) and the groups' hyper-parameters. Loads back only at the same world
             size (:meth:`load_state_dict`).
         """
-        self._settle(wait=True)
         return {
             "strategy": self.strategy,
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "segments": list(self._segments),
-            "steps": list(self._steps),
+            "steps": self._step_counts(),
             "state": {k: v.clone() for k, v in self._state.items()},
             "inner": self._inner.state_dict() if self._inner is not None else None,
-            "param_groups": [self._hyper(g) for g in range(len(self.param_groups))],
+            "param_groups": [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self._hyper(g).items()}
+                for g in range(len(self.param_groups))
+            ],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -786,8 +845,8 @@ class FlatShardOptimizer(ShardedOptimizer):
             )
         for key, value in state_dict["state"].items():
             self._state[key].copy_(value)
-        self._steps, self._unsettled = list(state_dict["steps"]), []
+        self._set_step_counts(state_dict["steps"])
         if self._inner is not None:
             self._inner.load_state_dict(state_dict["inner"])
         for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update(hyper)
+            update_group(group, hyper)

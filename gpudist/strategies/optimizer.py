@@ -8,10 +8,11 @@ synchronization are shared here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +220,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             The reason and the way out, or None.
         """
         return torch_capture_refusal(self.optimizer)
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """A graph is being captured (:func:`gpudist.capture` enters this around the captured step, outside the
+        graph): an optimizer that reads its own results on the host between steps settles them before, and reads
+        nothing inside. The default reads nothing."""
+        yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (a paired model's gradient buckets, or the wrapped optimizer's parameters').
@@ -492,6 +500,10 @@ class DataParallelWrapper(ShardedOptimizer):
     checkpoint pieces are the inner optimizer's, and these methods hand them to it."""
 
     inner: ShardedOptimizer
+
+    def graph_capture(self) -> contextlib.AbstractContextManager[None]:
+        """The data-parallel optimizer's (:meth:`ShardedOptimizer.graph_capture`)."""
+        return self.inner.graph_capture()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients through the data-parallel optimizer.

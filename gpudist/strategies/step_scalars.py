@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,75 @@ class _Verdict:
 
     def skipped(self) -> bool:
         return self._stepped and not math.isfinite(self.value())
+
+
+class _LiveVerdict(_Verdict):
+    """The verdict of a captured step: the global squared norm's own buffer, which every replay rewrites, read when
+    asked (a host sync then). Inside a graph nothing is copied to the host or recorded for the host to query."""
+
+    def __init__(self, squared_norm: torch.Tensor):
+        self._total, self._stepped = squared_norm, True
+
+    def ready(self) -> bool:
+        return True
+
+    def value(self) -> float:
+        squared = self._total.item()
+        return math.sqrt(squared) if squared >= 0 else math.nan
+
+
+class _DeviceSteps:
+    """The step counts of a ZeRO optimizer's parameter groups on the device (fp32, as torch's ``capturable=True``
+    Adam keeps them), with each group's Adam coefficients (:class:`~gpudist.kernels.DeviceStep`): a step advances the
+    counts of the groups this rank steps by whether the global squared norm is finite, on the device, so a skipped
+    step is not counted and the host reads nothing; a captured graph replays every step with its own count.
+
+    A group's learning rate may be a device tensor (read at every step, so a scheduler that fills it in place moves
+    a captured graph too); numbers (lr, weight decay, betas) are refilled on the device when the host sees them
+    change."""
+
+    def __init__(self, steps: list[int], owned: Iterable[int], device: torch.device):
+        owned = set(owned)
+        self.counts = torch.tensor([float(s) for s in steps], dtype=torch.float32, device=device)
+        self._owned = torch.tensor(
+            [1.0 if g in owned else 0.0 for g in range(len(steps))], dtype=torch.float32, device=device
+        )
+        self.coefficients = torch.zeros(len(steps), 3, dtype=torch.float32, device=device)
+        self._hyper = torch.zeros(len(steps), 4, dtype=torch.float64, device=device)
+        """Per group: lr, weight decay, beta1, beta2."""
+        self._seen: list[tuple | None] = [None] * len(steps)
+        self.steps = [kernels.DeviceStep(self.counts[g], self.coefficients[g]) for g in range(len(steps))]
+
+    def host_counts(self) -> list[int]:
+        """The counts, read on the host (a sync: for checkpoints)."""
+        return [int(c) for c in self.counts.tolist()]
+
+    def load(self, steps: list[int]) -> None:
+        self.counts.copy_(torch.tensor([float(s) for s in steps], dtype=torch.float32))
+
+    def advance(self, squared_norm: torch.Tensor, groups: list[dict] | None) -> None:
+        """Count this step in the groups this rank steps unless ``squared_norm`` is not finite, and (with
+        ``groups``, their hyper-parameters) compute each group's coefficients for the Triton kernel: one launch on
+        the GPU (:func:`~gpudist.kernels.advance_steps`), after a copy per tensor learning rate."""
+        if groups is None:
+            kernels.advance_steps(squared_norm, self.counts, self._owned)
+            return
+        for g, group in enumerate(groups):
+            self._follow(g, group)
+        kernels.advance_steps(squared_norm, self.counts, self._owned, self._hyper, self.coefficients)
+
+    def _follow(self, g: int, group: dict) -> None:
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        key = (None if isinstance(lr, torch.Tensor) else lr, group.get("weight_decay", 0.0), beta1, beta2)
+        if isinstance(lr, torch.Tensor):
+            self._hyper[g, 0].copy_(lr.reshape(()))  # read on the device at every step (and every replay)
+        seen = self._seen[g]
+        if key != seen:
+            for column, value in enumerate(key):
+                if value is not None and (seen is None or seen[column] != value):
+                    self._hyper[g, column].fill_(float(value))
+            self._seen[g] = key
 
 
 class _StepScalars:

@@ -1,6 +1,7 @@
-"""The capture part of ``gpudist bench gpu``: a whole DDP step captured as one CUDA graph (:func:`gpudist.capture`)
-against the same step run eagerly and against torch DDP eager at its best, on host-bound workloads (the gpt model at
-batch 8, where the host's issue time is most of the step's).
+"""The capture part of ``gpudist bench gpu``: a whole DDP step and a whole ZeRO-2 step captured as one CUDA graph
+each (:func:`gpudist.capture`), against the same steps run eagerly and against their torch peers eager at their best
+(DDP; DDP + ZeroRedundancyOptimizer), on host-bound workloads (the gpt model at batch 8, where the host's issue time
+is most of the step's).
 
 Per variant: the median step time (interleaved rounds, each at the slowest rank), the host's own milliseconds per
 step call (nothing waited for: for the graph, the replay call and the batch copy), and, from two fresh copies of the
@@ -10,6 +11,7 @@ model stepped on the same batches, the largest difference between the eager and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 
@@ -26,6 +28,10 @@ CAPTURE_WORKLOADS = ("gpt", "mlp")
 _LOSS_STEPS = 3
 
 
+CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero"}
+"""The strategies captured, each with its torch peer (eager, at its best)."""
+
+
 def capture_rows(
     comm,
     torch_group,
@@ -40,14 +46,15 @@ def capture_rows(
     optimizer: str = "adamw",
     graph=None,
 ) -> dict:
-    """On every rank: torch DDP eager, gpudist DDP eager and gpudist DDP captured, on one seeded batch.
-    ``optimizer``: ``adamw`` (fused, ``capturable=True`` for the captured step) or ``sgd`` (the CPU tier, where torch
+    """On every rank, per captured strategy (DDP, ZeRO-2): its torch peer eager, the gpudist step eager and the same
+    step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
+    captured: the same function; ZeRO-2's learning rate a device tensor) or ``sgd`` (the CPU tier, where torch
     refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ...capture import capture
     from ...config import ShardingConfiguration
-    from ...strategies import DDPModel, DDPOptimizer
+    from ...strategies import DATA_PARALLEL_PAIRS
 
     generator = torch.Generator().manual_seed(1234 + comm.rank)
     x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
@@ -57,17 +64,18 @@ def capture_rows(
         with cast:
             return W.loss(workload, model, x, y)
 
-    def make_optimizer(params, capturable: bool):
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=peers.LR, momentum=0.9)
-        if capturable:
-            return torch.optim.AdamW(params, lr=peers.LR, fused=True, capturable=True)
-        return peers.adamw(params, fused=True)
-
-    def gpudist_pair():
+    def gpudist_pair(strategy: str):
         config = ShardingConfiguration(comm, bucket_cap_mb=25.0, static_graph=True)
-        model = DDPModel(W.make(workload, **overrides).to(device), config)
-        return model, DDPOptimizer(make_optimizer(model.parameters(), capturable=True), config)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(W.make(workload, **overrides).to(device), config)
+        params = model.parameters()
+        if optimizer == "sgd":
+            inner = torch.optim.SGD(params, lr=peers.LR, momentum=0.9)
+        elif strategy == "ddp":  # torch's fused AdamW steps it: capturable keeps its count on the device
+            inner = torch.optim.AdamW(params, lr=peers.LR, fused=True, capturable=True)
+        else:  # gpudist's fused step: counts, bias corrections and the learning rate on the device
+            inner = torch.optim.AdamW(params, lr=torch.tensor(peers.LR, device=device), capturable=True)
+        return model, opt_cls(inner, config)
 
     def eager(model, opt):
         def step() -> torch.Tensor:
@@ -79,37 +87,31 @@ def capture_rows(
 
         return step
 
-    ids = [device.index] if device.type == "cuda" else None
-    torch_model = DistributedDataParallel(
-        W.make(workload, **overrides).to(device),
-        device_ids=ids,
-        process_group=torch_group,
-        bucket_cap_mb=25.0,
-        gradient_as_bucket_view=True,
-        static_graph=True,
-    )
-    variants = {"torch_ddp": eager(torch_model, make_optimizer(torch_model.parameters(), capturable=False))}
-    variants["gpudist_ddp"] = eager(*gpudist_pair())
-    graphed = capture(*gpudist_pair(), loss_fn, (x, y), graph=graph)
-    variants["gpudist_ddp_graphed"] = lambda: graphed(x, y)
+    def torch_module():
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(
+            W.make(workload, **overrides).to(device),
+            device_ids=ids,
+            process_group=torch_group,
+            bucket_cap_mb=25.0,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+        )
 
-    # The same function, eager and replayed: two fresh copies stepped on the same batches.
-    generator = torch.Generator().manual_seed(99 + comm.rank)
-    batches = [tuple(t.to(device) for t in W.batch(workload, batch, generator, **overrides)) for _ in range(4)]
-    model, opt = gpudist_pair()
-    for _ in range(3):  # capture's warm-up steps, on its example batch
-        opt.zero_grad(set_to_none=False)
-        loss_fn(model, *batches[0]).backward()
-        opt.step()
-    eager_losses = []
-    for b in batches[1:]:
-        opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model, *b)
-        loss.backward()
-        opt.step()
-        eager_losses.append(float(loss.detach()))
-    step = capture(*gpudist_pair(), loss_fn, batches[0], graph=graph)
-    replayed_losses = [float(step(*b)) for b in batches[1:]]
+    sgd = {"optimizer_class": torch.optim.SGD, "momentum": 0.9} if optimizer == "sgd" else {}
+    ddp, zero = torch_module(), torch_module()
+    variants = {
+        "torch_ddp": eager(ddp, torch.optim.SGD(ddp.parameters(), lr=peers.LR, momentum=0.9) if sgd
+                           else peers.adamw(ddp.parameters(), fused=True)),
+        "torch_zero": eager(zero, peers.zero_redundancy(zero.parameters(), torch_group, **sgd)),
+    }  # fmt: skip
+    losses = {}
+    for strategy in CAPTURED:
+        variants[f"gpudist_{strategy}"] = eager(*gpudist_pair(strategy))
+        graphed = capture(*gpudist_pair(strategy), loss_fn, (x, y), graph=graph)
+        variants[f"gpudist_{strategy}_graphed"] = functools.partial(graphed, x, y)
+        losses[strategy] = _eager_and_replayed(gpudist_pair, strategy, loss_fn, workload, batch, overrides, device,
+                                               graph, comm.rank)  # fmt: skip
 
     times = interleaved_times(comm, variants, steps, rounds)
     host = {}
@@ -122,7 +124,11 @@ def capture_rows(
             seconds.append(time.perf_counter() - t0)
         _synchronize(device)
         host[name] = statistics.median(seconds) * 1e3
-    ratios = {f"torch_ddp/{name}": times["torch_ddp"] / times[name] for name in ("gpudist_ddp", "gpudist_ddp_graphed")}
+    ratios = {
+        f"{peer}/{name}": times[peer] / times[name]
+        for strategy, peer in CAPTURED.items()
+        for name in (f"gpudist_{strategy}", f"gpudist_{strategy}_graphed")
+    }
     return {
         "workload": workload,
         "model": W.describe(W.make(workload, **overrides)),
@@ -133,11 +139,32 @@ def capture_rows(
         "step_ms": {name: t * 1e3 for name, t in times.items()},
         "host_ms": host,
         "peer_over_gpudist": ratios,
-        "replay_host_share": host["gpudist_ddp_graphed"] / host["gpudist_ddp"],
-        "eager_losses": eager_losses,
-        "replayed_losses": replayed_losses,
-        "loss_max_abs_diff": max(abs(a - b) for a, b in zip(eager_losses, replayed_losses, strict=True)),
+        "replay_host_share": {s: host[f"gpudist_{s}_graphed"] / host[f"gpudist_{s}"] for s in CAPTURED},
+        "losses": losses,
+        "loss_max_abs_diff": max(
+            abs(a - b) for r in losses.values() for a, b in zip(r["eager"], r["replayed"], strict=True)
+        ),
     }
+
+
+def _eager_and_replayed(gpudist_pair, strategy, loss_fn, workload, batch, overrides, device, graph, rank) -> dict:
+    """The same function, eager and replayed: two fresh copies of ``strategy``'s pair stepped on the same batches
+    (after capture's warm-up steps on its example batch), their losses."""
+    from ...capture import capture
+
+    generator = torch.Generator().manual_seed(99 + rank)
+    batches = [tuple(t.to(device) for t in W.batch(workload, batch, generator, **overrides)) for _ in range(4)]
+    model, opt = gpudist_pair(strategy)
+    eager = []
+    for i, b in enumerate([batches[0]] * 3 + batches[1:]):
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model, *b)
+        loss.backward()
+        opt.step()
+        if i >= 3:
+            eager.append(float(loss.detach()))
+    step = capture(*gpudist_pair(strategy), loss_fn, batches[0], graph=graph)
+    return {"eager": eager, "replayed": [float(step(*b)) for b in batches[1:]]}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -172,8 +199,12 @@ def capture_part(settings: GPUSettings) -> dict:
         "variants": {
             "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25), "
             "AdamW(fused=True), eager",
+            "torch_zero": "the same DDP + ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True), "
+            "eager",
             "gpudist_ddp": "DDPModel(static_graph=True) + DDPOptimizer(AdamW(fused=True, capturable=True)), eager",
             "gpudist_ddp_graphed": "the same, gpudist.capture: one CUDA graph per step",
+            "gpudist_zero2": "ZeRO2Model(static_graph=True) + ZeRO2Optimizer(AdamW(lr=tensor, capturable=True)), eager",
+            "gpudist_zero2_graphed": "the same, gpudist.capture: one CUDA graph per step",
         },
         "batch_per_rank": 8,
         "steps_per_round": settings.steps,

@@ -73,12 +73,13 @@ def _part_summary(name: str, r: dict) -> str:
         )
     if name == "capture":
         return (
-            "torch DDP time / gpudist time: "
+            "peer time / gpudist time: "
             + "; ".join(
                 f"{row['workload']}: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in row["peer_over_gpudist"].items())
-                + f" (replay host share {row['replay_host_share']:.3f}, "
-                f"losses differ by {row['loss_max_abs_diff']:.1e})"
+                + " (replay host share "
+                + ", ".join(f"{k} {v:.3f}" for k, v in row["replay_host_share"].items())
+                + f"; losses differ by {row['loss_max_abs_diff']:.1e})"
                 for row in r["rows"]
                 if "step_ms" in row
             )

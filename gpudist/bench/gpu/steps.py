@@ -38,7 +38,6 @@ def _strategy_variants(
     x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     from ...config import ShardingConfiguration
@@ -72,15 +71,7 @@ def _strategy_variants(
 
     def torch_zero():
         model = ddp_module()
-        opt = ZeroRedundancyOptimizer(
-            model.parameters(),
-            optimizer_class=torch.optim.AdamW,
-            process_group=torch_group,
-            lr=peers.LR,
-            fused=True,
-            parameters_as_bucket_view=True,
-        )
-        return model, opt
+        return model, peers.zero_redundancy(model.parameters(), torch_group)
 
     def fsdp2():
         model, mesh = net(), DeviceMesh.from_group(torch_group, device.type)
