@@ -14,7 +14,9 @@ What it models, as strictly as CUDA's stream capture:
   tensor, ``.tolist()``), a data-dependent shape (``nonzero``, ``masked_select``), a tensor made from host data
   (``torch.tensor([...])``: an upload from pageable memory, which CUDA refuses inside capture and which would
   otherwise be baked into the graph), and a pinned host allocation (``pin_memory=True``: ``cudaHostAlloc``, refused
-  while a graph is captured).
+  while a graph is captured). Work forked onto the communication stream must be joined back: an op whose event was
+  recorded there inside capture and never waited on by the end of capture (its ``Work`` not waited) fails the
+  capture, as CUDA ends it with ``cudaErrorStreamCaptureUnjoined``.
 - **Replay** runs the recorded ops against the same tensors (the static inputs, the parameters, the graph's own
   intermediates), writing each op's result into the outputs recorded for it, then issues the recorded NCCL calls in
   their place in the order; every rank replays in its own thread, so the collectives meet as they would on a GPU.
@@ -175,6 +177,89 @@ def _install_nccl_recording() -> None:
             setattr(cls, name, _recording(name, method))
 
 
+def _install_join_check() -> None:
+    """Track the communication stream's events inside capture (recorded after an op, waited on by the stream that
+    joins it): what is still unwaited when capture ends was never joined back (once per process)."""
+    for cls in (fakenccl.HostRuntime, fakenccl.AsyncRuntime):
+        record, wait = cls.record, cls.wait
+        if getattr(record, "__graphsim__", False):
+            continue
+
+        def recorded(self, record=record):
+            event = record(self)
+            forks = getattr(_local, "forks", None)
+            if forks is not None:
+                forks[id(event)] = event
+            return event
+
+        def waited(self, event, wait=wait):
+            forks = getattr(_local, "forks", None)
+            if forks is not None:
+                forks.pop(id(event), None)
+            return wait(self, event)
+
+        recorded.__graphsim__ = True
+        cls.record, cls.wait = recorded, waited
+
+
+def _install_stream_recording() -> None:
+    """The GPU-like runtime's stream ordering (tests/fakenccl.py's ``AsyncRuntime``), as a graph holds it: inside
+    capture, the communication stream's join of the capture stream (``stream()``), the tensors held for an op
+    (``hold``), its event (``record``) and the capture stream's wait for it (``wait``) run as before (their results are
+    the capture's) and are recorded too; replay repeats them around the replayed NCCL calls, re-recording each event
+    after its op (so a wait waits for the replayed op, as the graph's dependency does). A host sync inside capture
+    (``synchronize()``) raises."""
+    cls = fakenccl.AsyncRuntime
+    if getattr(cls.stream, "__graphsim__", False):
+        return
+    originals = {name: getattr(cls, name) for name in ("stream", "hold", "record", "wait", "synchronize")}
+
+    def stream(self):
+        tape = _tape()
+        if tape is not None:
+            tape.append(functools.partial(_replayed, originals["stream"], self))
+        return originals["stream"](self)
+
+    def hold(self, tensors):
+        tape = _tape()
+        if tape is not None:
+            tape.append(functools.partial(_replayed, originals["hold"], self, list(tensors)))
+        return originals["hold"](self, tensors)
+
+    def record(self):
+        event = originals["record"](self)
+        tape = _tape()
+        if tape is not None:
+            tape.append(functools.partial(_rerecord, self, event))
+        return event
+
+    def wait(self, event):
+        tape = _tape()
+        if tape is not None:
+            tape.append(functools.partial(_replayed, originals["wait"], self, event))
+        return originals["wait"](self, event)
+
+    def synchronize(self):
+        if _tape() is not None:
+            raise CaptureError("synchronize() inside capture: a host sync; a CUDA graph cannot capture it")
+        return originals["synchronize"](self)
+
+    for name, method in (("stream", stream), ("hold", hold), ("record", record), ("wait", wait),
+                         ("synchronize", synchronize)):  # fmt: skip
+        method.__graphsim__ = True
+        setattr(cls, name, method)
+
+
+def _replayed(method: Callable, *args) -> None:
+    method(*args)
+
+
+def _rerecord(runtime, event) -> None:
+    """Replay of ``record()``: the same event, now after the ops enqueued so far (as the graph's node orders it)."""
+    runtime._batch = []
+    event.free, event.upto = False, runtime._enqueued
+
+
 def _launch(run: Callable, kernel, args: tuple, kwargs: dict) -> None:
     run(kernel, *args, **kwargs)
 
@@ -202,6 +287,8 @@ def _install_triton_recording() -> None:
 
 
 _install_triton_recording()
+_install_join_check()
+_install_stream_recording()
 _install_nccl_recording()  # at import: the NCCL backend binds its calls when it plans them, before any capture
 
 
@@ -218,17 +305,23 @@ class SimulatedGraph:
             raise RuntimeError("this graph was captured already; make a new one")
         if _tape() is not None:
             raise CaptureError("a capture is already under way in this thread")
-        _local.tape = self.tape
+        _local.tape, _local.forks = self.tape, {}
         try:
             with _Recorder(self.tape):
                 yield
+            if _local.forks:
+                raise CaptureError(
+                    f"{len(_local.forks)} op(s) on the communication stream were not joined back into the capture "
+                    "stream (their Work was never waited inside it): CUDA ends such a capture with "
+                    "cudaErrorStreamCaptureUnjoined"
+                )
         finally:
-            _local.tape = None
+            _local.tape, _local.forks = None, None
 
     @property
     def nccl_calls(self) -> int:
         """How many NCCL calls the record holds."""
-        return sum(1 for entry in self.tape if entry.func not in (_run, _launch))
+        return sum(1 for entry in self.tape if entry.func not in (_run, _launch, _replayed, _rerecord))
 
     @property
     def triton_launches(self) -> int:

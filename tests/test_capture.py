@@ -18,7 +18,7 @@ from gpudist.comm import CollectiveMismatchError
 from gpudist.strategies import DATA_PARALLEL_PAIRS
 
 from . import graphsim
-from .fakenccl import FakeNccl, run_nccl
+from .fakenccl import AsyncRuntime, FakeNccl, HostRuntime, run_nccl
 from .graphsim import CaptureError, SimulatedGraph
 
 STEPS = 4
@@ -117,27 +117,37 @@ def _eager_and_replayed(comm, strategy: str, opt_name: str = "sgd", nan_step: in
     }
 
 
+RUNTIMES = [pytest.param(HostRuntime, id="host"), pytest.param(AsyncRuntime, id="async-streams")]
+"""The simulated device under the graph: every op done when issued, or the GPU-like one (NCCL calls run later, on
+a stream of their own, in order; a wait is what orders them), whose stream joins and waits replay records too."""
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
-def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy):
+def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy, runtime):
     """Catches a step that a graph would replay wrongly: a collective not captured (the gradients would stay this
     rank's own), a value the host read during capture and baked in (the loss or the parameters would freeze or go
     NaN: the simulation fills what capture computes with NaN), a bucket launched from Python state that replay does
-    not rerun, or capture itself changing the model (nothing runs inside capture)."""
-    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy):
+    not rerun, capture itself changing the model (nothing runs inside capture), and, on the GPU-like streams, a
+    replayed step that reads a collective's output before the capture stream waited for it."""
+    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), runtime=runtime, strategy=strategy):
         assert r["replays"] == STEPS and r["nccl_calls"] > 0, r
         assert r["replayed"] == r["eager"], (r["replayed"], r["eager"])
         for a, b in zip(r["params"], r["eager_params"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
-def test_replayed_adam_follows_a_scheduled_tensor_lr_and_skips_on_the_device(strategy):
+def test_replayed_adam_follows_a_scheduled_tensor_lr_and_skips_on_the_device(strategy, runtime):
     """gpudist's ZeRO AdamW built with ``capturable=True``, its learning rate a tensor that a scheduler fills between
     replays, and one replayed step whose global norm is NaN (rank 0's batch): eager and replayed equal bit for bit.
     Catches a step count or bias correction frozen at the captured step (every replay would repeat it), a skipped
     step counted, a learning rate read once at capture (the schedule would not move the replays), and a verdict the
     host reads from capture (``last_grad_norm`` must be the last replay's)."""
-    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy, opt_name="adamw", nan_step=1):
+    for r in run_nccl(
+        _eager_and_replayed, 2, FakeNccl(), runtime=runtime, strategy=strategy, opt_name="adamw", nan_step=1
+    ):
         assert r["replays"] == STEPS
         torch.testing.assert_close(torch.tensor(r["replayed"]), torch.tensor(r["eager"]), rtol=0, atol=0,
                                    equal_nan=True)  # fmt: skip
@@ -276,13 +286,29 @@ def _pinned_in_capture(comm) -> str:
     return str(caught.value)
 
 
-@pytest.mark.parametrize("body", [_host_sync_in_capture, _upload_in_capture, _pinned_in_capture])
+def _unjoined_in_capture(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+    capturing, extra, pending = [False], torch.ones(3), []
+
+    def loss_fn(m, x, y):
+        if capturing[0]:
+            pending.append(comm.agreed.all_reduce(extra, async_op=True))  # forked, never waited inside capture
+        return _loss(m, x, y)
+
+    with pytest.raises(CaptureError, match="not joined back") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=_marking(capturing))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("body", [_host_sync_in_capture, _upload_in_capture, _pinned_in_capture, _unjoined_in_capture])
 def test_host_syncs_and_uploads_inside_capture_are_refused(body):
     """Catches a capture that silently bakes in a value read on the host (``.item()`` during capture reads memory
-    the device has not written), a tensor made from host data (an upload CUDA refuses inside capture), or a pinned
-    host allocation (``cudaHostAlloc``, refused while a graph is captured)."""
+    the device has not written), a tensor made from host data (an upload CUDA refuses inside capture), a pinned
+    host allocation (``cudaHostAlloc``, refused while a graph is captured), or a collective left in flight at the
+    end of capture (its stream never joined back: ``cudaErrorStreamCaptureUnjoined``)."""
     for message in run_nccl(body, 1, FakeNccl()):
-        assert "inside capture" in message
+        assert "inside capture" in message or "capture stream" in message
 
 
 def _mismatched(comm) -> str:
@@ -310,8 +336,9 @@ def test_ranks_that_capture_different_collectives_are_refused_before_replay():
 
 def test_unsupported_optimizers_and_batches_are_refused_before_capture():
     """Catches a torch Adam captured with its step count on the host (every replay would reuse the captured step's
-    bias correction), gpudist's ZeRO Adam wrapping one (its counts on the host too), or a batch off CUDA with no
-    graph given: each refused with the way out."""
+    bias correction), gpudist's ZeRO Adam wrapping one (its counts on the host too), its generic path (RMSprop:
+    the skip decided on the host every step, a sync inside the graph), or a batch off CUDA with no graph given: each
+    refused with the way out."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1)
     x, y = _batches(0, 1)[0]
     net = _net()
@@ -321,6 +348,10 @@ def test_unsupported_optimizers_and_batches_are_refused_before_capture():
     model = gpudist.ZeRO2Model(_net(), config)
     opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters()), config)
     with pytest.raises(ValueError, match=r"fused adamw keeps its step count on the host.*capturable=True"):
+        gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
+    model = gpudist.ZeRO1Model(_net(), config)
+    opt = gpudist.ZeRO1Optimizer(torch.optim.RMSprop(model.parameters()), config)
+    with pytest.raises(ValueError, match=r"steps torch.optim.RMSprop over its owned views.*capturable=True\) or SGD"):
         gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
     with pytest.raises(ValueError, match="CUDA graphs need CUDA tensors"):
         gpudist.capture(net, torch.optim.SGD(net.parameters(), lr=0.1), _loss, (x, y))

@@ -357,13 +357,19 @@ class FlatShardOptimizer(ShardedOptimizer):
         """Why a captured graph could not replay this step, or None. The fused Adam and AdamW keep their step counts
         on the host and pass the bias corrections to the kernel as numbers, which a graph would freeze at the captured
         step, unless the wrapped optimizer was built with ``capturable=True`` (counts and corrections on the device);
-        the fused SGD's counts move to the device at capture. Other optimizers step through the wrapped one (its own
-        answer)."""
+        the fused SGD's counts move to the device at capture. Other optimizers (and amsgrad) step through the wrapped
+        one over owned views, deciding the non-finite skip on the host: refused."""
+        name = type(self.optimizer).__name__
         if self._kind in ("adam", "adamw") and self._device_steps is None:
-            name = type(self.optimizer).__name__
             return (
                 f"its fused {self._kind} keeps its step count on the host (a graph would freeze the bias correction at "
                 f"the captured step); build torch.optim.{name}(..., capturable=True), which keeps it on the device"
+            )
+        if self._kind is None:
+            return (
+                f"it steps torch.optim.{name} over its owned views and decides the non-finite skip on the host (a "
+                "read of the device's verdict every step); capture it with Adam/AdamW(capturable=True) or SGD, "
+                "which its fused kernels step on the device"
             )
         return super().capture_refusal()
 
