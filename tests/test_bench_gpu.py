@@ -358,7 +358,9 @@ def test_parts_run_correctness_first_and_quick_measures_less():
     strategies, then the benchmarks), ``--parts tests`` not standing for the four test parts, and ``--quick`` not
     shrinking the measurements (an option given explicitly still wins)."""
     assert G.GPUSettings().parts[:4] == ("tests-kernels", "tests-nccl", "tests-host-sync", "tests-strategies")
-    assert G.GPUSettings().parts[4:] == ("kernels", "collectives", "host", "strategies", "capture", "profile", "gate")
+    assert G.GPUSettings().parts[4:] == (
+        "kernels", "collectives", "host", "strategies", "capture", "profile", "gate", "capture-torch"
+    )  # fmt: skip
     parser = argparse.ArgumentParser()
     G.add_arguments(parser)
     full = G.settings_from(parser.parse_args(["--parts", "tests,kernels"]))
@@ -379,6 +381,34 @@ def _capture_row(comm, group):
 
     tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
     return capture_rows(comm, group, torch.device("cpu"), "gpt", 2, 2, 2, tiny, optimizer="sgd", graph=SimulatedGraph)
+
+
+def _torch_graphed_row(comm, group):
+    from gpudist.bench.gpu.graphs import torch_graphed_row
+
+    from .graphsim import SimulatedGraph
+
+    tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
+    return torch_graphed_row(comm, group, torch.device("cpu"), "gpt", 2, 2, 2, tiny, optimizer="sgd",
+                             graph=SimulatedGraph)  # fmt: skip
+
+
+def test_torch_graphed_row_records_what_torch_refuses():
+    """torch's own graphs (the capture part's last row) on the CPU tier, where torch refuses both (no CUDA): each is
+    recorded with its error and the rest is still measured and reported. Catches a refusal that takes the row down
+    (the GPU run would lose torch DDP eager against gpudist's captured step too)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        row = run_nccl(_torch_graphed_row, 1, FakeNccl(), group=dist.group.WORLD)[0]
+    finally:
+        dist.destroy_process_group()
+    assert set(row["errors"]) == {"torch_ddp_graphed", "torch_ddp_graphed_callables"}, row["errors"]
+    assert set(row["step_ms"]) == {"torch_ddp", "gpudist_ddp_graphed"} and row["over_gpudist_graphed"]["torch_ddp"] > 0
+    doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [{"torch_graphs": True, **row}]}
+    assert "torch_ddp_graphed failed" in GR._part_summary("capture-torch", doc)
+    assert "torch_ddp_graphed_callables FAILED" in GR._part_table("capture-torch", doc)
 
 
 def test_capture_rows_on_cpu():

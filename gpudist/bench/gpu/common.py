@@ -74,6 +74,7 @@ class GPUSettings:
         "capture",
         "profile",
         "gate",
+        "capture-torch",
     )
     """The parts to run, in order: correctness first, cheapest first."""
     tests: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(TEST_PARTS))
@@ -117,6 +118,7 @@ class GPUSettings:
             "host": 60.0,
             "strategies": 240.0,
             "capture": 120.0,
+            "capture-torch": 90.0,
             "profile": 120.0,
             "gate": 120.0,
         }

@@ -25,11 +25,100 @@ from .common import GPUSettings, _error_text, _world
 CAPTURE_WORKLOADS = ("gpt", "mlp")
 """The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays."""
 
-_LOSS_STEPS = 3
-
-
 CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero"}
 """The strategies captured, each with its torch peer (eager, at its best)."""
+
+
+class _Bench:
+    """What every variant of one workload shares: the seeded batch, the loss, and the builders of gpudist's pairs
+    and torch's DDP module (each from the same seeded model)."""
+
+    def __init__(self, comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph):
+        self.comm, self.torch_group, self.device = comm, torch_group, device
+        self.workload, self.batch, self.overrides = workload, batch, overrides
+        self.autocast, self.optimizer, self.graph = autocast, optimizer, graph
+        generator = torch.Generator().manual_seed(1234 + comm.rank)
+        self.x, self.y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
+
+    def loss_fn(self, model, x, y):
+        dtype = self.autocast
+        cast = torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with cast:
+            return W.loss(self.workload, model, x, y)
+
+    def net(self):
+        return W.make(self.workload, **self.overrides).to(self.device)
+
+    def gpudist_pair(self, strategy: str):
+        from ...config import ShardingConfiguration
+        from ...strategies import DATA_PARALLEL_PAIRS
+
+        config = ShardingConfiguration(self.comm, bucket_cap_mb=25.0, static_graph=True)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(self.net(), config)
+        params = model.parameters()
+        if self.optimizer == "sgd":
+            inner = torch.optim.SGD(params, lr=peers.LR, momentum=0.9)
+        elif strategy == "ddp":  # torch's fused AdamW steps it: capturable keeps its count on the device
+            inner = torch.optim.AdamW(params, lr=peers.LR, fused=True, capturable=True)
+        else:  # gpudist's fused step: counts, bias corrections and the learning rate on the device
+            inner = torch.optim.AdamW(params, lr=torch.tensor(peers.LR, device=self.device), capturable=True)
+        return model, opt_cls(inner, config)
+
+    def captured(self, model, opt, warmup: int = 3):
+        """``model`` and ``opt``'s step captured (:func:`gpudist.capture`), as a call on the seeded batch."""
+        from ...capture import capture
+
+        step = capture(model, opt, self.loss_fn, (self.x, self.y), warmup=warmup, graph=self.graph)
+        return functools.partial(step, self.x, self.y)
+
+    def torch_module(self, net=None):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            net if net is not None else self.net(),
+            device_ids=ids,
+            process_group=self.torch_group,
+            bucket_cap_mb=25.0,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+        )
+
+    def eager(self, model, opt):
+        def step() -> torch.Tensor:
+            opt.zero_grad()
+            loss = self.loss_fn(model, self.x, self.y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    def measure(self, variants: dict, steps: int, rounds: int) -> tuple[dict, dict]:
+        """Step times (interleaved rounds, slowest rank) and the host's median milliseconds per step call."""
+        times = interleaved_times(self.comm, variants, steps, rounds)
+        host = {}
+        for name, fn in variants.items():
+            _synchronize(self.device)
+            seconds = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                seconds.append(time.perf_counter() - t0)
+            _synchronize(self.device)
+            host[name] = statistics.median(seconds) * 1e3
+        return {name: t * 1e3 for name, t in times.items()}, host
+
+    def describe(self) -> dict:
+        return {
+            "workload": self.workload,
+            "model": W.describe(W.make(self.workload, **self.overrides)),
+            "batch_per_rank": self.batch,
+            "autocast": None if self.autocast is None else str(self.autocast).removeprefix("torch."),
+            "optimizer": self.optimizer,
+            "world_size": self.comm.world_size,
+        }
 
 
 def capture_rows(
@@ -50,93 +139,28 @@ def capture_rows(
     step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
     captured: the same function; ZeRO-2's learning rate a device tensor) or ``sgd`` (the CPU tier, where torch
     refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ...capture import capture
-    from ...config import ShardingConfiguration
-    from ...strategies import DATA_PARALLEL_PAIRS
-
-    generator = torch.Generator().manual_seed(1234 + comm.rank)
-    x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
-
-    def loss_fn(model, x, y):
-        cast = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-        with cast:
-            return W.loss(workload, model, x, y)
-
-    def gpudist_pair(strategy: str):
-        config = ShardingConfiguration(comm, bucket_cap_mb=25.0, static_graph=True)
-        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-        model = model_cls(W.make(workload, **overrides).to(device), config)
-        params = model.parameters()
-        if optimizer == "sgd":
-            inner = torch.optim.SGD(params, lr=peers.LR, momentum=0.9)
-        elif strategy == "ddp":  # torch's fused AdamW steps it: capturable keeps its count on the device
-            inner = torch.optim.AdamW(params, lr=peers.LR, fused=True, capturable=True)
-        else:  # gpudist's fused step: counts, bias corrections and the learning rate on the device
-            inner = torch.optim.AdamW(params, lr=torch.tensor(peers.LR, device=device), capturable=True)
-        return model, opt_cls(inner, config)
-
-    def eager(model, opt):
-        def step() -> torch.Tensor:
-            opt.zero_grad()
-            loss = loss_fn(model, x, y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        return step
-
-    def torch_module():
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(
-            W.make(workload, **overrides).to(device),
-            device_ids=ids,
-            process_group=torch_group,
-            bucket_cap_mb=25.0,
-            gradient_as_bucket_view=True,
-            static_graph=True,
-        )
-
+    bench = _Bench(comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph)
     sgd = {"optimizer_class": torch.optim.SGD, "momentum": 0.9} if optimizer == "sgd" else {}
-    ddp, zero = torch_module(), torch_module()
+    ddp, zero = bench.torch_module(), bench.torch_module()
     variants = {
-        "torch_ddp": eager(ddp, torch.optim.SGD(ddp.parameters(), lr=peers.LR, momentum=0.9) if sgd
-                           else peers.adamw(ddp.parameters(), fused=True)),
-        "torch_zero": eager(zero, peers.zero_redundancy(zero.parameters(), torch_group, **sgd)),
+        "torch_ddp": bench.eager(ddp, torch.optim.SGD(ddp.parameters(), lr=peers.LR, momentum=0.9) if sgd
+                                 else peers.adamw(ddp.parameters(), fused=True)),
+        "torch_zero": bench.eager(zero, peers.zero_redundancy(zero.parameters(), torch_group, **sgd)),
     }  # fmt: skip
     losses = {}
     for strategy in CAPTURED:
-        variants[f"gpudist_{strategy}"] = eager(*gpudist_pair(strategy))
-        graphed = capture(*gpudist_pair(strategy), loss_fn, (x, y), graph=graph)
-        variants[f"gpudist_{strategy}_graphed"] = functools.partial(graphed, x, y)
-        losses[strategy] = _eager_and_replayed(gpudist_pair, strategy, loss_fn, workload, batch, overrides, device,
-                                               graph, comm.rank)  # fmt: skip
-
-    times = interleaved_times(comm, variants, steps, rounds)
-    host = {}
-    for name, fn in variants.items():
-        _synchronize(device)
-        seconds = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            seconds.append(time.perf_counter() - t0)
-        _synchronize(device)
-        host[name] = statistics.median(seconds) * 1e3
+        variants[f"gpudist_{strategy}"] = bench.eager(*bench.gpudist_pair(strategy))
+        variants[f"gpudist_{strategy}_graphed"] = bench.captured(*bench.gpudist_pair(strategy))
+        losses[strategy] = _eager_and_replayed(bench, strategy)
+    step_ms, host = bench.measure(variants, steps, rounds)
     ratios = {
-        f"{peer}/{name}": times[peer] / times[name]
+        f"{peer}/{name}": step_ms[peer] / step_ms[name]
         for strategy, peer in CAPTURED.items()
         for name in (f"gpudist_{strategy}", f"gpudist_{strategy}_graphed")
     }
     return {
-        "workload": workload,
-        "model": W.describe(W.make(workload, **overrides)),
-        "batch_per_rank": batch,
-        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
-        "optimizer": optimizer,
-        "world_size": comm.world_size,
-        "step_ms": {name: t * 1e3 for name, t in times.items()},
+        **bench.describe(),
+        "step_ms": step_ms,
         "host_ms": host,
         "peer_over_gpudist": ratios,
         "replay_host_share": {s: host[f"gpudist_{s}_graphed"] / host[f"gpudist_{s}"] for s in CAPTURED},
@@ -147,23 +171,82 @@ def capture_rows(
     }
 
 
-def _eager_and_replayed(gpudist_pair, strategy, loss_fn, workload, batch, overrides, device, graph, rank) -> dict:
+def torch_graphed_row(
+    comm,
+    torch_group,
+    device: torch.device,
+    workload: str,
+    batch: int,
+    steps: int,
+    rounds: int,
+    overrides: dict,
+    *,
+    optimizer: str = "adamw",
+    graph=None,
+) -> dict:
+    """torch's own CUDA graphs on the same DDP step, where torch takes them, against torch DDP eager and gpudist's
+    captured DDP step: the whole step captured as torch's recipe has it (DDP built on a side stream, 11 eager warm-up
+    steps, capturable fused AdamW; captured through :func:`gpudist.capture`, which does for a plain module what
+    ``torch.cuda.graph`` does), and ``torch.cuda.make_graphed_callables`` (forward and backward graphed, then wrapped
+    in DDP; fused AdamW eager). A variant torch refuses is recorded with its error. Run last in the part: a capture
+    that fails can leave the device's stream unusable. ``optimizer`` and ``graph``: as :func:`capture_rows` takes
+    them (for the CPU tier, where both of torch's variants are refused)."""
+    bench = _Bench(comm, torch_group, device, workload, batch, overrides, None, optimizer, graph)
+    ddp = bench.torch_module()
+    variants = {
+        "torch_ddp": bench.eager(ddp, peers.adamw(ddp.parameters(), fused=True)),
+        "gpudist_ddp_graphed": bench.captured(*bench.gpudist_pair("ddp")),
+    }
+    errors = {}
+
+    def whole_step():
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            model = bench.torch_module()
+        torch.cuda.current_stream(device).wait_stream(side)
+        opt = torch.optim.AdamW(model.parameters(), lr=peers.LR, fused=True, capturable=True)
+        return bench.captured(model, opt, warmup=11)
+
+    def graphed_callables():
+        net = torch.cuda.make_graphed_callables(bench.net(), (bench.x,))
+        model = bench.torch_module(net)
+        return bench.eager(model, peers.adamw(model.parameters(), fused=True))
+
+    for name, build in (("torch_ddp_graphed", whole_step), ("torch_ddp_graphed_callables", graphed_callables)):
+        try:
+            variants[name] = build()
+        except Exception as e:  # torch refuses it here: recorded, the others still measured
+            errors[name] = _error_text(e)
+    step_ms, host = bench.measure(variants, steps, rounds)
+    return {
+        **bench.describe(),
+        "step_ms": step_ms,
+        "host_ms": host,
+        "over_gpudist_graphed": {name: step_ms[name] / step_ms["gpudist_ddp_graphed"] for name in step_ms},
+        "errors": errors,
+    }
+
+
+def _eager_and_replayed(bench: _Bench, strategy: str) -> dict:
     """The same function, eager and replayed: two fresh copies of ``strategy``'s pair stepped on the same batches
     (after capture's warm-up steps on its example batch), their losses."""
     from ...capture import capture
 
-    generator = torch.Generator().manual_seed(99 + rank)
-    batches = [tuple(t.to(device) for t in W.batch(workload, batch, generator, **overrides)) for _ in range(4)]
-    model, opt = gpudist_pair(strategy)
+    generator = torch.Generator().manual_seed(99 + bench.comm.rank)
+    batches = [
+        tuple(t.to(bench.device) for t in W.batch(bench.workload, bench.batch, generator, **bench.overrides))
+        for _ in range(4)
+    ]
+    model, opt = bench.gpudist_pair(strategy)
     eager = []
     for i, b in enumerate([batches[0]] * 3 + batches[1:]):
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model, *b)
+        loss = bench.loss_fn(model, *b)
         loss.backward()
         opt.step()
         if i >= 3:
             eager.append(float(loss.detach()))
-    step = capture(*gpudist_pair(strategy), loss_fn, batches[0], graph=graph)
+    step = capture(*bench.gpudist_pair(strategy), bench.loss_fn, batches[0], graph=bench.graph)
     return {"eager": eager, "replayed": [float(step(*b)) for b in batches[1:]]}
 
 
@@ -189,6 +272,14 @@ def _capture_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     return rows
 
 
+def _capture_torch_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl", device_id=nccl.device)
+    args = (nccl, group, nccl.device, "gpt", 8, settings.steps, settings.rounds, settings.model_overrides)
+    return [{"torch_graphs": True, **torch_graphed_row(*args)}]
+
+
 def capture_part(settings: GPUSettings) -> dict:
     from ...launch import spawn
 
@@ -205,6 +296,32 @@ def capture_part(settings: GPUSettings) -> dict:
             "gpudist_ddp_graphed": "the same, gpudist.capture: one CUDA graph per step",
             "gpudist_zero2": "ZeRO2Model(static_graph=True) + ZeRO2Optimizer(AdamW(lr=tensor, capturable=True)), eager",
             "gpudist_zero2_graphed": "the same, gpudist.capture: one CUDA graph per step",
+        },
+        "batch_per_rank": 8,
+        "steps_per_round": settings.steps,
+        "rounds": settings.rounds,
+        "rows": rows,
+    }
+
+
+def capture_torch_part(settings: GPUSettings) -> dict:
+    """torch's own CUDA graphs against gpudist's captured DDP step (:func:`torch_graphed_row`), in a part of its own:
+    a capture torch refuses may leave the device unusable, or hang, and must not cost the capture part its rows."""
+    from ...launch import spawn
+
+    world = _world(settings)
+    body, timeout = _capture_torch_body, settings.timeouts["capture-torch"]
+    rows = spawn(on_nccl, world, body=body, settings=settings, timeout=timeout)[0]
+    return {
+        "world_size": world,
+        "variants": {
+            "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25), "
+            "AdamW(fused=True), eager",
+            "gpudist_ddp_graphed": "DDPModel(static_graph=True) + DDPOptimizer(AdamW(fused=True, capturable=True)), "
+            "gpudist.capture",
+            "torch_ddp_graphed": "torch DDP's whole step captured by torch's recipe: DDP built on a side stream, 11 "
+            "warm-up steps, AdamW(fused=True, capturable=True)",
+            "torch_ddp_graphed_callables": "make_graphed_callables(model) wrapped in DDP, AdamW(fused=True) eager",
         },
         "batch_per_rank": 8,
         "steps_per_round": settings.steps,

@@ -71,7 +71,7 @@ def _part_summary(name: str, r: dict) -> str:
         return "host us per call, gpudist plan / peer: " + ", ".join(
             f"{a} {us[a]:.1f} / {us[b]:.1f}" for a, b in pairs if a in us and b in us
         )
-    if name == "capture":
+    if name in ("capture", "capture-torch"):
         return (
             "peer time / gpudist time: "
             + "; ".join(
@@ -81,7 +81,14 @@ def _part_summary(name: str, r: dict) -> str:
                 + ", ".join(f"{k} {v:.3f}" for k, v in row["replay_host_share"].items())
                 + f"; losses differ by {row['loss_max_abs_diff']:.1e})"
                 for row in r["rows"]
-                if "step_ms" in row
+                if "peer_over_gpudist" in row
+            )
+            + "".join(
+                "; torch's graphs / gpudist graphed: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["over_gpudist_graphed"].items())
+                + "".join(f", {k} failed" for k in row["errors"])
+                for row in r["rows"]
+                if "over_gpudist_graphed" in row
             )
             + errs
         )
@@ -147,17 +154,20 @@ def _part_table(name: str, r: dict) -> str:
                 f"{v['accumulate_grad_calls']:>6.0f} {busy:>8}"
             )
         lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in r["errors"].items()]
-    elif name == "capture":
+    elif name in ("capture", "capture-torch"):
         for row in r["rows"]:
             if "error" in row:
                 lines.append(f"  {row['workload']} FAILED: {row['error'].strip().splitlines()[-1]}")
                 continue
+            torch_graphs = ", torch's own graphs" if row.get("torch_graphs") else ""
             lines.append(
                 f"  {row['workload']} ({row['model']['parameters'] / 1e6:.1f}M, batch {row['batch_per_rank']})"
+                + torch_graphs
             )
             lines += [
-                f"{k:>22} {row['step_ms'][k]:>8.2f} ms/step {row['host_ms'][k]:>8.3f} host ms" for k in row["step_ms"]
+                f"{k:>28} {row['step_ms'][k]:>8.2f} ms/step {row['host_ms'][k]:>8.3f} host ms" for k in row["step_ms"]
             ]
+            lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in row.get("errors", {}).items()]
     elif name == "strategies":
         for row in r["rows"]:
             failures = {"all": row["error"]} if "error" in row else row["errors"]

@@ -33,7 +33,7 @@ from .common import (
     _error_text,
     _repo,
 )
-from .graphs import capture_part
+from .graphs import capture_part, capture_torch_part
 from .measure import collectives_part, host_part, kernels_part
 from .pytest_part import MIN_PART_SECONDS, PART_RESERVE, _run_streaming, pytest_part
 from .report import _part_table, _safely, format_summary
@@ -85,6 +85,7 @@ PARTS: dict[str, Callable[[GPUSettings], dict]] = {
     "capture": capture_part,
     "profile": profile_part,
     "gate": gate_part,
+    "capture-torch": capture_torch_part,
 }
 PART_GROUPS = {"tests": tuple(TEST_PARTS)}
 """Names that stand for several parts in ``--parts``."""
@@ -249,6 +250,7 @@ def check_plan(settings: GPUSettings) -> dict[str, dict]:
         ("CUDAGraph", lambda: torch.cuda.CUDAGraph),
         ("workloads", workloads),
     ]
+    checks["capture-torch"] = checks["capture"]
     checks["profile"] = [*checks["strategies"], ("torch.profiler", lambda: importlib.import_module("torch.profiler"))]
     cuda = torch.cuda.is_available()
     plan = {}
