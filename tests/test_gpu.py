@@ -109,8 +109,11 @@ def test_strategy_on_nccl_world_one(strategy):
 
 
 @needs_nccl
-@pytest.mark.parametrize("strategy", list(GPU_PAIRS))
-def test_steady_state_step_makes_no_host_sync_on_a_real_gpu(strategy):
+@pytest.mark.parametrize(
+    ("strategy", "capturable"),
+    [(s, False) for s in GPU_PAIRS] + [(s, True) for s in ("zero1", "zero2", "zero3", "fsdp")],
+)
+def test_steady_state_step_makes_no_host_sync_on_a_real_gpu(strategy, capturable):
     """The CPU tier counts host syncs over a simulated device (tests/test_gpu_model.py); this asks CUDA itself.
     Under ``torch.cuda.set_sync_debug_mode("error")`` any synchronizing call (``.item()``, a blocking copy to or
     from the host, a stream synchronize) raises. Catches a sync the simulation cannot see: a pointer table copied
@@ -125,7 +128,9 @@ def test_steady_state_step_makes_no_host_sync_on_a_real_gpu(strategy):
         config = gpudist.ShardingConfiguration(comm)
         model_cls, opt_cls = GPU_PAIRS[strategy]
         model = model_cls(gpu_net(comm.device), config)
-        opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+        # capturable: ZeRO's counts, bias corrections and a tensor learning rate on the device
+        adam = {"lr": torch.tensor(1e-2, device=comm.device), "capturable": True} if capturable else {"lr": 1e-2}
+        opt = opt_cls(torch.optim.Adam(model.parameters(), **adam), config)
         batches = [gpu_batch(step, comm.device) for step in range(4)]  # made before: their copies are input
         for step, (x, y) in enumerate(batches):
             if step == 2:  # the first steps build layouts, tables and state; the steady state starts here

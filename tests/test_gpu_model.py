@@ -122,12 +122,14 @@ def _runtime_counts(comm) -> dict:
     return {"joins": rt.joins, "ops": rt.ops}
 
 
-def _train_data_parallel(comm, strategy: str, spec: str = "topk:1.0") -> dict:
+def _train_data_parallel(comm, strategy: str, spec: str = "topk:1.0", capturable: bool = False) -> dict:
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.0001, first_bucket_mb=0.00002)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS["ddp" if strategy == "compression" else strategy]
     wrap = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}  # units to gather, as ZeRO-3's default
     model = model_cls(gpu_net(comm.device), config, **wrap)
-    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=1e-2), config)
+    # capturable: the step counts and bias corrections on the device, the learning rate a device tensor
+    adam = {"lr": torch.tensor(1e-2), "capturable": True} if capturable else {"lr": 1e-2}
+    opt = opt_cls(torch.optim.Adam(model.parameters(), **adam), config)
     if strategy == "compression":
         opt = GradientCompressionOptimizer(opt, config, spec)  # topk:1.0, k = n: lossless, so it trains as DDP
 
@@ -179,13 +181,13 @@ def _train_hybrid(comm) -> dict:
 
 
 @functools.cache
-def _run(strategy: str, world: int | None = None) -> tuple[list[dict], list[str]]:
+def _run(strategy: str, world: int | None = None, **kw) -> tuple[list[dict], list[str]]:
     """Each rank's results of ``strategy`` trained over the simulated NCCL on :class:`AsyncRuntime`s, and the errors
     the simulated streams reported (shared by the tests: one run per strategy and world size)."""
     fake = FakeNccl(timeout=60)
     world = world or WORLD.get(strategy, 2)
     if strategy in DATA_PARALLEL:
-        results = run_nccl(_train_data_parallel, world, fake, runtime=AsyncRuntime, strategy=strategy)
+        results = run_nccl(_train_data_parallel, world, fake, runtime=AsyncRuntime, strategy=strategy, **kw)
     else:
         fn = {"pipeline": _train_pipeline, "tensor": _train_tensor, "hybrid": _train_hybrid}[strategy]
         results = run_nccl(fn, world, fake, runtime=AsyncRuntime)
@@ -238,6 +240,20 @@ def test_steady_state_step_stays_within_its_host_sync_budget(strategy):
     for rank, r in enumerate(results):
         sites = _steady(r)[0]
         assert sum(sites.values()) <= HOST_SYNC_BUDGET[strategy], (rank, dict(sites))
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+def test_capturable_adam_counts_on_the_device_with_no_host_sync(strategy):
+    """ZeRO's Adam built with ``capturable=True`` (a tensor learning rate): its steady-state step on the simulated
+    device makes no host sync and trains to the single-process result. Catches a device count or coefficient read
+    back on the host (a sync per step, and inside a captured graph a failure), and a learning rate or count the
+    asynchronous device sees stale."""
+    results, errors = _run(strategy, capturable=True)
+    assert errors == []
+    expected = reference_pair(gpu_reference, "cpu")
+    for r in results:
+        assert sum(_steady(r)[0].values()) == 0, dict(_steady(r)[0])
+        assert_matches_reference(r["params"], *expected)
 
 
 @pytest.mark.parametrize("mode", ["exact", "threshold"])

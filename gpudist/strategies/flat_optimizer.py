@@ -88,7 +88,9 @@ class FlatShardOptimizer(ShardedOptimizer):
 
     Shards: the owned segments' optimizer state, fp32 master values (low-precision parameters) and gradients.
     Communicates: one 8-byte all-reduce of the squared norm per step (clipping and the non-finite skip, decided on the
-    device); the gradients' reduction and the parameters' return are the subclass's. Not used directly: ZeRO-1
+    device); the gradients' reduction and the parameters' return are the subclass's. A wrapped Adam/AdamW built with
+    ``capturable=True`` keeps its step counts and bias corrections on the device too (its learning rate may be a
+    device tensor), which a captured graph replays (docs/capture.md). Not used directly: ZeRO-1
     (:class:`~gpudist.ZeRO1Optimizer`), ZeRO-2 (:class:`~gpudist.ZeRO2Optimizer`) and ZeRO-3
     (:class:`~gpudist.ZeRO3Optimizer`) derive from it.
 
