@@ -169,12 +169,13 @@ def _recording(name: str, original: Callable) -> Callable:
 
 
 def _install_nccl_recording() -> None:
-    """Make the simulated NCCL's calls recordable (once per process; a call outside capture runs as before)."""
-    cls = fakenccl._Communicator
-    for name in _NCCL_CALLS:
-        method = getattr(cls, name)
-        if not getattr(method, "__graphsim__", False):
-            setattr(cls, name, _recording(name, method))
+    """Make the simulated NCCL's calls recordable, and its group brackets (``groupStart``/``groupEnd``: the calls
+    between them are one launch, which replay must keep) (once per process; a call outside capture runs as before)."""
+    for cls, names in ((fakenccl._Communicator, _NCCL_CALLS), (fakenccl.FakeNccl, ("groupStart", "groupEnd"))):
+        for name in names:
+            method = getattr(cls, name)
+            if not getattr(method, "__graphsim__", False):
+                setattr(cls, name, _recording(name, method))
 
 
 def _install_join_check() -> None:

@@ -410,3 +410,48 @@ def test_planned_reduce_scatter_all_gather_and_broadcast_are_their_ops(backend):
         assert r["all_gather"] == [float(q + 2) for q in range(world) for _ in range(3)], rank
         assert r["broadcast"] == [float(i * world) for i in range(5)], rank
         assert r["checks"] == 0 and r["ops"] == {"all_gather": 2, "broadcast": 2}, rank
+
+
+def _coalesced(comm) -> dict:
+    """Three all-gathers (one uneven share size each rank agrees on) and an AVERAGE all-reduce planned on fixed
+    buffers and coalesced, started twice; the transport's joins of its stream counted where it has them."""
+    world, rank = comm.world_size, comm.rank
+    pieces = [torch.full((n,), float(rank + 1)) for n in (1, 3, 4)]
+    outs = [torch.zeros(world * p.numel()) for p in pieces]
+    mean = torch.full((5,), float(rank + 1))
+    plans = [(comm.plan_all_gather(o.numel(), o.dtype), (p, o)) for p, o in zip(pieces, outs, strict=True)]
+    plans.append((comm.plan_all_reduce(mean, ReductionOperation.AVERAGE), ()))
+    group = comm.plan_coalesced(plans)
+    foreign = type("Foreign", (), {"_backend": object(), "_op": "all_gather"})()  # a plan of another group
+    with pytest.raises(ValueError, match="another backend"):
+        comm.plan_coalesced([(foreign, ())])
+    comm.stats.reset()
+    rt = getattr(comm, "_rt", None)
+    joins = rt.joins if rt is not None else None
+    for step in range(2):
+        for p in pieces:
+            p.add_(step)
+        group.start().wait()
+    return {
+        "outs": [o.tolist() for o in outs],
+        "mean": mean.tolist(),
+        "ops": {k: v["calls"] for k, v in comm.stats.as_dict()["ops"].items()},
+        "joins": None if rt is None else rt.joins - joins,
+        "checks": comm.stats.check_calls,
+    }
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "nccl-sim"])
+def test_coalesced_plans_are_their_ops_issued_together(backend):
+    """comm.plan_coalesced (ZeRO-2's gather of every bucket): the coalesced collectives give what each gives alone,
+    with their byte counters, no per-start checks, and on NCCL one join of the communication stream per start for
+    all four (one ncclGroupStart/End, one event). Catches a group that binds a stale pointer, drops a call, mixes up
+    buffers, or hands the streams off per collective again, and a plan of another group accepted."""
+    world = 2
+    for rank, r in enumerate(ranks_on(backend, _coalesced, world)):
+        for n, out in zip((1, 3, 4), r["outs"], strict=True):  # rank q's piece: q + 1, plus 0 then 1
+            assert out == [float(q + 2) for q in range(world) for _ in range(n)], (rank, n)
+        assert r["mean"] == [1.5] * 5, rank  # the average of 1 and 2, then of 1.5 and 1.5
+        assert r["ops"] == {"all_gather": 6, "all_reduce": 2} and r["checks"] == 0, rank
+        if backend == "nccl-sim":
+            assert r["joins"] == 2, rank  # one per start, not one per collective

@@ -9,11 +9,12 @@ from .reduction import ReductionOperation
 from .shards import shard_range, split_sizes
 from .signature import stable_hash
 from .stats import CommStats, OpStats
-from .work import PlannedCollective, Work
+from .work import CoalescedCollectives, PlannedCollective, Work
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "AgreedOps",
+    "CoalescedCollectives",
     "CollectiveMismatchError",
     "CommStats",
     "CommunicationBackend",

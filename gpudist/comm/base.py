@@ -30,7 +30,7 @@ from .reduction import ReductionOperation
 from .shards import _share
 from .signature import _DTYPE_CODES, SIGNATURE_LEN, Signature, mismatch_error, stable_hash
 from .stats import CommStats
-from .work import PlannedCollective, Work
+from .work import CoalescedCollectives, PlannedCollective, Work
 
 __all__ = ["DEFAULT_TIMEOUT", "CommunicationBackend"]
 
@@ -425,6 +425,33 @@ class CommunicationBackend(ABC):
     def _planned_broadcast(self, tensor: torch.Tensor, src: int) -> PlannedCollective:
         sig = Signature("broadcast", tensor.dtype, tuple(tensor.shape), root=src)
         return self._planned(sig, tensor.numel() * tensor.element_size(), lambda: self._broadcast(sig, tensor, src))
+
+    def plan_coalesced(self, plans: list[tuple[PlannedCollective, tuple[torch.Tensor, ...]]]) -> CoalescedCollectives:
+        """Planned collectives (this backend's) issued together on fixed tensors, as ZeRO-2 gathers every bucket's
+        updated parameters: :meth:`CoalescedCollectives.start` issues them in order and returns one Work. Where the
+        transport can, they go as one group (NCCL: one hand-off of the streams, one ncclGroupStart/End, one event
+        instead of one per collective). Every rank must coalesce the same collectives, in the same order.
+
+        Args:
+            plans: ``(plan, tensors)``: each plan from this backend's ``plan_*`` with the tensors its start takes
+                (none for a plan on fixed buffers); they must keep their storage for the result's life.
+
+        Returns:
+            The coalesced collectives.
+
+        Raises:
+            ValueError: When a plan is another backend's.
+        """
+        for plan, _ in plans:
+            if plan._backend is not self:
+                raise ValueError(
+                    f"plan_coalesced: a {plan._op} plan of another backend ({plan._backend!r}) given to {self!r}; "
+                    "coalesce the plans of one group"
+                )
+        return self._coalesced(list(plans))
+
+    def _coalesced(self, plans: list) -> CoalescedCollectives:
+        return CoalescedCollectives(self, plans)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank.

@@ -67,7 +67,7 @@ from .errors import CommunicationError, CommunicationTimeoutError, first_line
 from .reduction import ReductionOperation
 from .shards import shard_range
 from .signature import Signature
-from .work import PlannedCollective, Work
+from .work import CoalescedCollectives, PlannedCollective, Work
 
 __all__ = ["NCCLCommunicationBackend", "nccl_version"]
 
@@ -210,6 +210,47 @@ class _PlannedNccl(PlannedCollective):
             with rt.on_comm():
                 held[-1].mul_(self._scale)
         return backend._enqueued(self._op, held)
+
+
+class _CoalescedNccl(CoalescedCollectives):
+    """Planned NCCL calls issued as one group: one join of the communication stream, their calls (pointers bound
+    once) inside one ncclGroupStart/End, the AVERAGE scalings after it, and one event whose Work, named
+    ``op x count``, is the group's (errors name it, the group and the rank)."""
+
+    __slots__ = ("_calls", "_held", "_nbytes", "_op")
+
+    def __init__(self, backend: NCCLCommunicationBackend, plans: list[tuple[_PlannedNccl, tuple[torch.Tensor, ...]]]):
+        super().__init__(backend, plans)
+        self._calls = [
+            (plan._call, (*[t.data_ptr() for t in tensors], *plan._args), plan._scale, tensors or plan._held)
+            for plan, tensors in plans
+        ]
+        self._held = tuple(t for *_, held in self._calls for t in held)
+        self._nbytes = [(plan._op, plan._nbytes) for plan, _ in plans]
+        self._op = f"{'+'.join(dict.fromkeys(op for op, _ in self._nbytes))} x{len(plans)}"
+
+    def start(self) -> Work:
+        backend = self._backend
+        if backend._broken is not None:
+            backend._raise_if_broken(self._op)
+        for op, nbytes in self._nbytes:
+            backend.stats.record(op, nbytes)
+        rt = backend._rt
+        try:
+            stream = rt.stream()
+            backend._lib.groupStart()
+            try:
+                for call, args, _, _ in self._calls:
+                    call(*args, stream)
+            finally:
+                backend._lib.groupEnd()
+            for _, _, scale, held in self._calls:
+                if scale is not None:
+                    with rt.on_comm():
+                        held[-1].mul_(scale)
+            return backend._enqueued(self._op, self._held)
+        except RuntimeError as e:
+            raise backend._failed(e, self._op) from e
 
 
 def _planned_all_reduce(backend: NCCLCommunicationBackend, tensor: torch.Tensor, op: ReductionOperation):
@@ -703,6 +744,11 @@ class NCCLCommunicationBackend(CommunicationBackend):
         """Pointer, count, dtype and op codes bound once, and the event's Work returned as it is (its errors are
         CommunicationErrors already)."""
         return _planned_all_reduce(self, tensor, op)
+
+    def _coalesced(self, plans: list) -> CoalescedCollectives:
+        if all(isinstance(plan, _PlannedNccl) for plan, _ in plans):
+            return _CoalescedNccl(self, plans)
+        return super()._coalesced(plans)
 
     def _reduce_scatter(
         self, sig: Signature, inp: torch.Tensor, out: torch.Tensor, op: ReductionOperation, scratch_input: bool = False

@@ -9,7 +9,7 @@ import torch
 
 from .errors import CommunicationError
 
-__all__ = ["PlannedCollective", "Work"]
+__all__ = ["CoalescedCollectives", "PlannedCollective", "Work"]
 
 
 class Work:
@@ -98,3 +98,40 @@ class PlannedCollective:
         except RuntimeError as e:
             raise backend._failed(e, op) from (None if isinstance(e, CommunicationError) else e)
         return Work(lambda: backend._wait(work, op), work.is_completed)
+
+
+class CoalescedCollectives:
+    """Planned collectives issued together, each on the tensors bound to it when planned
+    (:meth:`CommunicationBackend.plan_coalesced`): :meth:`start` issues them in order and returns one :class:`Work`
+    for all. This default starts each plan and waits for every one; a transport that can issue them as one group
+    overrides :meth:`start` (NCCL: one hand-off of the streams, one ncclGroupStart/End, one event).
+
+    Args:
+        backend: The backend that planned them.
+        plans: ``(plan, tensors)`` pairs: each plan with the tensors its :meth:`PlannedCollective.start` takes.
+    """
+
+    __slots__ = ("_backend", "_plans")
+
+    def __init__(self, backend, plans: list[tuple[PlannedCollective, tuple[torch.Tensor, ...]]]):
+        self._backend, self._plans = backend, plans
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def start(self) -> Work:
+        """Issue every collective (asynchronously).
+
+        Returns:
+            One :class:`Work`: ``wait()`` waits for every collective and raises the first error.
+
+        Raises:
+            CommunicationError: As :meth:`PlannedCollective.start`.
+        """
+        works = [plan.start(*tensors) for plan, tensors in self._plans]
+
+        def wait_all() -> None:
+            for work in works:
+                work.wait()
+
+        return Work(wait_all, lambda: all(work.is_completed() for work in works))

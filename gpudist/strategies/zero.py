@@ -551,30 +551,46 @@ class BucketPieces:
                 comm.agreed.reduce_scatter(sent, out, ReductionOperation.SUM, scratch_input=True)
 
     def gather(self, optimizer: FlatShardOptimizer) -> None:
-        """All-gather every bucket's updated pieces into the flat parameters on every rank."""
+        """All-gather every bucket's updated pieces into the flat parameters on every rank (planned once)."""
+        optimizer._gather_plan(("bucket pieces",), lambda: self._gather_schedule(optimizer))()
+
+    def _gather_schedule(self, optimizer: FlatShardOptimizer):
+        """The gather, decided once for the buffers it is given (sizes agree by construction: the layout was checked
+        across ranks when built). An even bucket's range of this rank first holds its updated values (the master
+        itself for fp32 parameters, else a cast copy of it) and is all-gathered in place; every even bucket goes in
+        one coalesced group (NCCL: one hand-off of the streams and one event, not one per bucket). A padded bucket
+        (its shards rounded up to 16 elements overrun its range) goes after them, one at a time, through buffers
+        made for it and freed after it (held all at once they would be another copy of the parameters), as one
+        all-gather each rather than a broadcast per rank."""
         comm, flat = optimizer.comm, optimizer._flat.data
-        dtype, world = flat.dtype, comm.world_size
+        dtype, world, rank = flat.dtype, comm.world_size, comm.rank
+        in_place, casts, staged = [], [], []
         for part in self.parts:
             region = flat[part.flat_offset : part.flat_offset + part.numel]
             piece = optimizer._master_of(part.owned_at, part.owned_at + part.owned_numel)
-            if part.numel == world * part.shard and optimizer._master_is_view:
-                # even and fp32: the owned piece straight into the parameters, in place, planned once (sizes agree by
-                # construction: the layout was checked across ranks when built)
-                plan = optimizer._gather_plan(
-                    ("gather", part.flat_offset), lambda n=part.numel: comm.plan_all_gather(n, dtype)
-                )
-                plan.start(piece, region).wait()
+            plan = comm.plan_all_gather(world * part.shard, dtype)
+            if part.numel != world * part.shard:
+                staged.append((part, region, piece, plan))
                 continue
-            if part.numel == world * part.shard:  # even: the piece cast to the parameters' dtype, straight into them
-                src, out = piece.to(dtype), region
-            else:  # padded, through buffers made for this gather and freed after it (kept, they would hold a bucket
-                # of parameters more than the memory table says): one even all-gather, not a broadcast per rank
+            mine = region[rank * part.shard : (rank + 1) * part.shard]
+            if not optimizer._master_is_view:
+                casts.append((mine, piece))
+            in_place.append((plan, (mine, region)))
+        group = comm.plan_coalesced(in_place) if in_place else None
+
+        def run() -> None:
+            for mine, piece in casts:
+                mine.copy_(piece)
+            if group is not None:
+                group.start().wait()
+            for part, region, piece, plan in staged:
                 src = torch.zeros(part.shard, dtype=dtype, device=region.device)
                 src[: part.owned_numel].copy_(piece)
                 out = torch.empty(world * part.shard, dtype=dtype, device=region.device)
-            comm.agreed.all_gather(src, out)
-            if out is not region:
+                plan.start(src, out).wait()
                 region.copy_(out[: part.numel])
+
+        return run
 
 
 def data_parallel_optimizer(zero_stage: int) -> type[ShardedOptimizer]:
