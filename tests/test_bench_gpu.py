@@ -412,7 +412,7 @@ def test_torch_graphed_row_records_what_torch_refuses():
 
 
 def test_capture_rows_on_cpu():
-    """The capture part's rank code on the CPU tier (DDP and ZeRO-2, each eager, captured and against its peer): the
+    """The capture part's rank code on the CPU tier (DDP, ZeRO-2, FSDP, each eager, captured and against its peer): the
     simulated NCCL and graph stand in for NCCL and CUDA graphs, Gloo for torch's NCCL group, SGD for the capturable
     AdamW (torch refuses capturable on the CPU). Catches a variant missing or paired wrongly, a captured step that
     trains another function than the eager one (their losses over the same batches must be identical), and host times
@@ -424,15 +424,11 @@ def test_capture_rows_on_cpu():
         row = run_nccl(_capture_row, 1, FakeNccl(), group=dist.group.WORLD)[0]
     finally:
         dist.destroy_process_group()
-    names = {"torch_ddp", "torch_zero", "gpudist_ddp", "gpudist_ddp_graphed", "gpudist_zero2", "gpudist_zero2_graphed"}
-    assert set(row["step_ms"]) == names
-    assert set(row["peer_over_gpudist"]) == {
-        "torch_ddp/gpudist_ddp",
-        "torch_ddp/gpudist_ddp_graphed",
-        "torch_zero/gpudist_zero2",
-        "torch_zero/gpudist_zero2_graphed",
-    }
-    assert row["loss_max_abs_diff"] == 0.0 and [len(r["replayed"]) for r in row["losses"].values()] == [3, 3], row
+    peers = {"ddp": "torch_ddp", "zero2": "torch_zero", "fsdp": "fsdp2"}
+    mine = {f"gpudist_{s}{graphed}" for s in peers for graphed in ("", "_graphed")}
+    assert set(row["step_ms"]) == set(peers.values()) | mine
+    assert set(row["peer_over_gpudist"]) == {f"{peers[name.split('_')[1]]}/{name}" for name in mine}
+    assert row["loss_max_abs_diff"] == 0.0 and [len(r["replayed"]) for r in row["losses"].values()] == [3, 3, 3], row
     assert all(v > 0 for v in row["host_ms"].values()) and all(v > 0 for v in row["replay_host_share"].values())
     doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [row]}
     assert "gpudist_zero2_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LR", "adamw", "fsdp_units", "gpudist_units", "zero_redundancy"]
+__all__ = ["LR", "adamw", "fsdp_units", "fully_sharded", "gpudist_units", "zero_redundancy"]
 
 LR = 1e-4
 """The learning rate of every variant's AdamW."""
@@ -37,6 +37,19 @@ def fsdp_units(workload: str, model: nn.Module) -> list[nn.Module]:
     if workload == "mlp":
         return [m for m in model.modules() if isinstance(m, nn.Linear)]
     return list(model.blocks)
+
+
+def fully_sharded(workload: str, model: nn.Module, process_group, device: torch.device) -> nn.Module:
+    """FSDP2, torch's FSDP peer: ``fully_shard`` on each unit (:func:`fsdp_units`), then on the root, over a mesh of
+    ``process_group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(process_group, device.type)
+    for unit in fsdp_units(workload, model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def gpudist_units(workload: str):

@@ -1,7 +1,7 @@
-"""The capture part of ``gpudist bench gpu``: a whole DDP step and a whole ZeRO-2 step captured as one CUDA graph
-each (:func:`gpudist.capture`), against the same steps run eagerly and against their torch peers eager at their best
-(DDP; DDP + ZeroRedundancyOptimizer), on host-bound workloads (the gpt model at batch 8, where the host's issue time
-is most of the step's).
+"""The capture part of ``gpudist bench gpu``: a whole DDP, ZeRO-2 and FSDP step captured as one CUDA graph each
+(:func:`gpudist.capture`), against the same steps run eagerly and against their torch peers eager at their best
+(DDP; DDP + ZeroRedundancyOptimizer; FSDP2), on host-bound workloads (the gpt model at batch 8, where the host's
+issue time is most of the step's).
 
 Per variant: the median step time (interleaved rounds, each at the slowest rank), the host's own milliseconds per
 step call (nothing waited for: for the graph, the replay call and the batch copy), and, from two fresh copies of the
@@ -25,7 +25,7 @@ from .common import GPUSettings, _error_text, _world
 CAPTURE_WORKLOADS = ("gpt", "mlp")
 """The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays."""
 
-CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero"}
+CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero", "fsdp": "fsdp2"}
 """The strategies captured, each with its torch peer (eager, at its best)."""
 
 
@@ -53,9 +53,11 @@ class _Bench:
         from ...config import ShardingConfiguration
         from ...strategies import DATA_PARALLEL_PAIRS
 
-        config = ShardingConfiguration(self.comm, bucket_cap_mb=25.0, static_graph=True)
+        # static_graph where the peer promises it too (torch DDP): one gradient hook per bucket
+        config = ShardingConfiguration(self.comm, bucket_cap_mb=25.0, static_graph=strategy != "fsdp")
         model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-        model = model_cls(self.net(), config)
+        wrap = {"auto_wrap_policy": peers.gpudist_units(self.workload)} if strategy == "fsdp" else {}
+        model = model_cls(self.net(), config, **wrap)
         params = model.parameters()
         if self.optimizer == "sgd":
             inner = torch.optim.SGD(params, lr=peers.LR, momentum=0.9)
@@ -135,18 +137,27 @@ def capture_rows(
     optimizer: str = "adamw",
     graph=None,
 ) -> dict:
-    """On every rank, per captured strategy (DDP, ZeRO-2): its torch peer eager, the gpudist step eager and the same
-    step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
+    """On every rank, per captured strategy (DDP, ZeRO-2, FSDP): its torch peer eager, the gpudist step eager and the
+    same step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
     captured: the same function; ZeRO-2's learning rate a device tensor) or ``sgd`` (the CPU tier, where torch
     refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's)."""
     bench = _Bench(comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph)
     sgd = {"optimizer_class": torch.optim.SGD, "momentum": 0.9} if optimizer == "sgd" else {}
+
+    def torch_optimizer(model):
+        return (
+            torch.optim.SGD(model.parameters(), lr=peers.LR, momentum=0.9)
+            if sgd
+            else peers.adamw(model.parameters(), fused=True)
+        )
+
     ddp, zero = bench.torch_module(), bench.torch_module()
+    fsdp = peers.fully_sharded(workload, bench.net(), torch_group, device)
     variants = {
-        "torch_ddp": bench.eager(ddp, torch.optim.SGD(ddp.parameters(), lr=peers.LR, momentum=0.9) if sgd
-                                 else peers.adamw(ddp.parameters(), fused=True)),
+        "torch_ddp": bench.eager(ddp, torch_optimizer(ddp)),
         "torch_zero": bench.eager(zero, peers.zero_redundancy(zero.parameters(), torch_group, **sgd)),
-    }  # fmt: skip
+        "fsdp2": bench.eager(fsdp, torch_optimizer(fsdp)),
+    }
     losses = {}
     for strategy in CAPTURED:
         variants[f"gpudist_{strategy}"] = bench.eager(*bench.gpudist_pair(strategy))
@@ -296,6 +307,10 @@ def capture_part(settings: GPUSettings) -> dict:
             "gpudist_ddp_graphed": "the same, gpudist.capture: one CUDA graph per step",
             "gpudist_zero2": "ZeRO2Model(static_graph=True) + ZeRO2Optimizer(AdamW(lr=tensor, capturable=True)), eager",
             "gpudist_zero2_graphed": "the same, gpudist.capture: one CUDA graph per step",
+            "fsdp2": "fully_shard per block and the root (FSDP2), AdamW(fused=True), eager",
+            "gpudist_fsdp": "FSDPModel (a unit per block, resharding after forward) + its optimizer "
+            "(AdamW(lr=tensor, capturable=True)), eager",
+            "gpudist_fsdp_graphed": "the same, gpudist.capture: one CUDA graph per step",
         },
         "batch_per_rank": 8,
         "steps_per_round": settings.steps,

@@ -36,8 +36,6 @@ def _strategy_variants(
     A variant that fails to build on any rank is left out on every rank."""
     generator = torch.Generator().manual_seed(1234 + comm.rank)
     x, y = (t.to(device) for t in W.batch(workload, batch, generator, **overrides))
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from ...config import ShardingConfiguration
@@ -74,10 +72,7 @@ def _strategy_variants(
         return model, peers.zero_redundancy(model.parameters(), torch_group)
 
     def fsdp2():
-        model, mesh = net(), DeviceMesh.from_group(torch_group, device.type)
-        for unit in peers.fsdp_units(workload, model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = peers.fully_sharded(workload, net(), torch_group, device)
         return model, peers.adamw(model.parameters(), fused=True)
 
     builders = {
