@@ -337,8 +337,9 @@ def test_ranks_that_capture_different_collectives_are_refused_before_replay():
 def test_unsupported_optimizers_and_batches_are_refused_before_capture():
     """Catches a torch Adam captured with its step count on the host (every replay would reuse the captured step's
     bias correction), gpudist's ZeRO Adam wrapping one (its counts on the host too), its generic path (RMSprop:
-    the skip decided on the host every step, a sync inside the graph), or a batch off CUDA with no graph given: each
-    refused with the way out."""
+    the skip decided on the host every step, a sync inside the graph), a strategy that also communicates over other
+    groups (a hierarchical all-reduce, HSDP: their watchdogs would query events inside capture) or through a comm
+    hook, or a batch off CUDA with no graph given: each refused with the way out."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1)
     x, y = _batches(0, 1)[0]
     net = _net()
@@ -349,6 +350,14 @@ def test_unsupported_optimizers_and_batches_are_refused_before_capture():
     opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters()), config)
     with pytest.raises(ValueError, match=r"fused adamw keeps its step count on the host.*capturable=True"):
         gpudist.capture(model, opt, _loss, (x, y), graph=SimulatedGraph)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    hierarchical = gpudist.DDPModel(_net(), config, hierarchical=gpudist.Topology(comm, ranks_per_node=1))
+    hooked = gpudist.DDPModel(_net(), config)
+    hooked.register_comm_hook(type("Hook", (), {"all_reduce": lambda self, i, t: None})())
+    hsdp = gpudist.FSDPModel(_net(), config, replicate_group=gpudist.InMemoryCommunicationBackend(0, 1, group="r"))
+    for model, match in ((hierarchical, "hierarchical=False"), (hooked, "comm hook"), (hsdp, "replicate_group")):
+        with pytest.raises(ValueError, match=match):  # other groups, which capture neither pauses nor checks
+            gpudist.capture(model, sgd(model), _loss, (x, y), graph=SimulatedGraph)
     model = gpudist.ZeRO1Model(_net(), config)
     opt = gpudist.ZeRO1Optimizer(torch.optim.RMSprop(model.parameters()), config)
     with pytest.raises(ValueError, match=r"steps torch.optim.RMSprop over its owned views.*capturable=True\) or SGD"):

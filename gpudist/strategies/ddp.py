@@ -458,6 +458,24 @@ class DDPModel(ShardedModel):
         hop alone)."""
         return self.comm if self._topology is None else self._topology.inter
 
+    def capture_refusal(self) -> str | None:
+        """Why a captured graph could not replay this step, or None. The flat all-reduce (or ZeRO-2's reduce-scatter)
+        is planned at wrap time and captures; a hierarchical all-reduce also runs over the node groups, which
+        :func:`gpudist.capture` neither pauses (their watchdogs would query events inside capture) nor compares
+        across ranks, and a comm hook may decide on the host: both refused until proven under capture.
+
+        Returns:
+            The reason and the way out, or None.
+        """
+        if self._topology is not None:
+            return (
+                "its hierarchical all-reduce runs over the node groups too, which capture neither pauses nor checks; "
+                f"build {type(self).__name__}(..., hierarchical=False) to capture, or run it eagerly"
+            )
+        if self._comm_hook is not None:
+            return f"a comm hook ({type(self._comm_hook).__name__}) routes its buckets; capture it without one"
+        return None
+
     def register_comm_hook(self, hook) -> None:
         """Route every bucket through the hook instead of the plain collective: ``hook.all_reduce(bucket_index,
         flat_grads)`` must average the bucket over ranks in place (ZeRO-2: ``hook.reduce_scatter(bucket_index,

@@ -136,6 +136,24 @@ class ZeRO3Model(ShardedModel):
         """hpZ's group (the node's ranks) that backward gathers over from the secondary partitions, or None."""
         super().__init__(module, config)
 
+    def capture_refusal(self) -> str | None:
+        """Why a captured graph could not replay this step, or None. Sharding over ``config.backend`` alone captures;
+        HSDP's replica group and hpZ's secondary group run collectives that :func:`gpudist.capture` neither pauses
+        (their watchdogs would query events inside capture) nor compares across ranks: refused until proven.
+
+        Returns:
+            The reason and the way out, or None.
+        """
+        extra = "replicate_group (HSDP)" if self.replicate_group is not None else None
+        if self.secondary_group is not None:
+            extra = "secondary_group (hpZ)"
+        if extra is None:
+            return None
+        return (
+            f"its {extra} runs collectives over another group, which capture neither pauses nor checks; "
+            f"build {type(self).__name__} without it to capture, or run it eagerly"
+        )
+
     @property
     def replicas(self) -> int:
         """How many copies of each shard there are: ``replicate_group``'s size (1 without one)."""
