@@ -376,6 +376,35 @@ def test_exception_on_one_rank_fails_run_ranks_with_its_traceback(backend):
     assert time.monotonic() - start < NO_HANG
 
 
+def test_a_rank_that_aborts_before_the_others_join_still_releases_them():
+    """The race behind a once-flaky run of the test above: rank 2 formed its side of the group and aborted before
+    ranks 0 and 1 had joined. Catches the late ranks taking the broken group for a failed formation and forming a
+    new one without rank 2 (then they wait for it until their timeout): they must join the aborted group and fail
+    at their first op, naming the abort."""
+    import uuid
+
+    from gpudist.comm.inmemory import InMemoryCommunicationBackend
+
+    name = f"abort-before-join-{uuid.uuid4().hex[:8]}"
+    InMemoryCommunicationBackend(2, 3, name, 600.0).abort("KeyError: boom on rank 2")
+    errors = []
+
+    def late(rank: int) -> None:
+        comm = InMemoryCommunicationBackend(rank, 3, name, 600.0)
+        try:
+            comm.all_reduce(torch.ones(2))
+        except CommunicationError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=late, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "the late ranks wait for rank 2 (their 600 s timeout)"
+    assert len(errors) == 2 and all("rank 2 aborted" in str(e) and "boom" in str(e) for e in errors), errors
+
+
 def _raise_after_forming_subgroups(comm):
     world = comm.new_group(list(range(comm.world_size)))
     inner = world.new_group([2, 1, 0])  # a group of a group

@@ -84,8 +84,11 @@ _REGISTRY_LOCK = threading.Lock()
 def _join(group: str, world_size: int, rank: int) -> _GroupState:
     with _REGISTRY_LOCK:
         state = _REGISTRY.get(group)
-        if state is not None and state.broken is not None:
-            state = None  # a failed formation (a rank never joined): start afresh
+        if state is not None and state.broken is not None and state.broken.op != "abort":
+            # A failed formation (a rank never joined, the others timed out): start afresh. A group a rank aborted
+            # stays broken for the ranks still to join (their first op raises), or they would form a new group
+            # without the rank that failed and wait for it until their timeout.
+            state = None
         if state is None:
             state = _REGISTRY[group] = _GroupState(group, world_size)
         if state.world_size != world_size:
