@@ -117,7 +117,7 @@ class GPUSettings:
             "collectives": 90.0,
             "host": 60.0,
             "strategies": 240.0,
-            "capture": 120.0,
+            "capture": 180.0,
             "capture-torch": 90.0,
             "profile": 120.0,
             "gate": 120.0,

@@ -22,8 +22,9 @@ from .. import workloads as W
 from ..collectives import interleaved_times, on_nccl
 from .common import GPUSettings, _error_text, _world
 
-CAPTURE_WORKLOADS = ("gpt", "mlp")
-"""The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays."""
+CAPTURE_WORKLOADS = ("gpt", "mlp", "gpt-host")
+"""The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays; ``gpt-host``
+(0.3M parameters in 292 tensors) is the most host-bound, the CPU benchmarks' host-bound model."""
 
 CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero", "fsdp": "fsdp2"}
 """The strategies captured, each with its torch peer (eager, at its best)."""
