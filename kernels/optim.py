@@ -163,6 +163,7 @@ def _sgd_kernel(
     momentum,
     one_minus_dampening,
     neg_lr,
+    lr_ptr,
     HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
     FIRST: tl.constexpr,
@@ -174,8 +175,11 @@ def _sgd_kernel(
     HAS_CLIP: tl.constexpr,
     CLIP_EPS: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    HAS_LR_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    if HAS_LR_PTR:  # a learning rate held on the device (a scheduler fills it; a captured graph reads it)
+        neg_lr = -tl.load(lr_ptr).to(tl.float32)
     offs, mask, clip = _step_mask(
         tl.program_id(0), n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS,
         BLOCK,
@@ -454,10 +458,12 @@ def _sgd_launch(
     param, grad, momentum_buffer, param_out, grad_scale_tensor, skip, squared_norm, max_norm, *, lr, momentum,
     dampening, nesterov, weight_decay, maximize, first_step, grad_scale,
 ):  # fmt: skip
-    """The SGD kernel's launch (:func:`sgd_step_triton`'s and :class:`SGDStep`'s): nothing for an empty shard."""
+    """The SGD kernel's launch (:func:`sgd_step_triton`'s and :class:`SGDStep`'s): nothing for an empty shard. ``lr``
+    may be a one-element device tensor, which the kernel reads."""
     n = param.numel()
     if not n:
         return
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
     _sgd_kernel[(-(-n // BLOCK),)](
         param,
@@ -474,7 +480,8 @@ def _sgd_launch(
         weight_decay,
         momentum,
         1 - dampening,
-        -lr,
+        -lr if lr_tensor is None else 0.0,
+        lr_tensor if lr_tensor is not None else param,
         HAS_WEIGHT_DECAY=weight_decay != 0,
         HAS_MOMENTUM=momentum != 0,
         FIRST=first_step,
@@ -486,6 +493,7 @@ def _sgd_launch(
         HAS_CLIP=max_norm is not None,
         CLIP_EPS=CLIP_EPS,
         HAS_OUT=param_out is not None,
+        HAS_LR_PTR=lr_tensor is not None,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

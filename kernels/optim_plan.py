@@ -235,7 +235,7 @@ class SGDStep:
         self,
         grad: torch.Tensor,
         *,
-        lr: float,
+        lr: float | torch.Tensor,
         momentum: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
@@ -249,7 +249,8 @@ class SGDStep:
         max_norm: float | None = None,
     ) -> None:
         """One step with ``grad``, as :func:`sgd_step` with ``check_finite=False`` (nothing is checked here), and
-        ``squared_norm`` as :meth:`AdamStep.__call__` takes it."""
+        ``squared_norm`` as :meth:`AdamStep.__call__` takes it. ``lr`` may be a one-element device tensor (a
+        scheduler fills it in place; a captured graph reads it at every replay)."""
         param, buf = self.buffers
         if momentum != 0 and buf is None:
             raise ValueError(f"momentum={momentum} needs the plan built with a momentum_buffer")
@@ -264,6 +265,11 @@ class SGDStep:
             return
         hyper = {"lr": lr, "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
         if not self._fused or squared_norm is not None:
+            if isinstance(lr, torch.Tensor):
+                raise ValueError(
+                    "SGDStep: a tensor lr on the torch path needs param and momentum_buffer in one dtype and no "
+                    "squared_norm (torch's fused SGD reads it; the function's path takes a number)"
+                )
             sgd_step(
                 param, grad, buf, **hyper, weight_decay=weight_decay, maximize=maximize, first_step=first_step,
                 grad_scale=grad_scale, grad_scale_tensor=grad_scale_tensor, found_inf=found_inf, check_finite=False,

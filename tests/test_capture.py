@@ -49,13 +49,19 @@ def _pair(comm, strategy: str, opt_name: str = "sgd", **config):
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     kw = {"auto_wrap_policy": {nn.Linear}} if strategy == "fsdp" else {}
     model = model_cls(_net(), config, **kw)
-    if opt_name == "sgd":
+    if opt_name in ("sgd", "sgd-float"):
         return model, opt_cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), config)
+    if opt_name == "sgd-tensor-lr":  # a learning rate a scheduler fills in place between replays
+        return model, opt_cls(torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05), momentum=0.9), config)
     if opt_name == "adamw-float":  # the counts and the learning rate on the host
         return model, opt_cls(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), config)
     # The counts on the device, and a learning rate a scheduler fills in place between replays
     inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), weight_decay=0.1, capturable=True)
     return model, opt_cls(inner, config)
+
+
+HOST_TWIN = {"adamw": "adamw-float", "sgd-tensor-lr": "sgd-float"}
+"""Each optimizer whose learning rate is a device tensor, and its twin with the rate a number (eager only)."""
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -65,7 +71,8 @@ def _params(model) -> list[torch.Tensor]:
 
 
 def _scheduled(opt, opt_name: str):
-    """A scheduler for the tensor learning rate (filled in place: every replay reads it), else none."""
+    """A scheduler for the tensor learning rates (filled in place: every replay reads them) and their twins, else
+    none (a number that changed after capture is refused)."""
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s) if opt_name != "sgd" else None
 
 
@@ -92,7 +99,7 @@ def _eager_and_replayed(comm, strategy: str, opt_name: str = "sgd", nan_step: in
     static = strategy != "fsdp"
     eager, eager_params = _eager(comm, strategy, opt_name, batches)
     # The same schedule with the counts and learning rate on the host (the numbers the device's must give)
-    host_params = _eager(comm, strategy, "adamw-float", batches)[1] if opt_name == "adamw" else None
+    host_params = _eager(comm, strategy, HOST_TWIN[opt_name], batches)[1] if opt_name in HOST_TWIN else None
 
     model, opt = _pair(comm, strategy, opt_name, static_graph=static)
     schedule = _scheduled(opt, opt_name)
@@ -137,16 +144,18 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(strategy, runtime):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opt_name", list(HOST_TWIN))
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
-def test_replayed_adam_follows_a_scheduled_tensor_lr_and_skips_on_the_device(strategy, runtime):
-    """gpudist's ZeRO AdamW built with ``capturable=True``, its learning rate a tensor that a scheduler fills between
-    replays, and one replayed step whose global norm is NaN (rank 0's batch): eager and replayed equal bit for bit.
-    Catches a step count or bias correction frozen at the captured step (every replay would repeat it), a skipped
-    step counted, a learning rate read once at capture (the schedule would not move the replays), and a verdict the
-    host reads from capture (``last_grad_norm`` must be the last replay's)."""
+def test_replayed_steps_follow_a_scheduled_tensor_lr_and_skip_on_the_device(strategy, runtime, opt_name):
+    """gpudist's ZeRO AdamW built with ``capturable=True`` and its SGD, each with its learning rate a tensor that a
+    scheduler fills between replays, and one replayed step whose global norm is NaN (rank 0's batch): eager and
+    replayed equal bit for bit, and match the same schedule with the rate a number. Catches a step count or bias
+    correction frozen at the captured step (every replay would repeat it), a skipped step counted, a learning rate
+    read once at capture (the schedule would not move the replays), and a verdict the host reads from capture
+    (``last_grad_norm`` must be the last replay's)."""
     for r in run_nccl(
-        _eager_and_replayed, 2, FakeNccl(), runtime=runtime, strategy=strategy, opt_name="adamw", nan_step=1
+        _eager_and_replayed, 2, FakeNccl(), runtime=runtime, strategy=strategy, opt_name=opt_name, nan_step=1
     ):
         assert r["replays"] == STEPS
         torch.testing.assert_close(torch.tensor(r["replayed"]), torch.tensor(r["eager"]), rtol=0, atol=0,
@@ -160,13 +169,15 @@ def test_replayed_adam_follows_a_scheduled_tensor_lr_and_skips_on_the_device(str
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opt_name", list(HOST_TWIN))
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
-def test_replayed_adam_on_the_triton_kernels_reads_its_step_on_the_device(strategy, serial_interpreter):
-    """The GPU's path of the same step (Triton kernels in the interpreter, recorded into the graph as launches with
-    the numbers they were given): the kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd from the device, which the
-    step computes there before it. Catches a coefficient computed on the host and baked into the captured launch
-    (the schedule and the count would stop at the captured step), or a launch the graph does not hold."""
-    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy, opt_name="adamw", nan_step=1):
+def test_replayed_steps_on_the_triton_kernels_read_rate_and_count_on_the_device(strategy, opt_name, serial_interpreter):
+    """The GPU's path of the same steps (Triton kernels in the interpreter, recorded into the graph as launches with
+    the numbers they were given): Adam's kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd from the device, which
+    the step computes there before it; SGD's reads the learning rate tensor. Catches a coefficient or rate computed
+    on the host and baked into the captured launch (the schedule and the count would stop at the captured step),
+    or a launch the graph does not hold."""
+    for r in run_nccl(_eager_and_replayed, 2, FakeNccl(), strategy=strategy, opt_name=opt_name, nan_step=1):
         assert r["triton_launches"] > 0
         torch.testing.assert_close(torch.tensor(r["replayed"]), torch.tensor(r["eager"]), rtol=0, atol=0,
                                    equal_nan=True)  # fmt: skip

@@ -497,22 +497,29 @@ def test_advance_steps_counts_on_the_device_and_gives_the_hosts_coefficients(dev
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_planned_sgd_step_equals_the_function(device, kernel_impl, momentum):
-    """SGDStep against sgd_step, as for Adam: plain and momentum SGD, the first step, a skipped step, bit for bit."""
+    """SGDStep against sgd_step, as for Adam: plain and momentum SGD, the first step, a skipped step, a learning rate
+    that changes every step, bit for bit; and with the learning rate a device tensor filled in place (a scheduler),
+    the same to an ulp of the rate. Catches a tensor rate read once, or not at all (the update would be lr=0)."""
     n = 1000 if kernel_impl == "triton" and device.type == "cpu" else 4099
     g = _gen(12)
     params = torch.randn(n, generator=g).to(device)
     grads = [torch.randn(n, generator=g).to(device) for _ in range(4)]
     a = [params.clone(), torch.empty(n, device=device), torch.zeros(n, device=device) if momentum else None]
     b = [t.clone() if t is not None else None for t in a]
-    planned = K.SGDStep(*b)
+    c = [t.clone() if t is not None else None for t in a]  # the learning rate a device tensor
+    planned, on_device = K.SGDStep(*b), K.SGDStep(*c)
+    lr = torch.tensor(1e-2, device=device)
     for step, grad in enumerate(grads, 1):
         skip = torch.tensor([1.0 if step == 2 else 0.0], device=device)
-        a[1].copy_(grad)
-        b[1].copy_(grad)
-        kw = {"lr": 1e-2, "momentum": momentum, "weight_decay": 0.01, "first_step": step == 1, "found_inf": skip}
-        sgd_step(*a, **kw)
-        planned(b[1], **kw)
+        for t in (a, b, c):
+            t[1].copy_(grad)
+        kw = {"momentum": momentum, "weight_decay": 0.01, "first_step": step == 1, "found_inf": skip}
+        sgd_step(*a, lr=1e-2 * 0.5**step, **kw)
+        planned(b[1], lr=1e-2 * 0.5**step, **kw)
+        lr.fill_(1e-2 * 0.5**step)  # a scheduler's fill: the plan reads the tensor at every call
+        on_device(c[1], lr=lr, **kw)
     assert torch.equal(a[0], b[0]) and (momentum == 0 or torch.equal(a[2], b[2]))
+    torch.testing.assert_close(c[0], a[0], rtol=1e-6, atol=1e-7)  # lr in fp32: at most an ulp of it apart
 
 
 SGD_CASES = [

@@ -123,6 +123,9 @@ def _drive_every_op() -> None:
     for kw in adam:
         grad = _randn(N, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         K.adam_step(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N), step=1, lr=1e-2, **kw)
+    # SGD with its learning rate a device tensor (a scheduler's; a captured graph reads it)
+    grad = _randn(N, f32, 3)
+    K.SGDStep(_randn(N, f32), grad, torch.zeros(N))(grad, lr=torch.tensor(0.1), momentum=0.9, **norm, max_norm=1.0)
     # A capturable step: its count and coefficients advanced on the device (3 groups), then the step reading them
     counts, hyper = torch.zeros(3), torch.tensor([[1e-2, 0.1, 0.9, 0.999]] * 3, dtype=torch.float64)
     K.advance_steps(norm["squared_norm"], counts, torch.ones(3), hyper, torch.empty(3, 3))

@@ -244,6 +244,18 @@ def test_capturable_adam_matches_single_process(stage, opt_name):
         assert_matches_reference(r["params"], *expected)
 
 
+def test_a_tensor_learning_rate_off_the_parameters_device_is_refused():
+    """Catches a tensor learning rate the fused step cannot read where it runs (a CPU tensor for CUDA parameters: an
+    upload per step, refused inside a captured graph): refused when the optimizer is built, naming the group and the
+    fix."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero-tensor-lr")
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    sgd = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.1))
+    sgd.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")  # another device (this machine has no CUDA)
+    with pytest.raises(ValueError, match=r"group 0's lr is a tensor of 1 element\(s\) on meta.*device='cpu'"):
+        ZeRO1Optimizer(sgd, ShardingConfiguration(comm))
+
+
 def test_zero1_rejects_mixed_dtypes():
     """Catches a flat buffer silently mixing dtypes."""
     comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero-dtype")

@@ -67,7 +67,7 @@ def _fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
         return None  # amsgrad / differentiable: the generic path (torch's own step over the owned views)
     for g in optimizer.param_groups:
         tensors = {k for k, v in g.items() if isinstance(v, torch.Tensor) or (k == "betas" and _has_tensor(v))}
-        if tensors and not (tensors == {"lr"} and _device_counted(kind, optimizer)):
+        if tensors and not (tensors == {"lr"} and (kind == "sgd" or _device_counted(kind, optimizer))):
             return None  # tensor hyper-parameters the kernels take as numbers: torch's own step over the views
     return kind
 
@@ -166,6 +166,15 @@ class FlatShardOptimizer(ShardedOptimizer):
         self._owned_numel = owned
         self._grad = torch.empty(0, dtype=dtype, device=device)
         self._kind = _fused_kind(optimizer)
+        if self._kind is not None:
+            for g, group in enumerate(self.param_groups):
+                lr = group["lr"]
+                if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.device != device):
+                    raise ValueError(
+                        f"{type(self).__name__}: parameter group {g}'s lr is a tensor of {lr.numel()} element(s) on "
+                        f"{lr.device}; the fused step reads it on the parameters' device: pass one element there "
+                        f"(lr=torch.tensor(rate, device='{device}'))"
+                    )
         self._steps = [0] * len(self.param_groups)
         self._device_steps: _DeviceSteps | None = None
         """The step counts on the device (Adam/AdamW built with ``capturable=True``, or any fused step once
