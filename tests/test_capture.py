@@ -170,7 +170,9 @@ def test_replayed_steps_follow_a_scheduled_tensor_lr_and_skip_on_the_device(stra
 
 
 @pytest.mark.parametrize("opt_name", list(HOST_TWIN))
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2", pytest.param("fsdp", marks=pytest.mark.slow)]
+)  # ZeRO-2 in the default tier: the others step the same kernels (interpreted: seconds each)
 def test_replayed_steps_on_the_triton_kernels_read_rate_and_count_on_the_device(strategy, opt_name, serial_interpreter):
     """The GPU's path of the same steps (Triton kernels in the interpreter, recorded into the graph as launches with
     the numbers they were given): Adam's kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd from the device, which

@@ -214,17 +214,19 @@ def test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step(stage, 
         assert_matches_reference(r["params"], *expected)
     # ZeRO2Model frees param.grad in backward (nowhere to put the NaN): ZeRO-2's optimizer over the plain module
     expected = reference_pair(_skipping_reference, state, skip=1)
-    for opt_name in ("adam", "adam-capturable"):
+    capturable = stage in (2, "fsdp")  # (the device counts' kernels are the same at every stage: two suffice)
+    for opt_name in ("adam", "adam-capturable") if capturable else ("adam",):
         skipped = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, nan_step=1, stage=stage,
                             wrap_model=stage != 2)  # fmt: skip
         for r in skipped:
             assert r["skipped"] == [step == 1 for step in range(STEPS)]
             assert_matches_reference(r["params"], *expected, what=opt_name)
-    opt_name = "adamw-capturable-tensor-lr"  # the kernel reads -lr / bc1, sqrt(bc2) and 1 - lr * wd on the device
-    results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, stage=stage)
-    expected = reference_pair(single_process, state, OPTIMIZERS[opt_name][0], **reference_kw(opt_name))
-    for r in results:
-        assert_matches_reference(r["params"], *expected, what=opt_name)
+    if capturable:
+        opt_name = "adamw-capturable-tensor-lr"  # the kernel reads -lr / bc1, sqrt(bc2), 1 - lr * wd on the device
+        results = run_ranks(train_zero1, 2, "inmemory", state=state, opt_name=opt_name, stage=stage)
+        expected = reference_pair(single_process, state, OPTIMIZERS[opt_name][0], **reference_kw(opt_name))
+        for r in results:
+            assert_matches_reference(r["params"], *expected, what=opt_name)
     assert not calls, "the step's scalars were launched on their own"
 
 
