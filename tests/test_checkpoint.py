@@ -102,6 +102,26 @@ def test_resharded_checkpoint_continues_like_an_uninterrupted_run(tmp_path, save
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
 
+@pytest.mark.parametrize(
+    ("saved_with", "loaded_with"),
+    [("adamw", "adamw-capturable-tensor-lr"), ("adamw-capturable-tensor-lr", "adamw")],
+    ids=["host-to-device", "device-to-host"],
+)
+def test_step_counts_move_between_host_and_device_through_a_checkpoint(tmp_path, saved_with, loaded_with):
+    """AdamW's step counts saved by a ZeRO-2 optimizer that keeps them on the host load into a ZeRO-1 one built with
+    ``capturable=True`` (counts and a tensor learning rate on the device), and back: 5 steps, save, load, 5 more
+    equal 10 uninterrupted single-process steps. Catches a count (Adam's bias correction) or learning rate lost or
+    misread when it changes sides, or a tensor learning rate saved as something a number cannot load."""
+    state = initial_state()
+    path = tmp_path / "ckpt"
+    run_ranks(save_after, 2, "inmemory", state=state, path=path, stage=2, opt_name=saved_with, steps=5)
+    results = run_ranks(load_and_continue, 2, "inmemory", state=state, path=path, stage=1, opt_name=loaded_with,
+                        steps=10)  # fmt: skip
+    expected = reference_pair(single_process, state, torch.optim.AdamW, **reference_kw("adamw"))
+    for _, final in results:
+        assert_matches_reference(final, *expected)
+
+
 @pytest.mark.slow
 def test_resharded_checkpoint_over_gloo(tmp_path):
     """Catches a save that only works when ranks share memory (threads): ZeRO-3 on 2 Gloo processes, DDP on 3."""
