@@ -26,9 +26,9 @@ What capture takes, and what it refuses before capturing anything:
 - The group's watchdog looks at nothing while capture is under way (an event query from any thread would invalidate
   it), and each replay is timed as one op named "captured step": a replay that hangs fails at the group's timeout
   with an error naming it, the group and the rank.
-- Every rank must capture the same collectives: after capture the ranks compare the collectives each one recorded
-  (count and bytes per kind) and refuse a mismatch with an error naming the ranks, before the first replay (a
-  mismatched graph would hang NCCL or mix up buffers).
+- Every rank must capture the same collectives in the same order: after capture the ranks compare the sequence each
+  one recorded (op and bytes of each) and refuse a mismatch with an error naming the first collective that differs,
+  before the first replay (a mismatched graph would hang NCCL or mix up buffers).
 
 The warm-up steps (``warmup``, default 3) are real training steps on ``example_batch``: they build what a step
 allocates once (buckets, optimizer state, launch plans) and let ``static_graph`` learn the order of gradients, as
@@ -102,8 +102,8 @@ def _numbers(optimizer: torch.optim.Optimizer) -> list[dict]:
     ]
 
 
-def _collectives(comm) -> dict[str, list[int]]:
-    return {op: [s["calls"], s["bytes"]] for op, s in comm.stats.as_dict()["ops"].items()} if comm else {}
+def _said(sequence: list, at: int) -> str:
+    return f"{sequence[at][0]} of {sequence[at][1]} bytes" if at < len(sequence) else "nothing"
 
 
 class CapturedStep:
@@ -155,12 +155,12 @@ class CapturedStep:
             for _ in range(warmup):
                 self._eager(self._static)
         self.graph = graph()
-        before = _collectives(self.comm)
         watching = self.comm.graph_capture() if self.comm is not None else contextlib.nullcontext()
         settled = optimizer.graph_capture() if isinstance(optimizer, ShardedOptimizer) else contextlib.nullcontext()
-        with settled, watching, self.graph.capture():
+        recording = self.comm.stats.recording() if self.comm is not None else contextlib.nullcontext([])
+        with settled, recording as sequence, watching, self.graph.capture():
             self.loss = self._eager(self._static)
-        self._check_same_capture(before)
+        self._check_same_capture(sequence)
         self._constants = _numbers(optimizer)
 
     @contextlib.contextmanager
@@ -184,20 +184,23 @@ class CapturedStep:
         self.optimizer.step()
         return loss.detach()
 
-    def _check_same_capture(self, before: dict[str, list[int]]) -> None:
-        """Every rank captured the same collectives (per kind: calls and bytes); else refuse before any replay."""
+    def _check_same_capture(self, sequence: list[tuple[str, int]]) -> None:
+        """Every rank captured the same collectives, in the same order (op and bytes of each); else refuse before
+        any replay, naming the first collective where a rank differs from rank 0."""
         if self.comm is None or self.comm.world_size == 1:
             return
-        after = _collectives(self.comm)
-        mine = {op: [c - before.get(op, [0, 0])[0], b - before.get(op, [0, 0])[1]] for op, (c, b) in after.items()}
-        mine = {op: v for op, v in mine.items() if v[0]}
-        everyone = [json.loads(p) for p in exchange_bytes(self.comm.agreed, json.dumps(mine, sort_keys=True).encode())]
+        everyone = [json.loads(p) for p in exchange_bytes(self.comm.agreed, json.dumps(sequence).encode())]
         differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if differ:
+            first, theirs = everyone[0], everyone[differ[0]]
+            at = next(
+                (i for i, (a, b) in enumerate(zip(first, theirs, strict=False)) if a != b), min(len(first), len(theirs))
+            )
             raise CollectiveMismatchError(
-                f"gpudist.capture: ranks captured different collectives (rank 0: {everyone[0]}; rank {differ[0]}: "
-                f"{everyone[differ[0]]}; group {self.comm.group!r}, this rank {self.comm.rank}); every rank must "
-                "run the same step (same model, strategy and loss_fn) to be replayed"
+                f"gpudist.capture: ranks captured different collectives: collective #{at} is {_said(first, at)} on "
+                f"rank 0 and {_said(theirs, at)} on rank {differ[0]} (rank 0 captured {len(first)}, rank {differ[0]} "
+                f"{len(theirs)}; group {self.comm.group!r}, this rank {self.comm.rank}); every rank must run the "
+                "same step (same model, strategy and loss_fn) to be replayed"
             )
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:

@@ -340,6 +340,32 @@ def _mismatched(comm) -> str:
     return str(caught.value)
 
 
+def _reordered(comm) -> str:
+    model, opt = _pair(comm, "ddp")
+    x, y = _batches(comm.rank, 1)[0]
+    a, b = torch.ones(3), torch.ones(5)
+    capturing = [False]
+
+    def loss_fn(m, x, y):
+        if capturing[0]:  # the same two collectives on both ranks, in the other order on rank 1
+            calls = [lambda: comm.agreed.all_reduce(a), lambda: comm.agreed.broadcast(b, 0)]
+            for call in calls[:: 1 if comm.rank == 0 else -1]:
+                call()
+        return _loss(m, x, y)
+
+    with pytest.raises(CollectiveMismatchError, match="captured different collectives") as caught:
+        gpudist.capture(model, opt, loss_fn, (x, y), graph=_marking(capturing))
+    return str(caught.value)
+
+
+def test_ranks_that_capture_the_same_collectives_in_another_order_are_refused():
+    """Catches a check that compares only what kinds and how many bytes each rank captured: the same collectives in
+    another order pass it, and the graphs would pair rank 0's all-reduce with rank 1's broadcast (a hang, or
+    buffers mixed up). The error names the first collective where the ranks differ."""
+    for message in run_nccl(_reordered, 2, FakeNccl()):
+        assert "is all_reduce of 12 bytes on rank 0 and broadcast of 20 bytes on rank 1" in message, message
+
+
 def test_ranks_that_capture_different_collectives_are_refused_before_replay():
     """Catches a graph replayed while ranks recorded different collectives (NCCL would hang or mix buffers): the
     ranks compare what each captured and every rank raises, naming the ranks."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["CommStats", "OpStats"]
@@ -27,6 +29,7 @@ class CommStats:
     check_calls: int = 0
     check_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _sequence: list | None = field(default=None, repr=False, compare=False)
 
     def record(self, op: str, nbytes: int) -> None:
         with self._lock:
@@ -35,6 +38,25 @@ class CommStats:
                 entry = self.ops[op] = OpStats()
             entry.calls += 1
             entry.bytes += nbytes
+            if self._sequence is not None:
+                self._sequence.append((op, nbytes))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[tuple[str, int]]]:
+        """The ops counted while inside, in order, as ``(op, bytes)`` pairs (what a captured graph holds: the ranks
+        compare it before the first replay).
+
+        Yields:
+            The list, filled as ops are counted.
+        """
+        sequence: list[tuple[str, int]] = []
+        with self._lock:
+            outer, self._sequence = self._sequence, sequence
+        try:
+            yield sequence
+        finally:
+            with self._lock:
+                self._sequence = outer
 
     def record_check(self, nbytes: int) -> None:
         with self._lock:
