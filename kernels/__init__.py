@@ -12,7 +12,7 @@ from .dispatch import implementation, use_triton
 from .layout import FlatLayout
 from .norm import SquaredNorm, clip_scalars, squared_norm
 from .optim import adam_step, sgd_step
-from .optim_plan import AdamStep, DeviceStep, SGDStep, advance_steps
+from .optim_plan import AdamSegments, AdamStep, DeviceStep, SGDStep, advance_steps
 from .quantize import (
     check_block_size,
     dequantize_1bit,
@@ -25,6 +25,7 @@ from .quantize import (
 from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
+    "AdamSegments",
     "AdamStep",
     "DeviceStep",
     "FlatLayout",

@@ -105,6 +105,7 @@ def _adam_kernel(
     bias_correction2_sqrt,
     eps,
     coeff_ptr,
+    table_ptr,
     DECOUPLED: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -115,16 +116,31 @@ def _adam_kernel(
     CLIP_EPS: tl.constexpr,
     HAS_OUT: tl.constexpr,
     HAS_COEFFS: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    OWNED_ALIGN: tl.constexpr,
+    PARAM_ALIGN: tl.constexpr,
+    LENGTH_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if HAS_COEFFS:  # a device step (capturable): -lr / bias_correction1, sqrt(bias_correction2), 1 - lr * weight_decay
         neg_step_size = tl.load(coeff_ptr)
         bias_correction2_sqrt = tl.load(coeff_ptr + 1)
         decay = tl.load(coeff_ptr + 2)
+    pid = tl.program_id(0)
+    if SEGMENTED:  # one program per table row: (owned offset, parameter offset, length <= BLOCK) of a piece's chunk
+        row = pid.to(tl.int64) * 3
+        at = tl.multiple_of(tl.load(table_ptr + row), OWNED_ALIGN)  # (the plan checked these alignments)
+        p_at = tl.multiple_of(tl.load(table_ptr + row + 1), PARAM_ALIGN)
+        n = tl.multiple_of(tl.load(table_ptr + row + 2), LENGTH_ALIGN)
+        p_ptr += p_at
+        out_ptr += p_at
+        g_ptr += at
+        m_ptr += at
+        v_ptr += at
+        pid = pid * 0
     offs, mask, clip = _step_mask(
-        tl.program_id(0), n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS,
-        BLOCK,
-    )  # fmt: skip
+        pid, n, skip_ptr, total_ptr, max_norm_hi, max_norm_lo, HAS_SKIP, HAS_NORM, HAS_CLIP, CLIP_EPS, BLOCK
+    )
     g = _load_grad(g_ptr, offs, mask, grad_scale, scale_ptr, clip, HAS_SCALE_TENSOR, HAS_CLIP, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -275,12 +291,14 @@ def adam_step_triton(
 
 def _adam_launch(
     param, grad, exp_avg, exp_avg_sq, param_out, grad_scale_tensor, skip, squared_norm, max_norm, *, step, lr, beta1,
-    beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, coefficients=None,
+    beta2, eps, weight_decay, decoupled_weight_decay, maximize, grad_scale, coefficients=None, segments=None,
 ):  # fmt: skip
     """The Adam kernel's launch (:func:`adam_step_triton`'s and :class:`AdamStep`'s): nothing for an empty shard.
     With ``coefficients`` (3 fp32 on the device: ``-lr / bias_correction1``, ``sqrt(bias_correction2)``,
-    ``1 - lr * weight_decay``), the kernel reads the step's scalars there and ``step`` and ``lr`` are not used."""
-    n = param.numel()
+    ``1 - lr * weight_decay``), the kernel reads the step's scalars there and ``step`` and ``lr`` are not used.
+    With ``segments`` (:class:`AdamSegments`' table, its rows and alignments), one program per row steps a piece's
+    chunk: ``param`` is the whole parameter buffer, the other buffers the whole owned ones."""
+    n = param.numel() if segments is None else segments[1]
     if not n:
         return
     if coefficients is None:
@@ -288,7 +306,8 @@ def _adam_launch(
     else:  # the betas' terms (constant); the ones that move with the step or lr are read in the kernel
         s = _adam_scalars(1, 0.0, beta1, beta2, 0.0)
     max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
-    _adam_kernel[(-(-n // BLOCK),)](  # (not triton.cdiv: a jit function, ~5 us per host call)
+    table, rows, owned_align, param_align, length_align = segments if segments is not None else (param, 0, 1, 1, 1)
+    _adam_kernel[(-(-n // BLOCK) if segments is None else rows,)](  # (not triton.cdiv: a jit function, ~5 us)
         param,
         grad,
         exp_avg,
@@ -310,6 +329,7 @@ def _adam_launch(
         s["bias_correction2_sqrt"],
         eps,
         coefficients if coefficients is not None else param,
+        table,
         DECOUPLED=decoupled_weight_decay,
         HAS_WEIGHT_DECAY=weight_decay != 0,
         MAXIMIZE=maximize,
@@ -320,6 +340,10 @@ def _adam_launch(
         CLIP_EPS=CLIP_EPS,
         HAS_OUT=param_out is not None,
         HAS_COEFFS=coefficients is not None,
+        SEGMENTED=segments is not None,
+        OWNED_ALIGN=owned_align,
+        PARAM_ALIGN=param_align,
+        LENGTH_ALIGN=length_align,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )

@@ -11,6 +11,7 @@ import torch
 from ._triton import tl, triton
 from .dispatch import use_triton
 from .optim import (
+    BLOCK,
     _adam_launch,
     _check_buffers,
     _check_clip,
@@ -21,7 +22,7 @@ from .optim import (
     sgd_step,
 )
 
-__all__ = ["AdamStep", "DeviceStep", "SGDStep", "advance_steps"]
+__all__ = ["AdamSegments", "AdamStep", "DeviceStep", "SGDStep", "advance_steps"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,117 @@ class AdamStep:
         )  # fmt: skip
         if self.param_out is not None:
             self.param_out.copy_(param)
+
+
+def _alignment(offsets) -> int:
+    """The largest of 16, 8, 4, 2, 1 that divides every offset (elements): what the kernel may assume of them."""
+    align = 16
+    for offset in offsets:
+        while offset % align:
+            align //= 2
+    return align
+
+
+class AdamSegments:
+    """:class:`AdamStep` over several pieces of one parameter buffer at once (ZeRO-2's owned piece of every bucket),
+    their gradients and state at their own offsets in the owned buffers: one launch for all of them (Triton: one
+    program per chunk of at most ``BLOCK`` elements of a piece, from a table made here, the offsets' alignment
+    checked here so the kernel keeps its 128-bit accesses) or one torch fused call over the pieces' lists (CPU),
+    instead of one per piece. Calls take what :meth:`AdamStep.__call__` takes, ``grad`` the whole owned gradient.
+
+    Args:
+        param: The whole 1-D parameter buffer the pieces are slices of; it must keep its storage.
+        grad: An owned gradient buffer of the kind every call passes (checked here, not kept).
+        exp_avg, exp_avg_sq: The whole owned state buffers; they must keep their storage.
+        pieces: ``(parameter offset, owned offset, length)`` of each piece.
+
+    Raises:
+        TypeError, ValueError: As :class:`AdamStep`, for the buffers; ValueError for a piece outside them.
+    """
+
+    def __init__(self, param, grad, exp_avg, exp_avg_sq, pieces: list[tuple[int, int, int]]):
+        _check_buffers(exp_avg, {"grad": grad, "exp_avg_sq": exp_avg_sq})
+        _check_buffers(param, {})
+        if param.device != exp_avg.device:
+            raise ValueError(f"param is on {param.device} but exp_avg on {exp_avg.device}; keep them on one device")
+        for p_at, at, n in pieces:
+            if min(p_at, at, n) < 0 or p_at + n > param.numel() or at + n > exp_avg.numel():
+                raise ValueError(
+                    f"AdamSegments: piece (param offset {p_at}, owned offset {at}, length {n}) is outside the buffers "
+                    f"({param.numel()} parameters, {exp_avg.numel()} owned)"
+                )
+        self.buffers, self.pieces = (param, exp_avg, exp_avg_sq), list(pieces)
+        self._triton = use_triton(param)
+        self._fused = not self._triton and _same_dtype(param, exp_avg, exp_avg_sq)
+        self.aligned = True
+        """Whether every chunk's offsets and length keep 16-byte accesses (the kernel's 128-bit loads and stores);
+        a caller may step unaligned pieces one launch each instead, so one odd piece does not slow all of them."""
+        if self._triton:
+            rows = [(at + c, p_at + c, min(BLOCK, n - c)) for p_at, at, n in pieces for c in range(0, n, BLOCK)]
+            table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(param.device)
+            aligns = [_alignment(r[column] for r in rows) for column in range(3)]
+            self._segments = (table, len(rows), *aligns)
+            sizes = (exp_avg.element_size(), param.element_size(), min(exp_avg.element_size(), param.element_size()))
+            self.aligned = all(a * size >= 16 for a, size in zip(aligns, sizes, strict=True))
+        else:
+            self._views = (
+                [param[p_at : p_at + n] for p_at, _, n in pieces],
+                [exp_avg[at : at + n] for _, at, n in pieces],
+                [exp_avg_sq[at : at + n] for _, at, n in pieces],
+            )
+            self._step = torch.zeros((), dtype=torch.float32, device=param.device)
+
+    def __call__(
+        self,
+        grad: torch.Tensor,
+        *,
+        step: int | DeviceStep,
+        lr: float | torch.Tensor,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        maximize: bool = False,
+        grad_scale: float = 1.0,
+        grad_scale_tensor: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+        squared_norm: torch.Tensor | None = None,
+        max_norm: float | None = None,
+    ) -> None:
+        """One step of every piece with its slice of ``grad`` (the whole owned gradient), as :meth:`AdamStep.__call__`
+        (on the torch path the skip flag and clip coefficient come as tensors, not ``squared_norm``)."""
+        param, exp_avg, exp_avg_sq = self.buffers
+        if max_norm is not None and squared_norm is None:
+            _check_clip(squared_norm, max_norm)  # raises: a threshold without the norm would clip nothing
+        device_step = isinstance(step, DeviceStep)
+        if self._triton:
+            _adam_launch(
+                param, grad, exp_avg, exp_avg_sq, None, grad_scale_tensor, found_inf, squared_norm, max_norm,
+                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
+                coefficients=step.coefficients if device_step else None, segments=self._segments,
+            )  # fmt: skip
+            return
+        if not self._fused or squared_norm is not None:
+            raise ValueError(
+                "AdamSegments on the torch path needs param and state in one dtype, and the skip flag and clip "
+                "coefficient as tensors (kernels.clip_scalars), not squared_norm; step the pieces with AdamStep"
+            )
+        scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
+        g = _scaled_grad(grad, grad_scale, grad_scale_tensor, False, param.dtype) if scaled else grad
+        if device_step:
+            count = step.count
+        else:
+            count = self._step
+            count.fill_(float(step))
+        params, exp_avgs, exp_avg_sqs = self._views
+        fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        fused(
+            params, [g[at : at + n] for _, at, n in self.pieces], exp_avgs, exp_avg_sqs, [], [count] * len(params),
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
+            found_inf=_flag(found_inf),
+        )  # fmt: skip
 
 
 class SGDStep:

@@ -465,6 +465,47 @@ def test_planned_adam_step_equals_the_function(device, kernel_impl, case):
         assert torch.equal(x, y) and torch.equal(x, z)
 
 
+@pytest.mark.parametrize("device_step", [False, True], ids=["host-step", "device-step"])
+def test_adam_segments_equal_one_adam_step_per_piece(device, kernel_impl, device_step):
+    """AdamSegments (every piece in one launch: a table of chunks on the GPU's path, one fused call over the pieces'
+    lists on the CPU's) against one AdamStep per piece on copies of the same buffers, over 4 steps with a clip
+    tensor and a skipped step, with the count on the host or on the device: bit for bit. The pieces are ZeRO-2's
+    shape: owned back to back, scattered over the parameter buffer, one longer than a block, one of 3 elements.
+    Catches a chunk stepping the wrong parameter or state offset, a piece's tail dropped or overrun (the elements
+    between pieces must not change), and the skip or scale not reaching every piece."""
+    big = 1100 if kernel_impl == "triton" and device.type == "cpu" else 2500
+    pieces = [(7, 0, big), (big + 40, big, 3), (big + 100, big + 16, 64)]  # (param offset, owned offset, length)
+    n_owned, n_params = big + 80, big + 200
+    g = _gen(21)
+    params = torch.randn(n_params, generator=g).to(device)
+    state = [torch.randn(n_owned, generator=g).to(device), torch.rand(n_owned, generator=g).to(device)]
+    grads = [torch.randn(n_owned, generator=g).to(device) for _ in range(4)]
+    a = [params.clone(), *(t.clone() for t in state)]
+    b = [params.clone(), *(t.clone() for t in state)]
+    grad_a, grad_b = torch.empty(n_owned, device=device), torch.empty(n_owned, device=device)
+    per_piece = [K.AdamStep(a[0][p : p + n], grad_a[o : o + n], a[1][o : o + n], a[2][o : o + n]) for p, o, n in pieces]
+    segments = K.AdamSegments(b[0], grad_b, b[1], b[2], pieces)
+    clip = torch.tensor([0.5], device=device)
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True, "grad_scale_tensor": clip}
+    for step, grad in enumerate(grads, 1):
+        skip = torch.tensor([1.0 if step == 3 else 0.0], device=device)
+        grad_a.copy_(grad)
+        grad_b.copy_(grad)
+        if device_step:  # the coefficients as advance_steps would give them, the count a device tensor
+            bc1, bc2 = 1 - 0.9**step, 1 - 0.999**step
+            values = [-(1e-2 / bc1), math.sqrt(bc2), 1 - 1e-2 * 0.1]
+            count = torch.tensor(float(step), device=device)
+            at = K.DeviceStep(count, torch.tensor(values, dtype=torch.float32, device=device))
+        else:
+            at = step
+        for (_, o, n), plan in zip(pieces, per_piece, strict=True):
+            plan(grad_a[o : o + n], step=at, found_inf=skip, **kw)
+        segments(grad_b, step=at, found_inf=skip, **kw)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(b[0][:7], params[:7]) and torch.equal(b[0][big + 7 : big + 40], params[big + 7 : big + 40])
+
+
 def test_advance_steps_counts_on_the_device_and_gives_the_hosts_coefficients(device, kernel_impl):
     """advance_steps (a capturable Adam's count and coefficients, computed on the device) against the host's
     arithmetic for the same counts (fp64, then fp32), over counts from 1 to 2**24 - 1 and three pairs of betas:

@@ -123,6 +123,9 @@ def _drive_every_op() -> None:
     for kw in adam:
         grad = _randn(N, bf16 if kw.pop("bf16_grad", False) else f32, 3)
         K.adam_step(_randn(N, f32), grad, torch.zeros(N), torch.zeros(N), step=1, lr=1e-2, **kw)
+    # Adam over several pieces in one launch (ZeRO-2's every bucket), unaligned offsets (the alignment the plan found)
+    grad, state = _randn(3 * N, f32, 3), (torch.zeros(3 * N), torch.zeros(3 * N))
+    K.AdamSegments(_randn(3 * N + 8, f32), grad, *state, [(1, 0, N), (N + 5, N, 7)])(grad, step=1, lr=1e-2)
     # SGD with its learning rate a device tensor (a scheduler's; a captured graph reads it)
     grad = _randn(N, f32, 3)
     K.SGDStep(_randn(N, f32), grad, torch.zeros(N))(grad, lr=torch.tensor(0.1), momentum=0.9, **norm, max_norm=1.0)
@@ -254,6 +257,14 @@ def _drive_hot_ops(launches: list[dict]) -> None:
         else:
             kw.update(no_skip)
         named(variant, K.adam_step, _randn(n, f32), grad, *state, step=1, lr=1e-2, **kw)
+    # ZeRO-2's step: every bucket's owned piece in one launch (a table of chunks; 16-element aligned offsets, as the
+    # shards are), with the count and coefficients on the device and the global norm read in the kernel
+    grad, state = _randn(4 * n, f32, 3), (torch.zeros(4 * n), torch.zeros(4 * n))
+    pieces = [(0, 0, n), (2 * n, n, n), (3 * n + 16, 2 * n, n)]  # (parameter offset, owned offset, length)
+    device_step = K.DeviceStep(torch.ones(()), torch.tensor([-1e-2, 1.0, 1.0]))
+    named("adamw segments, device step, global norm", K.AdamSegments(_randn(4 * n + 32, f32), grad, *state, pieces),
+          grad, step=device_step, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+          squared_norm=torch.tensor([4.0], dtype=torch.float64), max_norm=1.0)  # fmt: skip
     sgd = {
         "sgd": {},
         "sgd momentum": {"momentum": 0.9},

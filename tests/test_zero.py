@@ -9,6 +9,8 @@ of error as the float32 reference's own.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -325,6 +327,10 @@ class _Branches(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(15, 8) for _ in range(4))
+        g = torch.Generator().manual_seed(0)  # a seed of its own (rank threads share torch's global generator)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
     def forward(self, x):
         return sum(layer(x) for layer in self.layers)
@@ -359,3 +365,64 @@ def test_zero2_on_nccl_gathers_every_bucket_in_one_group():
     for r in results:
         assert r["buckets"] == 4 and r["joins"] == [2, 2, 2], r
         assert torch.equal(r["params"], results[0]["params"])
+
+
+def _adam_launches_per_step(comm, launches: list, state: dict | None) -> dict:
+    """ZeRO-2 with AdamW for 3 steps on the Triton path: this rank's Adam launches per step. ``state``: the shared
+    test net in small odd buckets (pieces that are not 16-element aligned); None: four 128-element branches, a bucket
+    each (aligned pieces)."""
+    if state is None:
+        net, buckets, shape = _Branches(), {"bucket_cap_mb": 512 / 2**20, "first_bucket_mb": 512 / 2**20}, (15, 8)
+    else:
+        net, buckets, shape = fresh_net(state), SMALL_BUCKETS, None
+    config = ShardingConfiguration(comm, **buckets)
+    model = gpudist.ZeRO2Model(net, config)
+    opt = gpudist.ZeRO2Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    counts, me = [], threading.get_ident()
+    for step in range(3):
+        if shape is None:
+            x, y = batch(step, comm.rank, comm.world_size)
+        else:
+            g = torch.Generator().manual_seed(step * 10 + comm.rank)
+            x, y = torch.randn(4, shape[0], generator=g), torch.randn(4, shape[1], generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        before = launches.count(me)
+        opt.step()
+        counts.append(launches.count(me) - before)  # this rank's (the ranks are threads)
+        opt.zero_grad()
+    return {"launches": counts, "pieces": len(opt._by_group()[0]), "params": model.gather_full_parameters()}
+
+
+def test_zero2_steps_every_bucket_piece_in_one_adam_launch(serial_interpreter, monkeypatch):
+    """ZeRO-2 owns one piece of every bucket; on the GPU's path (Triton, here interpreted, over the simulated NCCL)
+    its AdamW steps all of them in one launch where their offsets keep the kernel's 16-byte accesses (each launch
+    cost the H200's host ~20 us; one per bucket added up to ms on a 30-bucket model), bit for bit as one launch per
+    piece; pieces that are not aligned (small odd buckets) go one launch each, and train as single-process AdamW.
+    Catches the update going back to a launch per piece, a piece the one launch skips or steps at the wrong offset,
+    and one unaligned piece slowing every piece's update."""
+    from gpudist.kernels import optim
+    from gpudist.strategies.flat_optimizer import FlatShardOptimizer
+
+    from .fakenccl import FakeNccl, run_nccl
+
+    launches, kernel = [], optim._adam_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(threading.get_ident())
+            return kernel[grid]
+
+    monkeypatch.setattr(optim, "_adam_kernel", Counting())
+    aligned = run_nccl(_adam_launches_per_step, 2, FakeNccl(), launches=launches, state=None)
+    with monkeypatch.context() as m:
+        m.setattr(FlatShardOptimizer, "_segments_plan", lambda self, pieces: None)
+        per_piece = run_nccl(_adam_launches_per_step, 2, FakeNccl(), launches=launches, state=None)
+    for one, each in zip(aligned, per_piece, strict=True):
+        assert one["pieces"] == 4 and one["launches"] == [1, 1, 1] and each["launches"] == [4, 4, 4], (one, each)
+        assert torch.equal(one["params"], each["params"])
+    state = initial_state()
+    unaligned = run_nccl(_adam_launches_per_step, 2, FakeNccl(), launches=launches, state=state)
+    expected = reference_pair(single_process, state, torch.optim.AdamW, steps=3, lr=1e-2)
+    for r in unaligned:
+        assert r["pieces"] >= 2 and r["launches"] == [r["pieces"]] * 3, r
+        assert_matches_reference(r["params"], *expected)

@@ -570,10 +570,39 @@ class FlatShardOptimizer(ShardedOptimizer):
             self._device_steps.load(steps)
 
     def _fused_step(self, scale: StepScale, window: tuple[int, int] | None = None) -> None:
-        """One fused launch per contiguous owned piece, restricted to owned[window[0]:window[1]] if given."""
+        """The fused update of every owned piece, restricted to owned[window[0]:window[1]] if given: Adam and AdamW
+        in one launch per parameter group over all its pieces (:class:`~gpudist.kernels.AdamSegments`; ZeRO-2 has
+        one per bucket), SGD and a window in one launch per contiguous piece."""
         plans = self._step_plans()
         for g, pieces in self._by_group().items():
             h = self.param_groups[g]
+            common = {
+                "lr": h["lr"],
+                "weight_decay": h.get("weight_decay", 0.0),
+                "maximize": h.get("maximize", False),
+                "grad_scale_tensor": scale.clip,
+                "found_inf": scale.found_inf,
+                "squared_norm": scale.squared_norm,
+                "max_norm": scale.max_norm,
+            }
+            if self._kind != "sgd":
+                beta1, beta2 = h["betas"]
+                common.update(
+                    step=self._steps[g] if self._device_steps is None else self._device_steps.steps[g],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=h["eps"],
+                    decoupled_weight_decay=self._kind == "adamw",
+                )
+                plan = plans.get(("segments", g)) if window is None and len(pieces) > 1 else None
+                if plan is None and window is None and len(pieces) > 1 and ("segments", g) not in plans:
+                    plan = plans[("segments", g)] = self._segments_plan(pieces)
+                if plan is not None:  # None: pieces that would lose the kernel's 16-byte accesses, one launch each
+                    plan(self._grad, **common)
+                    continue
+            else:
+                common.update(momentum=h["momentum"], dampening=h["dampening"], nesterov=h["nesterov"])
+                common["first_step"] = self._steps[g] == 1
             for lo, hi in pieces:
                 if window is not None:
                     lo, hi = max(lo, window[0]), min(hi, window[1])
@@ -582,36 +611,17 @@ class FlatShardOptimizer(ShardedOptimizer):
                 plan = plans.get((lo, hi))
                 if plan is None:
                     plan = plans[(lo, hi)] = self._step_plan(lo, hi)
-                common = {
-                    "lr": h["lr"],
-                    "weight_decay": h.get("weight_decay", 0.0),
-                    "maximize": h.get("maximize", False),
-                    "grad_scale_tensor": scale.clip,
-                    "found_inf": scale.found_inf,
-                    "squared_norm": scale.squared_norm,
-                    "max_norm": scale.max_norm,
-                }
-                grad = self._grad[lo:hi]
-                if self._kind == "sgd":
-                    plan(
-                        grad,
-                        momentum=h["momentum"],
-                        dampening=h["dampening"],
-                        nesterov=h["nesterov"],
-                        first_step=self._steps[g] == 1,
-                        **common,
-                    )
-                else:
-                    beta1, beta2 = h["betas"]
-                    plan(
-                        grad,
-                        step=self._steps[g] if self._device_steps is None else self._device_steps.steps[g],
-                        beta1=beta1,
-                        beta2=beta2,
-                        eps=h["eps"],
-                        decoupled_weight_decay=self._kind == "adamw",
-                        **common,
-                    )
+                plan(self._grad[lo:hi], **common)
+
+    def _segments_plan(self, pieces: list[tuple[int, int]]) -> kernels.AdamSegments | None:
+        """A group's owned pieces as one :class:`~gpudist.kernels.AdamSegments`: their parameter offsets in the
+        master (or the flat parameters, fp32's own master); None where its kernel would lose its 16-byte accesses."""
+        base = self._master if self._master is not None else self._flat.data
+        size = base.element_size()
+        segments = [((self._master_of(lo, hi).data_ptr() - base.data_ptr()) // size, lo, hi - lo) for lo, hi in pieces]
+        state = self._state
+        plan = kernels.AdamSegments(base, self._grad, state["exp_avg"], state["exp_avg_sq"], segments)
+        return plan if plan.aligned else None
 
     def _step_plans(self) -> dict[tuple[int, int], kernels.AdamStep | kernels.SGDStep]:
         """The fused step's plans by owned range (built on first use, checked once), kept while the buffers they
