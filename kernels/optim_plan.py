@@ -143,6 +143,11 @@ class AdamStep:
         TypeError, ValueError: As :func:`adam_step`, for the buffers.
     """
 
+    _segments: tuple | None = None
+    """:class:`AdamSegments`' table for the kernel; None: one contiguous piece."""
+    _one_piece = True
+    """Whether :func:`adam_step` (one buffer per call) can stand in on the torch path."""
+
     def __init__(self, param, grad, exp_avg, exp_avg_sq, *, param_out: torch.Tensor | None = None):
         _check_buffers(param, {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out})
         self.buffers, self.param_out = (param, exp_avg, exp_avg_sq), param_out
@@ -181,15 +186,16 @@ class AdamStep:
                 param, grad, exp_avg, exp_avg_sq, self.param_out, grad_scale_tensor, found_inf, squared_norm,
                 max_norm, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
-                coefficients=step.coefficients if device_step else None,
+                coefficients=step.coefficients if device_step else None, segments=self._segments,
             )  # fmt: skip
             return
         hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
         if not self._fused or squared_norm is not None:  # mixed dtypes, or flags to compute: the function's path
-            if device_step:
+            if device_step or not self._one_piece:
                 raise ValueError(
-                    "AdamStep: a DeviceStep on the torch path needs param, exp_avg and exp_avg_sq in one dtype and "
-                    "no squared_norm (torch's fused Adam reads the count; the function's path takes an int)"
+                    f"{type(self).__name__}: a DeviceStep or several pieces on the torch path need param and state "
+                    "in one dtype, and the skip flag and clip coefficient as tensors (kernels.clip_scalars), not "
+                    "squared_norm (torch's fused Adam reads the count; the function's path takes an int)"
                 )
             adam_step(
                 param, grad, exp_avg, exp_avg_sq, step=step, **hyper, decoupled_weight_decay=decoupled_weight_decay,
@@ -204,13 +210,19 @@ class AdamStep:
         else:
             count = self._step
             count.fill_(float(step))
+        params, grads, exp_avgs, exp_avg_sqs = self._lists(g)
         fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
         fused(
-            [param], [g], [exp_avg], [exp_avg_sq], [], [count], **hyper, amsgrad=False, maximize=maximize,
-            found_inf=_flag(found_inf),
+            params, grads, exp_avgs, exp_avg_sqs, [], [count] * len(params), **hyper, amsgrad=False,
+            maximize=maximize, found_inf=_flag(found_inf),
         )  # fmt: skip
         if self.param_out is not None:
             self.param_out.copy_(param)
+
+    def _lists(self, grad: torch.Tensor) -> tuple[list, list, list, list]:
+        """The torch fused step's tensor lists: this plan's buffers and ``grad``."""
+        param, exp_avg, exp_avg_sq = self.buffers
+        return [param], [grad], [exp_avg], [exp_avg_sq]
 
 
 def _alignment(offsets) -> int:
@@ -222,12 +234,13 @@ def _alignment(offsets) -> int:
     return align
 
 
-class AdamSegments:
+class AdamSegments(AdamStep):
     """:class:`AdamStep` over several pieces of one parameter buffer at once (ZeRO-2's owned piece of every bucket),
     their gradients and state at their own offsets in the owned buffers: one launch for all of them (Triton: one
     program per chunk of at most ``BLOCK`` elements of a piece, from a table made here, the offsets' alignment
     checked here so the kernel keeps its 128-bit accesses) or one torch fused call over the pieces' lists (CPU),
-    instead of one per piece. Calls take what :meth:`AdamStep.__call__` takes, ``grad`` the whole owned gradient.
+    instead of one per piece. Calls take what :meth:`AdamStep.__call__` takes, ``grad`` the whole owned gradient;
+    on the torch path the skip flag and clip coefficient come as tensors, not ``squared_norm``.
 
     Args:
         param: The whole 1-D parameter buffer the pieces are slices of; it must keep its storage.
@@ -238,6 +251,8 @@ class AdamSegments:
     Raises:
         TypeError, ValueError: As :class:`AdamStep`, for the buffers; ValueError for a piece outside them.
     """
+
+    _one_piece = False
 
     def __init__(self, param, grad, exp_avg, exp_avg_sq, pieces: list[tuple[int, int, int]]):
         _check_buffers(exp_avg, {"grad": grad, "exp_avg_sq": exp_avg_sq})
@@ -250,9 +265,10 @@ class AdamSegments:
                     f"AdamSegments: piece (param offset {p_at}, owned offset {at}, length {n}) is outside the buffers "
                     f"({param.numel()} parameters, {exp_avg.numel()} owned)"
                 )
-        self.buffers, self.pieces = (param, exp_avg, exp_avg_sq), list(pieces)
+        self.buffers, self.param_out, self.pieces = (param, exp_avg, exp_avg_sq), None, list(pieces)
         self._triton = use_triton(param)
         self._fused = not self._triton and _same_dtype(param, exp_avg, exp_avg_sq)
+        self._step = torch.zeros((), dtype=torch.float32, device=param.device)
         self.aligned = True
         """Whether every chunk's offsets and length keep 16-byte accesses (the kernel's 128-bit loads and stores);
         a caller may step unaligned pieces one launch each instead, so one odd piece does not slow all of them."""
@@ -269,59 +285,10 @@ class AdamSegments:
                 [exp_avg[at : at + n] for _, at, n in pieces],
                 [exp_avg_sq[at : at + n] for _, at, n in pieces],
             )
-            self._step = torch.zeros((), dtype=torch.float32, device=param.device)
 
-    def __call__(
-        self,
-        grad: torch.Tensor,
-        *,
-        step: int | DeviceStep,
-        lr: float | torch.Tensor,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        decoupled_weight_decay: bool = False,
-        maximize: bool = False,
-        grad_scale: float = 1.0,
-        grad_scale_tensor: torch.Tensor | None = None,
-        found_inf: torch.Tensor | None = None,
-        squared_norm: torch.Tensor | None = None,
-        max_norm: float | None = None,
-    ) -> None:
-        """One step of every piece with its slice of ``grad`` (the whole owned gradient), as :meth:`AdamStep.__call__`
-        (on the torch path the skip flag and clip coefficient come as tensors, not ``squared_norm``)."""
-        param, exp_avg, exp_avg_sq = self.buffers
-        if max_norm is not None and squared_norm is None:
-            _check_clip(squared_norm, max_norm)  # raises: a threshold without the norm would clip nothing
-        device_step = isinstance(step, DeviceStep)
-        if self._triton:
-            _adam_launch(
-                param, grad, exp_avg, exp_avg_sq, None, grad_scale_tensor, found_inf, squared_norm, max_norm,
-                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, grad_scale=grad_scale,
-                coefficients=step.coefficients if device_step else None, segments=self._segments,
-            )  # fmt: skip
-            return
-        if not self._fused or squared_norm is not None:
-            raise ValueError(
-                "AdamSegments on the torch path needs param and state in one dtype, and the skip flag and clip "
-                "coefficient as tensors (kernels.clip_scalars), not squared_norm; step the pieces with AdamStep"
-            )
-        scaled = grad_scale != 1.0 or grad_scale_tensor is not None or grad.dtype != param.dtype
-        g = _scaled_grad(grad, grad_scale, grad_scale_tensor, False, param.dtype) if scaled else grad
-        if device_step:
-            count = step.count
-        else:
-            count = self._step
-            count.fill_(float(step))
+    def _lists(self, grad: torch.Tensor) -> tuple[list, list, list, list]:
         params, exp_avgs, exp_avg_sqs = self._views
-        fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-        fused(
-            params, [g[at : at + n] for _, at, n in self.pieces], exp_avgs, exp_avg_sqs, [], [count] * len(params),
-            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
-            found_inf=_flag(found_inf),
-        )  # fmt: skip
+        return params, [grad[at : at + n] for _, at, n in self.pieces], exp_avgs, exp_avg_sqs
 
 
 class SGDStep:

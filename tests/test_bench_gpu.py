@@ -384,13 +384,13 @@ def _capture_row(comm, group):
 
 
 def _torch_graphed_row(comm, group):
-    from gpudist.bench.gpu.graphs import torch_graphed_row
+    from gpudist.bench.gpu.graphs import CaptureBench, torch_graphed_row
 
     from .graphsim import SimulatedGraph
 
     tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
-    return torch_graphed_row(comm, group, torch.device("cpu"), "gpt", 2, 2, 2, tiny, optimizer="sgd",
-                             graph=SimulatedGraph)  # fmt: skip
+    bench = CaptureBench(comm, group, torch.device("cpu"), "gpt", 2, tiny, None, "sgd", SimulatedGraph)
+    return torch_graphed_row(bench, 2, 2)
 
 
 def test_torch_graphed_row_records_what_torch_refuses():

@@ -155,6 +155,16 @@ def _world(settings: GPUSettings) -> int:
     return settings.world_size or torch.cuda.device_count()
 
 
+def part_rows(settings: GPUSettings, part: str, body, world: int | None = None) -> list:
+    """Rank 0's result of ``body(gloo, nccl, settings)`` on ``world`` ranks (default: :func:`_world`), each with an
+    NCCL group, in processes spawned for the part, stopped at the part's time limit."""
+    from ...launch import spawn
+    from ..collectives import on_nccl
+
+    world = world or _world(settings)
+    return spawn(on_nccl, world, body=body, settings=settings, timeout=settings.timeouts[part])[0]
+
+
 def _cupy_nccl() -> None:
     """Raise, naming the extra to install, when CuPy's NCCL (what gpudist's NCCL backend drives) is missing."""
     try:

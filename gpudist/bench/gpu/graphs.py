@@ -19,8 +19,8 @@ import torch
 
 from .. import peers
 from .. import workloads as W
-from ..collectives import interleaved_times, on_nccl
-from .common import GPUSettings, _error_text, _world
+from ..collectives import interleaved_times
+from .common import GPUSettings, _error_text, _world, part_rows
 
 CAPTURE_WORKLOADS = ("gpt", "mlp", "gpt-host")
 """The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays; ``gpt-host``
@@ -30,7 +30,7 @@ CAPTURED = {"ddp": "torch_ddp", "zero2": "torch_zero", "fsdp": "fsdp2"}
 """The strategies captured, each with its torch peer (eager, at its best)."""
 
 
-class _Bench:
+class CaptureBench:
     """What every variant of one workload shares: the seeded batch, the loss, and the builders of gpudist's pairs
     and torch's DDP module (each from the same seeded model)."""
 
@@ -142,7 +142,7 @@ def capture_rows(
     same step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
     captured: the same function; ZeRO-2's learning rate a device tensor) or ``sgd`` (the CPU tier, where torch
     refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's)."""
-    bench = _Bench(comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph)
+    bench = CaptureBench(comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph)
     sgd = {"optimizer_class": torch.optim.SGD, "momentum": 0.9} if optimizer == "sgd" else {}
 
     def torch_optimizer(model):
@@ -183,27 +183,15 @@ def capture_rows(
     }
 
 
-def torch_graphed_row(
-    comm,
-    torch_group,
-    device: torch.device,
-    workload: str,
-    batch: int,
-    steps: int,
-    rounds: int,
-    overrides: dict,
-    *,
-    optimizer: str = "adamw",
-    graph=None,
-) -> dict:
+def torch_graphed_row(bench: CaptureBench, steps: int, rounds: int) -> dict:
     """torch's own CUDA graphs on the same DDP step, where torch takes them, against torch DDP eager and gpudist's
     captured DDP step: the whole step captured as torch's recipe has it (DDP built on a side stream, 11 eager warm-up
     steps, capturable fused AdamW; captured through :func:`gpudist.capture`, which does for a plain module what
     ``torch.cuda.graph`` does), and ``torch.cuda.make_graphed_callables`` (forward and backward graphed, then wrapped
-    in DDP; fused AdamW eager). A variant torch refuses is recorded with its error. Run last in the part: a capture
-    that fails can leave the device's stream unusable. ``optimizer`` and ``graph``: as :func:`capture_rows` takes
-    them (for the CPU tier, where both of torch's variants are refused)."""
-    bench = _Bench(comm, torch_group, device, workload, batch, overrides, None, optimizer, graph)
+    in DDP; fused AdamW eager). A variant torch refuses is recorded with its error. Run in a part of its own: a
+    capture that fails can leave the device's stream unusable. ``bench``'s optimizer and graph are gpudist's (the CPU
+    tier, where both of torch's variants are refused, passes SGD and its simulated graph)."""
+    device = bench.device
     ddp = bench.torch_module()
     variants = {
         "torch_ddp": bench.eager(ddp, peers.adamw(ddp.parameters(), fused=True)),
@@ -239,7 +227,7 @@ def torch_graphed_row(
     }
 
 
-def _eager_and_replayed(bench: _Bench, strategy: str) -> dict:
+def _eager_and_replayed(bench: CaptureBench, strategy: str) -> dict:
     """The same function, eager and replayed: two fresh copies of ``strategy``'s pair stepped on the same batches
     (after capture's warm-up steps on its example batch), their losses."""
     from ...capture import capture
@@ -288,59 +276,51 @@ def _capture_torch_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     import torch.distributed as dist
 
     group = dist.new_group(backend="nccl", device_id=nccl.device)
-    args = (nccl, group, nccl.device, "gpt", 8, settings.steps, settings.rounds, settings.model_overrides)
-    return [{"torch_graphs": True, **torch_graphed_row(*args)}]
+    bench = CaptureBench(nccl, group, nccl.device, "gpt", 8, settings.model_overrides, None, "adamw", None)
+    return [{"torch_graphs": True, **torch_graphed_row(bench, settings.steps, settings.rounds)}]
 
 
-def capture_part(settings: GPUSettings) -> dict:
-    from ...launch import spawn
+VARIANTS = {
+    "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25), "
+    "AdamW(fused=True), eager",
+    "torch_zero": "the same DDP + ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True), eager",
+    "fsdp2": "fully_shard per block and the root (FSDP2), AdamW(fused=True), eager",
+    "gpudist_ddp": "DDPModel(static_graph=True) + DDPOptimizer(AdamW(fused=True, capturable=True)), eager",
+    "gpudist_ddp_graphed": "the same, gpudist.capture: one CUDA graph per step",
+    "gpudist_zero2": "ZeRO2Model(static_graph=True) + ZeRO2Optimizer(AdamW(lr=tensor, capturable=True)), eager",
+    "gpudist_zero2_graphed": "the same, gpudist.capture: one CUDA graph per step",
+    "gpudist_fsdp": "FSDPModel (a unit per block, resharding after forward) + its optimizer (AdamW(lr=tensor, "
+    "capturable=True)), eager",
+    "gpudist_fsdp_graphed": "the same, gpudist.capture: one CUDA graph per step",
+    "torch_ddp_graphed": "torch DDP's whole step captured by torch's recipe: DDP built on a side stream, 11 warm-up "
+    "steps, AdamW(fused=True, capturable=True)",
+    "torch_ddp_graphed_callables": "make_graphed_callables(model) wrapped in DDP, AdamW(fused=True) eager",
+}
+"""What every variant of the capture parts is (the JSON's ``variants``)."""
 
+
+def _part(settings: GPUSettings, name: str, body, variants: list[str]) -> dict:
     world = _world(settings)
-    rows = spawn(on_nccl, world, body=_capture_body, settings=settings, timeout=settings.timeouts["capture"])[0]
+    rows = part_rows(settings, name, body, world)
     return {
         "world_size": world,
-        "variants": {
-            "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25), "
-            "AdamW(fused=True), eager",
-            "torch_zero": "the same DDP + ZeroRedundancyOptimizer(AdamW, fused=True, parameters_as_bucket_view=True), "
-            "eager",
-            "gpudist_ddp": "DDPModel(static_graph=True) + DDPOptimizer(AdamW(fused=True, capturable=True)), eager",
-            "gpudist_ddp_graphed": "the same, gpudist.capture: one CUDA graph per step",
-            "gpudist_zero2": "ZeRO2Model(static_graph=True) + ZeRO2Optimizer(AdamW(lr=tensor, capturable=True)), eager",
-            "gpudist_zero2_graphed": "the same, gpudist.capture: one CUDA graph per step",
-            "fsdp2": "fully_shard per block and the root (FSDP2), AdamW(fused=True), eager",
-            "gpudist_fsdp": "FSDPModel (a unit per block, resharding after forward) + its optimizer "
-            "(AdamW(lr=tensor, capturable=True)), eager",
-            "gpudist_fsdp_graphed": "the same, gpudist.capture: one CUDA graph per step",
-        },
+        "variants": {v: VARIANTS[v] for v in variants},
         "batch_per_rank": 8,
         "steps_per_round": settings.steps,
         "rounds": settings.rounds,
         "rows": rows,
     }
+
+
+def capture_part(settings: GPUSettings) -> dict:
+    """gpudist's captured DDP, ZeRO-2 and FSDP steps against the same eager and their torch peers
+    (:func:`capture_rows` on each of :data:`CAPTURE_WORKLOADS`)."""
+    names = [*CAPTURED.values(), *(f"gpudist_{s}{g}" for s in CAPTURED for g in ("", "_graphed"))]
+    return _part(settings, "capture", _capture_body, names)
 
 
 def capture_torch_part(settings: GPUSettings) -> dict:
     """torch's own CUDA graphs against gpudist's captured DDP step (:func:`torch_graphed_row`), in a part of its own:
     a capture torch refuses may leave the device unusable, or hang, and must not cost the capture part its rows."""
-    from ...launch import spawn
-
-    world = _world(settings)
-    body, timeout = _capture_torch_body, settings.timeouts["capture-torch"]
-    rows = spawn(on_nccl, world, body=body, settings=settings, timeout=timeout)[0]
-    return {
-        "world_size": world,
-        "variants": {
-            "torch_ddp": "DistributedDataParallel(gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=25), "
-            "AdamW(fused=True), eager",
-            "gpudist_ddp_graphed": "DDPModel(static_graph=True) + DDPOptimizer(AdamW(fused=True, capturable=True)), "
-            "gpudist.capture",
-            "torch_ddp_graphed": "torch DDP's whole step captured by torch's recipe: DDP built on a side stream, 11 "
-            "warm-up steps, AdamW(fused=True, capturable=True)",
-            "torch_ddp_graphed_callables": "make_graphed_callables(model) wrapped in DDP, AdamW(fused=True) eager",
-        },
-        "batch_per_rank": 8,
-        "steps_per_round": settings.steps,
-        "rounds": settings.rounds,
-        "rows": rows,
-    }
+    names = ["torch_ddp", "gpudist_ddp_graphed", "torch_ddp_graphed", "torch_ddp_graphed_callables"]
+    return _part(settings, "capture-torch", _capture_torch_body, names)

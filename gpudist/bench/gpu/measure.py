@@ -21,6 +21,7 @@ from .common import (
     bandwidth_GBps,
     bus_bandwidth,
     fraction_of_copy,
+    part_rows,
 )
 
 # -- part: kernel bandwidth ---------------------------------------------------------------------------------------
@@ -170,8 +171,6 @@ def host_part(settings: GPUSettings) -> dict:
     """Host microseconds per call on the GPU (``gpudist.bench.host_calls``, CUDA and NCCL real): pack of
     30 and 300 tensors, the Adam step and one all-reduce, each through gpudist's function, its plan, and as torch
     or raw CuPy do it, interleaved. World size 1: only the host's time is measured."""
-    from ...launch import spawn
-
     _cupy_nccl()
-    rows = spawn(on_nccl, 1, body=_host_body, settings=settings, timeout=settings.timeouts["host"])[0]
+    rows = part_rows(settings, "host", _host_body, 1)
     return {"world_size": 1, "calls": HOST_CALLS, "rounds": settings.rounds, "us_per_call": rows}

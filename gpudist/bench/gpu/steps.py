@@ -13,9 +13,8 @@ from .. import peers
 from .. import workloads as W
 from ..collectives import (
     interleaved_times,
-    on_nccl,
 )
-from .common import GPUSettings, _cupy_nccl, _error_text, _world
+from .common import GPUSettings, _cupy_nccl, _error_text, _world, part_rows
 
 # -- part: strategy step times ---------------------------------------------------------------------------------------
 
@@ -197,11 +196,8 @@ def _strategies_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
 
 
 def strategies_part(settings: GPUSettings) -> dict:
-    from ...launch import spawn
-
     world = _world(settings)
-    timeout = settings.timeouts["strategies"]
-    rows = spawn(on_nccl, world, body=_strategies_body, settings=settings, timeout=timeout)[0]
+    rows = part_rows(settings, "strategies", _strategies_body, world)
     return {
         "world_size": world,
         "peers": {
@@ -327,7 +323,5 @@ def _profile_body(gloo, nccl, settings: GPUSettings) -> dict:
 def profile_part(settings: GPUSettings) -> dict:
     """One profiled run of each strategy variant on the 185M GPT under bf16 autocast (world 1 over NCCL): where a
     step's host time goes, and how much of the step the GPU is busy."""
-    from ...launch import spawn
-
     _cupy_nccl()
-    return spawn(on_nccl, 1, body=_profile_body, settings=settings, timeout=settings.timeouts["profile"])[0]
+    return part_rows(settings, "profile", _profile_body, 1)
