@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import pytest
 import torch
@@ -416,6 +417,51 @@ def test_a_batch_of_other_shapes_runs_eagerly_with_one_warning():
     step(x[:2], y[:2])
     step(x, y)
     assert (step.eager_steps, step.replays) == (2, 1)
+
+
+def _mixed_shapes(comm, capture: bool) -> dict:
+    """Six steps of ZeRO-2 with capturable AdamW and a scheduled tensor lr, the third and fifth on a smaller batch:
+    captured (those two run eagerly between replays), or every one eager."""
+    batches = _batches(comm.rank, WARMUP + 6)
+    for i in (WARMUP + 2, WARMUP + 4):
+        batches[i] = (batches[i][0][:3], batches[i][1][:3])
+    model, opt = _pair(comm, "zero2", "adamw", static_graph=True)
+    schedule = _scheduled(opt, "adamw")
+    losses = []
+    if capture:
+        step = gpudist.capture(model, opt, _loss, batches[0], warmup=WARMUP, graph=SimulatedGraph)
+    else:
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = _loss(model, x, y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(WARMUP):
+            step(*batches[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager fallback's warning (tested above)
+        for x, y in batches[WARMUP:]:
+            losses.append(step(x, y).item())
+            schedule.step()
+    return {"losses": losses, "params": _params(model), "steps": opt.state_dict()["steps"]}
+
+
+def test_eager_steps_between_replays_share_the_device_counts():
+    """A batch of another shape runs eagerly between replays: with capturable AdamW both kinds of step advance the
+    same device count and read the same tensor lr, so the mix equals all-eager training bit for bit. Catches an
+    eager fallback that counts on the host (the replays would then reuse a stale count), or a replay that misses the
+    eager step's update."""
+    for replayed, eager in zip(
+        run_nccl(_mixed_shapes, 2, FakeNccl(), capture=True),
+        run_nccl(_mixed_shapes, 2, FakeNccl(), capture=False),
+        strict=True,
+    ):
+        assert replayed["losses"] == eager["losses"] and replayed["steps"] == eager["steps"] == [WARMUP + 6]
+        for a, b in zip(replayed["params"], eager["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _watched(comm) -> dict:
