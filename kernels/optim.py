@@ -298,16 +298,17 @@ def _adam_launch(
     ``1 - lr * weight_decay``), the kernel reads the step's scalars there and ``step`` and ``lr`` are not used.
     With ``segments`` (:class:`AdamSegments`' table, its rows and alignments), one program per row steps a piece's
     chunk: ``param`` is the whole parameter buffer, the other buffers the whole owned ones."""
-    n = param.numel() if segments is None else segments[1]
-    if not n:
+    n = param.numel()
+    programs = -(-n // BLOCK) if segments is None else segments[1]  # (not triton.cdiv: a jit function, ~5 us)
+    if not programs:
         return
     if coefficients is None:
         s = _adam_scalars(step, lr, beta1, beta2, weight_decay)
     else:  # the betas' terms (constant); the ones that move with the step or lr are read in the kernel
         s = _adam_scalars(1, 0.0, beta1, beta2, 0.0)
     max_norm_hi, max_norm_lo = split_f64(max_norm) if max_norm is not None else (0.0, 0.0)
-    table, rows, owned_align, param_align, length_align = segments if segments is not None else (param, 0, 1, 1, 1)
-    _adam_kernel[(-(-n // BLOCK) if segments is None else rows,)](  # (not triton.cdiv: a jit function, ~5 us)
+    table, _, owned_align, param_align, length_align = segments if segments is not None else (param, 0, 1, 1, 1)
+    _adam_kernel[(programs,)](
         param,
         grad,
         exp_avg,

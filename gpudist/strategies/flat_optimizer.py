@@ -580,12 +580,13 @@ class FlatShardOptimizer(FlatCheckpoint, ShardedOptimizer):
                     eps=h["eps"],
                     decoupled_weight_decay=self._kind == "adamw",
                 )
-                plan = plans.get(("segments", g)) if window is None and len(pieces) > 1 else None
-                if plan is None and window is None and len(pieces) > 1 and ("segments", g) not in plans:
-                    plan = plans[("segments", g)] = self._segments_plan(pieces)
-                if plan is not None:  # None: pieces that would lose the kernel's 16-byte accesses, one launch each
-                    plan(self._grad, **common)
-                    continue
+                if window is None and len(pieces) > 1:
+                    key = ("segments", g)
+                    if key not in plans:
+                        plans[key] = self._segments_plan(pieces)
+                    if plans[key] is not None:  # None: pieces that would lose 16-byte accesses, one launch each
+                        plans[key](self._grad, **common)
+                        continue
             else:
                 common.update(momentum=h["momentum"], dampening=h["dampening"], nesterov=h["nesterov"])
                 common["first_step"] = self._steps[g] == 1
