@@ -1,6 +1,6 @@
 """Host time, measured like memory: what gpudist's glue costs the host per call and per parameter, beside torch's.
 
-    python -m benchmarks.host_overhead [--sections calls,backward] [--rounds 7] [--out FILE]
+    python -m benchmarks.host_overhead [--sections calls,backward,steps] [--rounds 7] [--out FILE]
 
 On a GPU the host's time is most of a step's for models up to a few hundred million parameters (the H200 run of
 2026-11-28: docs/results.md#on-a-gpu), so it is measured here where it can be isolated, on the CPU, with the work
@@ -22,6 +22,13 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
   count; torch DDP (bucket view, static graph), ZeroRedundancyOptimizer and FSDP2 (each Linear a unit, as gpudist's
   FSDP here) beside, every optimizer AdamW(fused=True); gpudist DDP and ZeRO-2 also with ``static_graph=True``
   (``*_static``: one hook per bucket, under the promise torch DDP's row makes too). Medians of interleaved rounds.
+- ``steps``: the same step per strategy (DDP, ZeRO-1/2/3, FSDP, DDP with int8 compression) on the GPU's path with
+  CUDA stubbed: gpudist's NCCL backend over the simulated NCCL (tests/fakenccl.py), two ranks that build every
+  strategy and take a step together, after which the communicator and the CUDA seam are no-ops and rank 0 alone
+  times the steps; every Triton kernel forced and its launch a counted no-op. Per strategy: host microseconds per
+  step by phase, its Triton launches and NCCL calls per step, its buckets (or units), and its glue (step time over
+  the plain module's) per bucket and per parameter; the torch peers beside it on a Gloo group of one rank (their
+  CPU path: their C++ glue plus tiny copies, no device to stub). Buckets of 5 KB: 8 for the 300 parameters.
 
 The host-bound step against the peers over two Gloo processes on TCP is the strategy benchmarks' job, on the
 ``gpt-host`` workload (292 tiny tensors): ``GPUDIST_SHM=0 python -m benchmarks.ddp --workload gpt-host --phases 10``
@@ -32,9 +39,11 @@ Results: ``benchmarks/results/host_overhead.json``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +108,12 @@ class _NullRuntime:
     def on_comm(self):
         return contextlib.nullcontext()
 
+    def selected(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
 
 def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
     x = torch.ones(256)
@@ -126,16 +141,22 @@ def _collective_rows(comm, calls: int, rounds: int) -> dict[str, dict]:
         comm._comm, comm._rt = saved  # shutdown needs the real ones
 
 
+def _simulated_nccl():
+    """tests/fakenccl.py's simulated NCCL (``FakeNccl``, ``run_nccl``): CUDA and NCCL cost ~0 there."""
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from tests.fakenccl import FakeNccl, run_nccl
+
+    return FakeNccl, run_nccl
+
+
 def calls_section(rounds: int, calls: int) -> dict:
     rows = {}
     for n in (1, 30, 300):
         rows.update(interleaved(pack_variants(n, max(50, calls // max(1, n // 30))), rounds))
     rows.update(interleaved(adam_variants(calls), rounds))
-    repo = Path(__file__).resolve().parents[1]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from tests.fakenccl import FakeNccl, run_nccl  # the simulated NCCL: CUDA and NCCL cost ~0
-
+    FakeNccl, run_nccl = _simulated_nccl()
     rows.update(run_nccl(_collective_rows, 1, FakeNccl(), calls=calls, rounds=rounds)[0])
     return rows
 
@@ -143,6 +164,7 @@ def calls_section(rounds: int, calls: int) -> dict:
 # -- backward --------------------------------------------------------------------------------------------------------
 
 LAYERS = 150
+TENSORS = 2 * LAYERS
 
 
 def _tiny() -> nn.Module:
@@ -166,7 +188,12 @@ def _phases(model: nn.Module, opt, x: torch.Tensor) -> Callable[[], dict[str, fl
     return step
 
 
-def backward_section(rounds: int, steps: int) -> dict:
+def _built(
+    comm, bucket_mb: float | None = None, peers: bool = True
+) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+    """The plain module and its torch peers at their best on the default (Gloo) process group (unless not ``peers``),
+    and gpudist's wrappers on ``comm``, each on a fresh :func:`_tiny` with fused AdamW; ``bucket_mb``: every bucket
+    cap (None: the defaults)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -174,22 +201,19 @@ def backward_section(rounds: int, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     import gpudist
-    from gpudist.comm import GlooCommunicationBackend
-    from gpudist.strategies import DATA_PARALLEL_PAIRS
+    from gpudist.strategies import DATA_PARALLEL_PAIRS, GradientCompressionOptimizer
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        comm = GlooCommunicationBackend()
-        x = torch.randn(4, 8)
-        built = {}
+    built = {}
+    if peers:
+        caps = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
         plain = _tiny()
         built["plain"] = (plain, adamw(plain.parameters()))
-        ddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True)
+        ddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True, **caps)
         built["torch_ddp"] = (ddp, adamw(ddp.parameters()))
-        zddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True)
+        zddp = DistributedDataParallel(_tiny(), gradient_as_bucket_view=True, static_graph=True, **caps)
         zopt = ZeroRedundancyOptimizer(
             zddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, fused=True, parameters_as_bucket_view=True
         )
@@ -200,44 +224,168 @@ def backward_section(rounds: int, steps: int) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(fsdp2, mesh=mesh)
         built["torch_fsdp2"] = (fsdp2, adamw(fsdp2.parameters()))
-        for strategy, static in (("ddp", False), ("ddp", True), ("zero1", False), ("zero2", False), ("zero2", True)):
-            config = gpudist.ShardingConfiguration(comm, static_graph=static)
-            model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-            model = model_cls(_tiny(), config)
-            built[f"gpudist_{strategy}{'_static' if static else ''}"] = (
-                model,
-                opt_cls(adamw(model.parameters()), config),
-            )
-        config = gpudist.ShardingConfiguration(comm)
-        model_cls, opt_cls = DATA_PARALLEL_PAIRS["fsdp"]
-        model = model_cls(_tiny(), config, auto_wrap_policy={nn.Linear})
-        built["gpudist_fsdp"] = (model, opt_cls(adamw(model.parameters()), config))
-        phases = {name: _phases(model, opt, x) for name, (model, opt) in built.items()}
+    caps = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb, "first_bucket_mb": bucket_mb}
+    for strategy, static in (("ddp", False), ("ddp", True), ("zero1", False), ("zero2", False), ("zero2", True)):
+        config = gpudist.ShardingConfiguration(comm, static_graph=static, **caps)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(_tiny(), config)
+        built[f"gpudist_{strategy}{'_static' if static else ''}"] = (model, opt_cls(adamw(model.parameters()), config))
+    config = gpudist.ShardingConfiguration(comm, **caps)
+    for strategy, wrap in (("zero3", {}), ("fsdp", {"auto_wrap_policy": {nn.Linear}})):  # a unit per Linear, both
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(_tiny(), config, **wrap)
+        built[f"gpudist_{strategy}"] = (model, opt_cls(adamw(model.parameters()), config))
+    model_cls, opt_cls = DATA_PARALLEL_PAIRS["ddp"]
+    model = model_cls(_tiny(), config)
+    built["gpudist_ddp_int8"] = (
+        model,
+        GradientCompressionOptimizer(opt_cls(adamw(model.parameters()), config), config, "int8"),
+    )
+    return built
 
-        def median_phases(fn: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
-            def run() -> dict[str, float]:
-                samples = [fn() for _ in range(steps)]
-                return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
-            return run
+def _interleaved_phases(built: dict, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Per variant, host microseconds per step by phase (:func:`_phases`): medians over ``steps`` steps per round,
+    then over ``rounds`` interleaved rounds (after three warm-up steps each), with the step's total and its backward's
+    extra microseconds per parameter over the plain module's."""
+    x = torch.randn(4, 8)
+    phases = {name: _phases(model, opt, x) for name, (model, opt) in built.items()}
 
-        for fn in phases.values():  # warm-up: buckets built, kernels and allocations settled
-            for _ in range(3):
-                fn()
-        samples: dict[str, list[dict[str, float]]] = {name: [] for name in phases}
-        names = list(phases)
-        for r in range(rounds):
-            for k in range(len(names)):
-                name = names[(r + k) % len(names)]
-                samples[name].append(median_phases(phases[name])())
+    def median_phases(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+        samples = [fn() for _ in range(steps)]
+        return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+    for fn in phases.values():  # warm-up: buckets built, kernels and allocations settled
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in phases}
+    names = list(phases)
+    for r in range(rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            samples[name].append(median_phases(phases[name]))
+    table = {name: {k: statistics.median(s[k] for s in rows) * 1e6 for k in rows[0]} for name, rows in samples.items()}
+    for row in table.values():
+        row["step_total_us"] = sum(row[k] for k in ("forward", "backward", "step", "zero_grad"))
+        row["backward_extra_us_per_param"] = (row["backward"] - table["plain"]["backward"]) / TENSORS
+    return table
+
+
+def backward_section(rounds: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from gpudist.comm import GlooCommunicationBackend
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        table = _interleaved_phases(_built(GlooCommunicationBackend()), rounds, steps)
     finally:
         dist.destroy_process_group()
-    table = {name: {k: statistics.median(s[k] for s in rows) * 1e6 for k in rows[0]} for name, rows in samples.items()}
-    tensors = 2 * LAYERS
-    for row in table.values():
-        row["backward_extra_us_per_param"] = (row["backward"] - table["plain"]["backward"]) / tensors
-        row["step_total_us"] = sum(row[k] for k in ("forward", "backward", "step", "zero_grad"))
-    return {"model": f"{LAYERS} x Linear(8, 8): {tensors} parameters", "world_size": 1, "us": table}
+    return {"model": f"{LAYERS} x Linear(8, 8): {TENSORS} parameters", "world_size": 1, "us": table}
+
+
+# -- steps -------------------------------------------------------------------------------------------------------------
+
+STEP_BUCKET_MB = 0.005
+"""Bucket cap of the steps section: the 43 KB model in 8 buckets (gpudist) and about as many for torch DDP."""
+
+
+class _SwitchedCommunicator:
+    """Stands in for the simulated NCCL's communicator from before a strategy plans its collectives (a plan binds the
+    communicator's method): forwards every call to it until :attr:`off`, then returns at once, counting the
+    collectives (one more Python call per collective than the communicator itself: ~0.1 us)."""
+
+    COLLECTIVES = frozenset({"allReduce", "reduceScatter", "allGather", "broadcast", "bcast", "reduce", "send", "recv"})
+
+    def __init__(self, real):
+        self.real, self.off = real, False
+        self.calls: collections.Counter = collections.Counter()
+
+    def __getattr__(self, name: str):
+        real = getattr(self.real, name)
+        if not callable(real):
+            return real
+        counted = name in self.COLLECTIVES
+
+        def call(*args):
+            if not self.off:
+                return real(*args)
+            if counted:
+                self.calls[name] += 1
+            return None
+
+        return call
+
+
+def _units(model: nn.Module) -> int:
+    """What a strategy launches its gradient collectives by: buckets (DDP, ZeRO-1/2), units (ZeRO-3, FSDP)."""
+    collective = getattr(model, "_collective", None)
+    return len(collective.buckets) if collective is not None else len(model._groups)
+
+
+def _timed_steps(built: dict, rounds: int, steps: int, launches: collections.Counter, nccl) -> dict:
+    """:func:`_interleaved_phases` of ``built``, and per gpudist variant the launches and collectives of one more
+    step, its strategy's units, and its glue (its step's microseconds over the plain module's) per unit and per
+    parameter."""
+    table = _interleaved_phases(built, rounds, steps)
+    x = torch.randn(4, 8)
+    for name, (model, opt) in built.items():
+        if not name.startswith("gpudist_"):
+            continue
+        launches.clear()
+        nccl.calls.clear()
+        _phases(model, opt, x)()
+        units = _units(model)
+        glue = table[name]["step_total_us"] - table["plain"]["step_total_us"]
+        table[name].update(
+            launches_per_step=sum(launches.values()),
+            collectives_per_step=sum(nccl.calls.values()),
+            units=units,
+            glue_us_per_unit=glue / units,
+            glue_us_per_param=glue / TENSORS,
+        )
+    return table
+
+
+def _step_rows(comm, rounds: int, steps: int, meet, launches: collections.Counter) -> dict | None:
+    """The ``steps`` section on two ranks of the simulated NCCL: both build every strategy and take a first step
+    together; then the communicator and the CUDA seam become no-ops (a collective needs no peer any more) and rank 0
+    alone times the steady-state steps, every Triton launch a counted no-op, beside the torch peers on a Gloo group of
+    its own (world size 1): what each strategy's step costs the host on the GPU's path."""
+    import torch.distributed as dist
+
+    saved = comm._comm, comm._rt
+    comm._comm = nccl = _SwitchedCommunicator(comm._comm)
+    if comm.rank == 0:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        built = _built(comm, STEP_BUCKET_MB, peers=comm.rank == 0)
+        x = torch.randn(4, 8)
+        for model, opt in built.values():  # plans and buffers made over the simulated NCCL, the ranks together
+            _phases(model, opt, x)()
+        meet.wait()
+        nccl.off, comm._rt = True, _NullRuntime()
+        table = _timed_steps(built, rounds, steps, launches, nccl) if comm.rank == 0 else None
+    finally:
+        if comm.rank == 0:
+            dist.destroy_process_group()
+        comm._comm, comm._rt = saved
+    if table is None:
+        return None
+    return {
+        "model": f"{LAYERS} x Linear(8, 8): {TENSORS} parameters, buckets of {STEP_BUCKET_MB} MB",
+        "world_size": 2,
+        "us": table,
+    }
+
+
+def steps_section(rounds: int, steps: int) -> dict:
+    from gpudist.bench.host_calls import triton_launches_stubbed
+
+    FakeNccl, run_nccl = _simulated_nccl()
+    with triton_launches_stubbed() as launches:  # (for both rank threads)
+        meet = threading.Barrier(2, timeout=900)
+        return run_nccl(_step_rows, 2, FakeNccl(), rounds=rounds, steps=steps, meet=meet, launches=launches)[0]
 
 
 # -- command -----------------------------------------------------------------------------------------------------------
@@ -249,26 +397,36 @@ def format_report(doc: dict) -> str:
         lines.append(f"{'call':<34} {'us/call (median)':>16} {'min':>8} {'max':>8}")
         for name, r in doc["calls"].items():
             lines.append(f"{name:<34} {r['median']:>16.1f} {r['min']:>8.1f} {r['max']:>8.1f}")
-    if "backward" in doc:
-        b = doc["backward"]
-        lines.append(f"# per step, {b['model']}, world size {b['world_size']} (us, medians of interleaved rounds)")
+    for section in ("backward", "steps"):
+        if section not in doc:
+            continue
+        b = doc[section]
+        lines.append(f"# {section}: per step, {b['model']}, world size {b['world_size']} (us, interleaved medians)")
+        counted = section == "steps"
         lines.append(
-            f"{'variant':<16} {'forward':>9} {'backward':>9} {'step':>9} {'zero':>7} {'total':>9} {'bwd/param':>10}"
+            f"{'variant':<18} {'forward':>8} {'backward':>9} {'step':>8} {'zero':>6} {'total':>8} {'bwd/param':>10}"
+            + (f" {'launches':>8} {'colls':>6} {'units':>6} {'glue/unit':>10}" if counted else "")
         )
         for name, r in b["us"].items():
-            lines.append(
-                f"{name:<16} {r['forward']:>9.0f} {r['backward']:>9.0f} {r['step']:>9.0f} {r['zero_grad']:>7.0f} "
-                f"{r['step_total_us']:>9.0f} {r['backward_extra_us_per_param']:>10.2f}"
+            line = (
+                f"{name:<18} {r['forward']:>8.0f} {r['backward']:>9.0f} {r['step']:>8.0f} {r['zero_grad']:>6.0f} "
+                f"{r['step_total_us']:>8.0f} {r['backward_extra_us_per_param']:>10.2f}"
             )
+            if counted and "units" in r:
+                line += (
+                    f" {r['launches_per_step']:>8} {r['collectives_per_step']:>6} {r['units']:>6} "
+                    f"{r['glue_us_per_unit']:>10.1f}"
+                )
+            lines.append(line)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="calls,backward", help="comma-separated: calls, backward")
+    parser.add_argument("--sections", default="calls,backward", help="comma-separated: calls, backward, steps")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median reported)")
     parser.add_argument("--calls", type=int, default=1000, help="calls per measurement (calls section)")
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round (backward section)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round (backward, steps)")
     parser.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host work, not parallel kernels: one thread, as a rank sharing its cores would have
@@ -279,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
         doc["calls"] = calls_section(args.rounds, args.calls)
     if "backward" in sections:
         doc["backward"] = backward_section(args.rounds, args.steps)
+    if "steps" in sections:
+        doc["steps"] = steps_section(args.rounds, args.steps)
     print(format_report(doc))
     print(f"# wrote {atomic_write_json(args.out, doc)}")
     return doc

@@ -150,15 +150,24 @@ class _Allocations(TorchDispatchMode):
             if t.untyped_storage().data_ptr() not in inputs
         ]
         if made:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
-                if frame.f_code.co_filename.startswith(_USER_CODE):
-                    return out
-                frame = frame.f_back
-            where = "" if frame is None else frame.f_code.co_filename
-            if where.startswith(_GPUDIST_CODE) and where != _TRANSPORT:
-                self.counts[f"{os.path.basename(where)}:{frame.f_lineno} {func}"] += len(made)
+            where = _gpudist_caller(sys._getframe(1))
+            if where is not None:
+                self.counts[f"{where} {func}"] += len(made)
         return out
+
+
+def _gpudist_caller(frame) -> str | None:
+    """``file:line`` of gpudist's code that issued the op dispatched below ``frame``; None when the nearest caller
+    outside torch is not gpudist's, or is a module's forward or a torch optimizer (the model's own compute, called
+    through the wrapper), or the in-memory transport (the simulated wire)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        if frame.f_code.co_filename.startswith(_USER_CODE):
+            return None
+        frame = frame.f_back
+    where = "" if frame is None else frame.f_code.co_filename
+    if not where.startswith(_GPUDIST_CODE) or where == _TRANSPORT:
+        return None
+    return f"{os.path.basename(where)}:{frame.f_lineno}"
 
 
 def _allocating_steps(comm, strategy: str, counts: collections.Counter, sizes: dict, meet: threading.Barrier):
@@ -189,3 +198,94 @@ def test_a_steady_state_step_allocates_only_what_the_strategy_frees(strategy, se
     per_step = sum(counts.values()) / (world * STEPS)
     designed = sizes[0]
     assert per_step == designed, f"{strategy}: {per_step} allocations per rank and step, {designed} by design: {counts}"
+
+
+# -- device work per step -------------------------------------------------------------------------------------------
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the ops gpudist's own code dispatches (attributed as :func:`_gpudist_caller` does): on a GPU each is a
+    kernel launch or a host-side tensor op, host microseconds apiece."""
+
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        where = _gpudist_caller(sys._getframe(1))
+        if where is not None and func not in _VIEWS:
+            self.counts[f"{where} {func}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.as_strided.default,  # (FSDP's saved parameters, each a view of its gathered unit)
+}
+"""Metadata-only ops (no launch on a GPU)."""
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(width)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
+    """Device ops and Triton launches gpudist issues per steady-state step (rank 0 counts; launches stubbed) for six
+    blocks of ``width`` Linear(16, 16): three buckets whatever the width (DDP, ZeRO), a unit per block (FSDP)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[_Block(width) for _ in range(6)])
+    cap = 0.002 * width
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=cap, first_bucket_mb=cap)
+    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+    model = model_cls(net, config, **({"auto_wrap_policy": {_Block}} if strategy == "fsdp" else {}))
+    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    x = torch.randn(4, 16)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    ops: collections.Counter = collections.Counter()
+    meet.wait()
+    if comm.rank == 0:
+        launches.clear()
+    meet.wait()
+    with _DeviceOps(ops):
+        step()
+    meet.wait()
+    units = len(model._collective.buckets) if strategy != "fsdp" else len(model._groups)
+    return sum(ops.values()), sum(launches.values()), units, ops
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_a_steps_device_work_grows_with_buckets_not_parameters(strategy):
+    """Catches device work per parameter coming back into a steady-state step on the GPU's path (every Triton launch
+    forced and stubbed): a copy, scale or launch per gradient where one per bucket (or unit) does, which on a GPU
+    costs the host ~10-20 us apiece. Two models with the same buckets (DDP, ZeRO-1/2: three) or units (FSDP: six),
+    one with twice the parameters in each: gpudist's own ops and launches per step must be the same. Two ranks in
+    memory; rank 0's counts."""
+    from gpudist.bench.host_calls import triton_launches_stubbed
+
+    counted = {}
+    with triton_launches_stubbed() as launches:
+        for width in (1, 2):
+            meet = threading.Barrier(2, timeout=120)
+            counted[width] = run_ranks(_device_ops, 2, "inmemory", strategy=strategy, width=width, launches=launches,
+                                       meet=meet)[0]  # fmt: skip
+    (ops1, launched1, units1, detail1), (ops2, launched2, units2, detail2) = counted[1], counted[2]
+    assert units1 == units2, f"{strategy}: {units1} and {units2} buckets or units: the test's models are off"
+    assert ops1 > 0 or strategy == "ddp", f"{strategy}: no op counted: the counter sees nothing"
+    assert (ops2, launched2) == (ops1, launched1), (
+        f"{strategy}: twice the parameters in {units1} buckets or units: {ops1} -> {ops2} ops and {launched1} -> "
+        f"{launched2} launches per step: {detail2 - detail1}"
+    )

@@ -8,15 +8,16 @@ that does the same job, on tiny tensors so that what is timed is the host's part
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import importlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import kernels as K
-from ..kernels import bucket, optim, optim_plan
 
 __all__ = ["adam_variants", "cuda_call_rows", "interleaved", "pack_variants", "per_call_us", "triton_launches_stubbed"]
 
@@ -75,32 +76,50 @@ def pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callable
 
 
 class _NullKernel:
-    """A Triton kernel whose launch returns at once: ``kernel[grid](*args, **kwargs)`` does nothing."""
+    """A Triton kernel whose launch returns at once (``kernel[grid](*args, **kwargs)`` does nothing), counting its
+    launches by name."""
+
+    def __init__(self, name: str, launches: collections.Counter):
+        self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        return _null_launch
+        return self._launch
+
+    def _launch(self, *args, **kwargs) -> None:
+        self.launches[self.name] += 1
 
 
-def _null_launch(*args, **kwargs) -> None:
-    return None
+_KERNEL_MODULES = ("bucket", "norm", "optim", "optim_plan", "quantize", "topk")
+"""The modules of :mod:`gpudist.kernels` that launch Triton kernels (each imports ``use_triton`` by name)."""
 
 
 @contextlib.contextmanager
-def triton_launches_stubbed():
-    """The Triton path of the pack and Adam plans on CPU tensors, with their kernels' launches made no-ops: what
-    remains is gpudist's own host work per call on the GPU's path, without Triton's launcher (measured on the GPU
-    itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host)."""
-    kernels = (bucket, "_bucket_copy_kernel"), (optim, "_adam_kernel"), (optim_plan, "_advance_kernel")
-    saved = (bucket.use_triton, optim.use_triton, optim_plan.use_triton, *(getattr(m, k) for m, k in kernels))
-    bucket.use_triton = optim.use_triton = optim_plan.use_triton = lambda tensor: True
-    for module, name in kernels:
-        setattr(module, name, _NullKernel())
+def triton_launches_stubbed() -> Iterator[collections.Counter]:
+    """Every gpudist Triton kernel's launch made a no-op and the Triton path chosen for any tensor (CPU ones too):
+    what remains of a plan's call, or of a whole step, is gpudist's own host work on the GPU's path, without Triton's
+    launcher (measured on the GPU itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host). Yields the
+    launches made, by kernel name."""
+    from triton.runtime.jit import KernelInterface
+
+    launches: collections.Counter = collections.Counter()
+    modules = [K, *(importlib.import_module(f"{K.__name__}.{m}") for m in _KERNEL_MODULES)]
+    saved = [
+        (module, name, obj)
+        for module in modules
+        for name, obj in vars(module).items()
+        if isinstance(obj, KernelInterface) or name == "use_triton"
+    ]
+    for module, name, _ in saved:
+        setattr(module, name, _always if name == "use_triton" else _NullKernel(name, launches))
     try:
-        yield
+        yield launches
     finally:
-        bucket.use_triton, optim.use_triton, optim_plan.use_triton = saved[:3]
-        for (module, name), kernel in zip(kernels, saved[3:], strict=True):
-            setattr(module, name, kernel)
+        for module, name, obj in saved:
+            setattr(module, name, obj)
+
+
+def _always(tensor: torch.Tensor) -> bool:
+    return True
 
 
 def _stubbed(measure: Callable[[], float]) -> Callable[[], float]:
