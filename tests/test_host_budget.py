@@ -237,7 +237,7 @@ class _Block(nn.Module):
 
 
 def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
-    """Device ops and Triton launches gpudist issues per steady-state step (rank 0 counts; launches stubbed) for six
+    """Device ops and Triton launches gpudist issues in a steady-state step (launches stubbed and shared) for six
     blocks of ``width`` Linear(16, 16): three buckets whatever the width (DDP, ZeRO), a unit per block (FSDP)."""
     torch.manual_seed(0)
     net = nn.Sequential(*[_Block(width) for _ in range(6)])
@@ -273,7 +273,7 @@ def test_a_steps_device_work_grows_with_buckets_not_parameters(strategy):
     forced and stubbed): a copy, scale or launch per gradient where one per bucket (or unit) does, which on a GPU
     costs the host ~10-20 us apiece. Two models with the same buckets (DDP, ZeRO-1/2: three) or units (FSDP: six),
     one with twice the parameters in each: gpudist's own ops and launches per step must be the same. Two ranks in
-    memory; rank 0's counts."""
+    memory; rank 0's ops, both ranks' launches (the stubs are shared)."""
     from gpudist.bench.host_calls import triton_launches_stubbed
 
     counted = {}

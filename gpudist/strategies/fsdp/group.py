@@ -134,6 +134,8 @@ class ParamGroup:
         """A gradient reached the group in this backward."""
         self._kept_gradient: torch.Tensor | None = None
         """Deferred mode: this backward's full gradient, reduce-scattered by :meth:`finalize_backward`."""
+        self._empty = torch.empty(0, dtype=layout.dtype, device=layout.device)
+        """What the modules' parameter attributes hold while resharded (made once: a reshard allocates nothing)."""
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.layout.index}, unit={self.layout.unit!r}, {self.state.name})"
@@ -182,9 +184,8 @@ class ParamGroup:
         if self.full is not None:
             self._step.saved.unregister(self)
             self.full = None
-        layout = self.layout
-        empty = torch.empty(0, dtype=layout.dtype, device=layout.device)
-        for owners in layout.places:
+        empty = self._empty
+        for owners in self.layout.places:
             for mod, attr in owners:
                 # A plain attribute (the parameter left mod._parameters at wrap time): written into the instance
                 # dict directly, as nn.Module.__setattr__ would after its checks, per tensor per unit and pass.
