@@ -205,6 +205,21 @@ def test_strategy_step_times_under_bf16_autocast_on_cpu():
     assert row["final_loss_relative_spread"] < 4 * 2**-8, row["final_loss"]
 
 
+def test_kernel_busy_share_is_the_kernels_union_over_the_hosts_span():
+    """Catches a busy share taken over the kernels' own span (a GPU that waits for the host before its first kernel,
+    or after its last, would read as busy) or counting overlapping kernels twice."""
+    from types import SimpleNamespace as NS
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(kind, start, end):
+        return NS(device_type=kind, time_range=NS(start=start, end=end))
+
+    events = [event(cpu, 0, 3), event(cuda, 2, 4), event(cuda, 3, 5), event(cpu, 8, 10)]
+    assert GS.kernel_busy_share(events) == pytest.approx(0.3)
+    assert GS.kernel_busy_share([e for e in events if e.device_type == cpu]) is None
+
+
 def test_profile_rows_on_cpu():
     """The profile part's rank code on the CPU (Gloo for NCCL, a tiny GPT). Catches a variant left out, the
     ``AccumulateGrad`` time read from the wrong events (every variant but FSDP's, which frees its gradients into
@@ -380,7 +395,8 @@ def _capture_row(comm, group):
     from .graphsim import SimulatedGraph
 
     tiny = {"layers": 1, "width": 16, "heads": 2, "vocab": 64, "positions": 8, "seq": 8}
-    return capture_rows(comm, group, torch.device("cpu"), "gpt", 2, 2, 2, tiny, optimizer="sgd", graph=SimulatedGraph)
+    cpu = torch.device("cpu")
+    return capture_rows(comm, group, cpu, "gpt", 2, 2, 2, tiny, optimizer="sgd", graph=SimulatedGraph, busy=True)
 
 
 def _torch_graphed_row(comm, group):
@@ -430,5 +446,6 @@ def test_capture_rows_on_cpu():
     assert set(row["peer_over_gpudist"]) == {f"{peers[name.split('_')[1]]}/{name}" for name in mine}
     assert row["loss_max_abs_diff"] == 0.0 and [len(r["replayed"]) for r in row["losses"].values()] == [3, 3, 3], row
     assert all(v > 0 for v in row["host_ms"].values()) and all(v > 0 for v in row["replay_host_share"].values())
+    assert row["gpu_busy_share"] == dict.fromkeys(row["step_ms"]), row["gpu_busy_share"]  # profiled: no CUDA kernel
     doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [row]}
     assert "gpudist_zero2_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)

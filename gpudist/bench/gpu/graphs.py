@@ -4,8 +4,9 @@
 issue time is most of the step's).
 
 Per variant: the median step time (interleaved rounds, each at the slowest rank), the host's own milliseconds per
-step call (nothing waited for: for the graph, the replay call and the batch copy), and, from two fresh copies of the
-model stepped on the same batches, the largest difference between the eager and the replayed losses.
+step call (nothing waited for: for the graph, the replay call and the batch copy), on the gpt workload the GPU's
+busy share of a profiled run of its steps, and, from two fresh copies of the model stepped on the same batches, the
+largest difference between the eager and the replayed losses.
 """
 
 from __future__ import annotations
@@ -113,6 +114,25 @@ class CaptureBench:
             host[name] = statistics.median(seconds) * 1e3
         return {name: t * 1e3 for name, t in times.items()}, host
 
+    def busy_shares(self, variants: dict, steps: int) -> dict[str, float | None]:
+        """Per variant, the GPU's busy share of ``steps`` steps run back to back under ``torch.profiler`` and
+        synchronized (:func:`~gpudist.bench.gpu.steps.kernel_busy_share`; None without CUDA kernels): one minus the
+        share the GPU waits for the host."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from .steps import kernel_busy_share
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        shares = {}
+        for name, fn in variants.items():
+            _synchronize(self.device)
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    fn()
+                _synchronize(self.device)
+            shares[name] = kernel_busy_share(prof.events())
+        return shares
+
     def describe(self) -> dict:
         return {
             "workload": self.workload,
@@ -137,11 +157,13 @@ def capture_rows(
     autocast: torch.dtype | None = None,
     optimizer: str = "adamw",
     graph=None,
+    busy: bool = False,
 ) -> dict:
     """On every rank, per captured strategy (DDP, ZeRO-2, FSDP): its torch peer eager, the gpudist step eager and the
     same step captured, on one seeded batch. ``optimizer``: ``adamw`` (``capturable=True`` for gpudist's steps, eager or
     captured: the same function; ZeRO-2's learning rate a device tensor) or ``sgd`` (the CPU tier, where torch
-    refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's)."""
+    refuses ``capturable``); ``graph``: the graph factory :func:`gpudist.capture` takes (None: CUDA's); ``busy``: also
+    profile each variant for the GPU's busy share of its steps (:meth:`CaptureBench.busy_shares`)."""
     bench = CaptureBench(comm, torch_group, device, workload, batch, overrides, autocast, optimizer, graph)
     sgd = {"optimizer_class": torch.optim.SGD, "momentum": 0.9} if optimizer == "sgd" else {}
 
@@ -165,6 +187,7 @@ def capture_rows(
         variants[f"gpudist_{strategy}_graphed"] = bench.captured(*bench.gpudist_pair(strategy))
         losses[strategy] = _eager_and_replayed(bench, strategy)
     step_ms, host = bench.measure(variants, steps, rounds)
+    shares = bench.busy_shares(variants, steps) if busy else None
     ratios = {
         f"{peer}/{name}": step_ms[peer] / step_ms[name]
         for strategy, peer in CAPTURED.items()
@@ -176,6 +199,7 @@ def capture_rows(
         "host_ms": host,
         "peer_over_gpudist": ratios,
         "replay_host_share": {s: host[f"gpudist_{s}_graphed"] / host[f"gpudist_{s}"] for s in CAPTURED},
+        "gpu_busy_share": shares,
         "losses": losses,
         "loss_max_abs_diff": max(
             abs(a - b) for r in losses.values() for a, b in zip(r["eager"], r["replayed"], strict=True)
@@ -264,7 +288,15 @@ def _capture_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
         try:
             rows.append(
                 capture_rows(
-                    nccl, group, nccl.device, workload, 8, settings.steps, settings.rounds, settings.model_overrides
+                    nccl,
+                    group,
+                    nccl.device,
+                    workload,
+                    8,
+                    settings.steps,
+                    settings.rounds,
+                    settings.model_overrides,
+                    busy=workload == "gpt",  # (profiled on the issue's workload only: the part's time limit)
                 )
             )
         except Exception as e:  # the next workload still runs

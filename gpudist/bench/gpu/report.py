@@ -164,8 +164,11 @@ def _part_table(name: str, r: dict) -> str:
                 f"  {row['workload']} ({row['model']['parameters'] / 1e6:.1f}M, batch {row['batch_per_rank']})"
                 + torch_graphs
             )
+            busy = row.get("gpu_busy_share") or {}
             lines += [
-                f"{k:>28} {row['step_ms'][k]:>8.2f} ms/step {row['host_ms'][k]:>8.3f} host ms" for k in row["step_ms"]
+                f"{k:>28} {row['step_ms'][k]:>8.2f} ms/step {row['host_ms'][k]:>8.3f} host ms"
+                + ("" if busy.get(k) is None else f" {busy[k]:>5.2f} GPU busy")
+                for k in row["step_ms"]
             ]
             lines += [f"  {k} FAILED: {v.strip().splitlines()[-1]}" for k, v in row.get("errors", {}).items()]
     elif name == "strategies":

@@ -234,6 +234,18 @@ def _busy_share(intervals: list[tuple[float, float]], start: float, end: float) 
     return covered / (end - start) if end > start else 0.0
 
 
+def kernel_busy_share(events) -> float | None:
+    """The GPU's busy share of a profiled span (``torch.profiler``'s events): the union of its kernels' intervals over
+    the span of the host's events, or None when no kernel was recorded (a CPU run)."""
+    host = [e.time_range for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = [
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    if not kernels or not host:
+        return None
+    return _busy_share(kernels, min(r.start for r in host), max(r.end for r in host))
+
+
 def profile_rows(
     comm,
     torch_group,
@@ -276,9 +288,6 @@ def profile_rows(
             sync()
         events = list(prof.events())
         host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-        kernels = [
-            (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-        ]
         first = min(e.time_range.start for e in host)
         last = max(e.time_range.end for e in host)
         top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
@@ -290,7 +299,7 @@ def profile_rows(
             "profiled_wall_ms": (last - first) / steps / 1e3,
             "accumulate_grad_cpu_ms": sum(e.cpu_time_total for e in accumulate) / steps / 1e3,
             "accumulate_grad_calls": len(accumulate) / steps,
-            "gpu_busy_share": _busy_share(kernels, first, last) if kernels else None,
+            "gpu_busy_share": kernel_busy_share(events),
             "top_self_cpu_ms": {a.key: round(a.self_cpu_time_total / steps / 1e3, 3) for a in top},
         }
     return {
