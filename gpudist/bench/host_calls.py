@@ -72,6 +72,7 @@ def pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callable
         with triton_launches_stubbed():
             planned = K.PackPlan(tensors, out)  # the GPU's path: its tables built, its launch a no-op
         rows[f"pack_{n}_plan_launch_stubbed"] = _stubbed(lambda: per_call_us(lambda: planned.pack(0.5), calls))
+        rows[f"unpack_{n}_plan_launch_stubbed"] = _stubbed(lambda: per_call_us(lambda: planned.unpack(0.5), calls))
     return rows
 
 
