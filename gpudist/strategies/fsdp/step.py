@@ -140,10 +140,11 @@ class Step:
         for group in self.groups:
             self.unit_groups[group.layout.unit].append(group)
         self.gradients = GradientQueue(collectives, self.groups, config.communication_dtype, replicas)
-        self.order: list[ParamGroup] = []
-        """The groups in the order the last forward gathered them."""
-        self._seen: list[ParamGroup] = []
-        """The groups this forward gathered so far, in order."""
+        self._order: list[ParamGroup] = []
+        self._after: tuple[dict, dict] = ({}, {})
+        """Per group (None: before the first), the one after it in :attr:`order`, forward and reversed (backward)."""
+        self._seen: dict[ParamGroup, None] = {}
+        """The groups this forward gathered so far, in order (a dict: a set that keeps the order)."""
         self._end = EndOfBackward(self.finalize_backward)
         self._on_finish = on_finish
         self._owner = owner
@@ -159,14 +160,23 @@ class Step:
         """A backward left work behind (it raised before its end-of-backward callback ran)."""
         return self.gradients.in_flight or self._end.queued or self.phase is Phase.BACKWARD
 
+    @property
+    def order(self) -> list[ParamGroup]:
+        """The groups in the order the last forward gathered them."""
+        return self._order
+
+    @order.setter
+    def order(self, groups: list[ParamGroup]) -> None:
+        self._order = list(groups)
+        chains = (self._order, self._order[::-1])
+        self._after = tuple(dict(zip([None, *chain], chain, strict=False)) for chain in chains)
+
     def prefetch_after(self, group: ParamGroup | None, backward: bool) -> None:
         """Start gathering the group that came after ``group`` (None: the first) in the last forward's order
-        (reversed in backward; there only a trainable one)."""
-        order = self.order[::-1] if backward else self.order
-        if group is None or group in order:
-            at = 0 if group is None else order.index(group) + 1
-            if at < len(order) and (not backward or order[at].layout.requires_grad):
-                order[at].unshard()
+        (reversed in backward; there only a trainable one). A lookup: nothing here grows with the group count."""
+        after = self._after[backward].get(group)
+        if after is not None and (not backward or after.layout.requires_grad):
+            after.unshard()
 
     # -- forward (the wrapped module's hooks) -----------------------------------------------------------------------
 
@@ -175,7 +185,7 @@ class Step:
         ``generate()``)."""
         if self.phase is not Phase.SHARDED:
             return
-        self._seen = []
+        self._seen = {}
         for group in self.groups:
             group.start_forward()
         self.unit_pre_forward("")
@@ -190,8 +200,7 @@ class Step:
             return
         for group in groups:
             group.pre_forward()
-            if group not in self._seen:
-                self._seen.append(group)
+            self._seen[group] = None
         if groups or unit == "":  # the root may hold nothing: then the first unit is next
             self.prefetch_after(groups[-1] if groups else None, backward=False)
 
