@@ -26,8 +26,9 @@ itself made negligible (tiny tensors), interleaved round by round with the torch
   CUDA stubbed: gpudist's NCCL backend over the simulated NCCL (tests/fakenccl.py), two ranks that build every
   strategy and take a step together, after which the communicator and the CUDA seam are no-ops and rank 0 alone
   times the steps; every Triton kernel forced and its launch a counted no-op. Per strategy: host microseconds per
-  step by phase, its Triton launches and NCCL calls per step, its buckets (or units), and its glue (step time over
-  the plain module's) per bucket and per parameter; the torch peers beside it on a Gloo group of one rank (their
+  step by phase, the Python calls of one step (counted, not timed: immune to this machine's noise), its Triton
+  launches and NCCL calls per step, its buckets (or units), and its glue (step time over the plain module's) per
+  bucket and per parameter; the torch peers beside it on a Gloo group of one rank (their
   CPU path: their C++ glue plus tiny copies, no device to stub). Buckets of 5 KB: 8 for the 300 parameters.
 
 The host-bound step against the peers over two Gloo processes on TCP is the strategy benchmarks' job, on the
@@ -330,11 +331,11 @@ def _timed_steps(built: dict, rounds: int, steps: int, launches: collections.Cou
     table = _interleaved_phases(built, rounds, steps)
     x = torch.randn(4, 8)
     for name, (model, opt) in built.items():
-        if not name.startswith("gpudist_"):
-            continue
         launches.clear()
         nccl.calls.clear()
-        _phases(model, opt, x)()
+        table[name]["python_calls_per_step"] = _python_calls(_phases(model, opt, x))
+        if not name.startswith("gpudist_"):
+            continue
         units = _units(model)
         glue = table[name]["step_total_us"] - table["plain"]["step_total_us"]
         table[name].update(
@@ -343,8 +344,28 @@ def _timed_steps(built: dict, rounds: int, steps: int, launches: collections.Cou
             units=units,
             glue_us_per_unit=glue / units,
             glue_us_per_param=glue / TENSORS,
+            extra_python_calls_per_unit=(table[name]["python_calls_per_step"] - table["plain"]["python_calls_per_step"])
+            / units,
         )
     return table
+
+
+def _python_calls(fn: Callable[[], object]) -> int:
+    """Python and C functions called from Python in one call of ``fn`` on this thread (autograd runs a CPU backward on
+    the caller's thread, its hooks included): host work counted, not timed, so this noisy machine cannot blur it."""
+    count = 0
+
+    def profiler(frame, event, arg) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 def _step_rows(comm, rounds: int, steps: int, meet, launches: collections.Counter) -> dict | None:
@@ -405,13 +426,15 @@ def format_report(doc: dict) -> str:
         counted = section == "steps"
         lines.append(
             f"{'variant':<18} {'forward':>8} {'backward':>9} {'step':>8} {'zero':>6} {'total':>8} {'bwd/param':>10}"
-            + (f" {'launches':>8} {'colls':>6} {'units':>6} {'glue/unit':>10}" if counted else "")
+            + (f" {'py calls':>8} {'launches':>8} {'colls':>6} {'units':>6} {'glue/unit':>10}" if counted else "")
         )
         for name, r in b["us"].items():
             line = (
                 f"{name:<18} {r['forward']:>8.0f} {r['backward']:>9.0f} {r['step']:>8.0f} {r['zero_grad']:>6.0f} "
                 f"{r['step_total_us']:>8.0f} {r['backward_extra_us_per_param']:>10.2f}"
             )
+            if counted:
+                line += f" {r['python_calls_per_step']:>8}"
             if counted and "units" in r:
                 line += (
                     f" {r['launches_per_step']:>8} {r['collectives_per_step']:>6} {r['units']:>6} "
