@@ -63,14 +63,25 @@ def counted(monkeypatch) -> collections.Counter:
     return counts
 
 
-def _warmed_up(comm, strategy: str):
-    """``strategy``'s model and optimizer on six Linear(16, 16) in buckets of ~2 KB (three), and a training step,
-    taken three times (the warm-up: plans and buffers made)."""
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(width)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _warmed_up(comm, strategy: str, width: int = 1):
+    """``strategy``'s model and optimizer on six blocks of ``width`` Linear(16, 16), in three buckets whatever the
+    width (DDP, ZeRO: ~2 KB each at width 1) or a unit per block (FSDP), and a training step, taken three times (the
+    warm-up: plans and buffers made)."""
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=0.002, first_bucket_mb=0.002)
+    net = nn.Sequential(*[_Block(width) for _ in range(6)])
+    cap = 0.002 * width
+    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=cap, first_bucket_mb=cap)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-    model = model_cls(net, config)
+    model = model_cls(net, config, **({"auto_wrap_policy": {_Block}} if strategy == "fsdp" else {}))
     opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     x = torch.randn(4, 16)
 
@@ -227,34 +238,10 @@ _VIEWS = {
 """Metadata-only ops (no launch on a GPU)."""
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(width)])
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
-    """Device ops and Triton launches gpudist issues in a steady-state step (launches stubbed and shared) for six
-    blocks of ``width`` Linear(16, 16): three buckets whatever the width (DDP, ZeRO), a unit per block (FSDP)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(*[_Block(width) for _ in range(6)])
-    cap = 0.002 * width
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=cap, first_bucket_mb=cap)
-    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-    model = model_cls(net, config, **({"auto_wrap_policy": {_Block}} if strategy == "fsdp" else {}))
-    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    x = torch.randn(4, 16)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    for _ in range(3):
-        step()
+    """Device ops and Triton launches gpudist issues in a steady-state step (launches stubbed and shared) of
+    :func:`_warmed_up`'s model at ``width``."""
+    model, step = _warmed_up(comm, strategy, width)
     ops: collections.Counter = collections.Counter()
     meet.wait()
     if comm.rank == 0:
