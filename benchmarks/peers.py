@@ -157,19 +157,20 @@ def other_transport(comm):
 
 
 def gpudist_variant(
-    comm, workload: str, x, y, strategy: str, bucket_mb: float, units=None, suffix: str = ""
+    comm, workload: str, x, y, strategy: str, bucket_mb: float, units=None, suffix: str = "", min_unit_numel: int = 0
 ) -> Variant:
     """gpudist's model wrapper and optimizer for ``strategy`` (ddp, zero1, zero2, fsdp, zero3), default config;
     ``suffix`` is appended to its name (``_shm``/``_tcp`` for the other transport's twin). DDP, ZeRO-1 and ZeRO-2
-    with ``static_graph=True``, the promise torch DDP's best row makes too (one gradient hook per bucket)."""
+    with ``static_graph=True``, the promise torch DDP's best row makes too (one gradient hook per bucket); ZeRO-3
+    and FSDP with ``min_unit_numel`` (units smaller than that merged into the enclosing one)."""
     static = strategy in ("ddp", "zero1", "zero2")
     config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=bucket_mb, static_graph=static)
     net = W.make(workload)
     model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
     if strategy == "fsdp":
-        model = model_cls(net, config, auto_wrap_policy=units)
+        model = model_cls(net, config, auto_wrap_policy=units, min_unit_numel=min_unit_numel)
     elif strategy == "zero3":
-        model = model_cls(net, config, units=units)
+        model = model_cls(net, config, units=units, min_unit_numel=min_unit_numel)
     else:
         model = model_cls(net, config)
     # DDPOptimizer steps the torch optimizer it wraps, so it gets the peers' best one; the ZeRO optimizers step their
@@ -185,7 +186,9 @@ def gpudist_variant(
     }[strategy]
     settings = {
         "bucket_cap_mb": bucket_mb,
-        "config": "ShardingConfiguration defaults" + (", static_graph=True" if static else ""),
+        "config": "ShardingConfiguration defaults"
+        + (", static_graph=True" if static else "")
+        + (f", min_unit_numel={min_unit_numel}" if min_unit_numel else ""),
         "optimizer": "AdamW",
         "transport": transport(comm),
     }

@@ -29,6 +29,10 @@ from gpudist.launch import spawn
 
 from . import peers
 
+ZERO3_MIN_UNIT_NUMEL = 100_000
+"""``ZeRO3Model``'s ``min_unit_numel`` in the ``gpudist_zero3_merged`` row: DeepSpeed ZeRO-3's default parameter
+persistence threshold, in elements."""
+
 
 def bench_rank(
     comm,
@@ -53,6 +57,9 @@ def bench_rank(
         "torch_zero_default": lambda: peers.torch_zero_variant(workload, x, y, best=False, bucket_mb=bucket_mb),
         "gpudist_fsdp": lambda: peers.gpudist_variant(comm, workload, x, y, "fsdp", bucket_mb, units=units),
         "gpudist_zero3": lambda: peers.gpudist_variant(comm, workload, x, y, "zero3", bucket_mb),
+        "gpudist_zero3_merged": lambda: peers.gpudist_variant(
+            comm, workload, x, y, "zero3", bucket_mb, suffix="_merged", min_unit_numel=ZERO3_MIN_UNIT_NUMEL
+        ),
         "fsdp2_best": lambda: peers.fsdp2_variant(workload, x, y, best=True),
         "fsdp2_default": lambda: peers.fsdp2_variant(workload, x, y, best=False),
         "deepspeed_zero2": lambda: peers.deepspeed_variant(comm, workload, x, y, 2, bucket_mb),
@@ -61,7 +68,7 @@ def bench_rank(
         "deepspeed_zero3_default": lambda: peers.deepspeed_variant(comm, workload, x, y, 3, bucket_mb, tuned=False),
     }
     if workload == "mlp":  # ZeRO3Model's default units (each module holding parameters) are the MLP's Linears
-        del factories["gpudist_zero3"]
+        del factories["gpudist_zero3"], factories["gpudist_zero3_merged"]
     if not deepspeed:
         factories = {k: v for k, v in factories.items() if not k.startswith("deepspeed")}
     other = peers.other_transport(comm) if transport_ab else None
@@ -78,7 +85,8 @@ def bench_rank(
 def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
     """Targets: ZeRO-1 and ZeRO-2 against the ZeRO-1 peer (torch has no ZeRO-2) and DeepSpeed ZeRO-2; gpudist's FSDP
     (its ZeRO-3 at the recommended units) against FSDP2 and DeepSpeed ZeRO-3. Beside: ``ZeRO3Model``'s per-module
-    units (DeepSpeed's granularity) and the peers at their defaults."""
+    units (DeepSpeed's granularity), the same with units under 100K elements merged, and the peers at their
+    defaults."""
     pairs = [
         ("gpudist_zero1", "torch_zero_best", True),
         ("gpudist_zero2", "torch_zero_best", True),
@@ -86,6 +94,8 @@ def comparisons_for(rounds: dict, summary: dict) -> list[dict]:
         ("gpudist_fsdp", "fsdp2_best", True),
         ("gpudist_fsdp", "deepspeed_zero3", True),
         ("gpudist_zero3", "fsdp2_best", False),
+        ("gpudist_zero3_merged", "fsdp2_best", False),
+        ("gpudist_zero3_merged", "gpudist_zero3", False),
         ("gpudist_zero3", "deepspeed_zero3", False),
         ("gpudist_zero1", "torch_zero_default", False),
         ("gpudist_zero2", "deepspeed_zero2_default", False),

@@ -383,3 +383,58 @@ def test_padding_is_never_written_to_checkpoints(tmp_path, stage):
     loaded = fresh_net(state)
     gpudist.load_checkpoint(tmp_path / "sharded", loaded, torch.optim.Adam(loaded.parameters(), lr=1e-2))
     assert torch.equal(flat(loaded), full)
+
+
+def _lm_units(comm, stage, min_unit_numel, steps=4):
+    config = ShardingConfiguration(comm)
+    model_cls = ZeRO3Model if stage == 3 else FSDPModel
+    model = model_cls(tiny_lm(), config, min_unit_numel=min_unit_numel)
+    opt = ZeRO3Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), config)
+    for step in range(steps):
+        model.train_step(*lm_batch(step, comm.rank, comm.world_size), lm_loss, opt)
+    return model.gather_full_parameters().float(), model.units(), [g.layout.total for g in model._groups]
+
+
+def test_min_unit_numel_merges_small_units_and_trains_the_same():
+    """Catches a merged unit's parameters lost or sharded twice (the merged model must train TinyLM to the
+    single-process result), a threshold that merges a unit of the size asked for or keeps one below it, and a small
+    unit merged past a larger enclosing one. ZeRO-3's default units are TinyLM's modules (LayerNorms of 32 elements,
+    Linears of 272-1,088); FSDP's are its blocks."""
+    expected = reference_pair(single_process_lm)
+    kept_all = run_ranks(_lm_units, 2, "inmemory", stage=3, min_unit_numel=0)[0][1]
+    for stage, threshold in ((3, 300), (3, 10**6), ("fsdp", 10**6)):
+        results = run_ranks(_lm_units, 2, "inmemory", stage=stage, min_unit_numel=threshold)
+        for params, _, _ in results:
+            assert_matches_reference(params, *expected, what=f"{stage}, min_unit_numel={threshold}")
+        units, totals = results[0][1], results[0][2]
+        if threshold == 10**6:  # nothing is that large: one unit, the root, holds everything
+            assert units == [""] and len(totals) == 1, (stage, units)
+            continue
+        # TinyLM's modules under 300 elements: the position embedding, the LayerNorms, each block's proj, and the
+        # head (its weight is the token embedding's, counted there)
+        small = {"pos", "ln_f", "head"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("ln1", "ln2", "proj")}
+        assert set(kept_all) - set(units) == small and set(units) <= set(kept_all), units
+        assert all(t >= threshold for t in totals[1:]), (units, totals)  # every unit's group but the root's
+    with pytest.raises(ValueError, match="min_unit_numel=-1 must be an int >= 0"):
+        ZeRO3Model(tiny_lm(), ShardingConfiguration(gpudist.InMemoryCommunicationBackend(0, 1)), min_unit_numel=-1)
+
+
+def test_merge_small_units_goes_innermost_first_into_the_enclosing_unit():
+    """Catches a small unit merged into the root past an enclosing unit that stays, or an enclosing unit judged by
+    its own parameters alone (without the small units merged into it)."""
+    from gpudist.strategies.fsdp.layout import merge_small_units
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+            self.ln, self.lin = torch.nn.LayerNorm(4), torch.nn.Linear(4, 4)
+
+    net = torch.nn.Sequential(Outer(), torch.nn.Linear(4, 1))
+    units = ["0", "0.ln", "0.lin", "1"]  # elements: "0" 3 of its own, "0.ln" 8, "0.lin" 20, "1" 5
+    assert merge_small_units(units, net, 0) == units
+    assert merge_small_units(units, net, 6) == ["0.ln", "0.lin"]  # "0" (3) and "1" (5): into the root
+    assert merge_small_units(units, net, 10) == ["0", "0.lin"]  # "0.ln" into "0", which then holds 11: it stays
+    assert merge_small_units(units, net, 12) == ["0.lin"]  # "0" holds 11 with "0.ln": into the root too
+    assert merge_small_units(units, net, 21) == ["0"]  # all three in "0": 31
+    assert merge_small_units(units, net, 32) == []

@@ -12,7 +12,7 @@ from torch import nn
 
 from ...flat import padded_range, padded_shard
 
-__all__ = ["GroupLayout", "UnitSpec", "group_layouts", "unit_names"]
+__all__ = ["GroupLayout", "UnitSpec", "group_layouts", "merge_small_units", "unit_names"]
 
 UnitSpec = Iterable[str | nn.Module] | Callable[[str, nn.Module], bool] | tuple[type, ...] | type | None
 """The units of a ZeRO-3 wrapper: module names or objects, module classes, a predicate ``(name, module) -> bool``, or
@@ -43,6 +43,43 @@ def unit_names(spec: UnitSpec, module: nn.Module, owner: str) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + bool(name)
+
+
+def _unit_numels(module: nn.Module, units: list[str]) -> dict[str, int]:
+    """Elements each unit gathers: the parameters of its subtree that no deeper unit holds (each parameter once)."""
+    modules = dict(module.named_modules())
+    unit_of: dict[int, str] = {}
+    for name in sorted(units, key=_depth):  # outer units first, inner ones override (as group_layouts)
+        for sub in modules[name].modules():
+            unit_of[id(sub)] = name
+    numels, seen = dict.fromkeys(units, 0), set()
+    for mod in module.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen and id(mod) in unit_of:
+                seen.add(id(p))
+                numels[unit_of[id(mod)]] += p.numel()
+    return numels
+
+
+def merge_small_units(names: list[str], module: nn.Module, min_numel: int) -> list[str]:
+    """``names`` without the units that would gather fewer than ``min_numel`` elements, innermost first: a small
+    unit's parameters join the nearest enclosing unit that stays (or the root), and count towards its size.
+
+    Tiny units cost a collective (and its latency) each for little memory saved: DeepSpeed ZeRO-3 leaves parameters
+    under its ``stage3_param_persistence_threshold`` (100K elements) unpartitioned for the same reason.
+    """
+    kept = list(dict.fromkeys(names))
+    if min_numel <= 0:
+        return kept
+    for depth in sorted({_depth(n) for n in kept}, reverse=True):  # units of one depth are disjoint subtrees
+        numels = _unit_numels(module, kept)
+        small = {n for n in kept if _depth(n) == depth and numels[n] < min_numel}
+        kept = [n for n in kept if n not in small]
+    return kept
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +138,7 @@ def group_layouts(
     """
     modules = dict(module.named_modules())
     unit_of: dict[int, str] = {}
-    for name in sorted(units, key=lambda n: n.count(".") + bool(n)):  # outer units first, inner ones override
+    for name in sorted(units, key=_depth):  # outer units first, inner ones override
         for sub in modules[name].modules():
             unit_of[id(sub)] = name
     places: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -20,7 +20,7 @@ from ...flat import broadcast_tensors
 from ..model import ShardedModel, model_fingerprint, same_on_every_rank
 from .collectives import Collectives, ShardReplicaGroup
 from .group import ParamGroup
-from .layout import UnitSpec, expose_device_and_dtype, group_layouts, unit_names
+from .layout import UnitSpec, expose_device_and_dtype, group_layouts, merge_small_units, unit_names
 from .step import Phase, Step, hook_gradients
 
 __all__ = ["FSDPModel", "ZeRO3Model"]
@@ -80,15 +80,21 @@ class ZeRO3Model(ShardedModel):
         secondary_group: ZeRO++'s hpZ, as described above: the node's ranks (``topology.intra``), whose number
             divides ``config.backend``'s; exclusive with ``replicate_group``. None: backward gathers over
             ``config.backend`` as forward does.
+        min_unit_numel: Units that would gather fewer elements are merged, innermost first, into the nearest
+            enclosing unit (or the root): a LayerNorm or a bias-only module then costs no collectives of its own.
+            Each unit costs three collectives per step (two gathers, a reduce-scatter), and on a host-bound step or
+            a slow link their count, not their bytes, sets the time; DeepSpeed ZeRO-3 leaves parameters under its
+            ``stage3_param_persistence_threshold`` (100K elements) unpartitioned for the same reason. 0 (default):
+            every unit stays.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, ``config`` is not a
             :class:`~gpudist.ShardingConfiguration`, or ``replicate_group`` or ``secondary_group`` is not a gpudist
             backend.
-        ValueError: When a unit named in ``units`` is not a submodule of ``module``, ranks wrap modules whose
-            parameter names, shapes or dtypes differ (in either group), ``replicate_group`` or ``secondary_group``
-            works on another device type than ``config.backend``, both are given, or ``secondary_group``'s size
-            does not divide ``config.backend``'s.
+        ValueError: When ``min_unit_numel`` is not an int >= 0, a unit named in ``units`` is not a submodule of
+            ``module``, ranks wrap modules whose parameter names, shapes or dtypes differ (in either group),
+            ``replicate_group`` or ``secondary_group`` works on another device type than ``config.backend``, both
+            are given, or ``secondary_group``'s size does not divide ``config.backend``'s.
     """
 
     strategy = "zero3"
@@ -101,8 +107,15 @@ class ZeRO3Model(ShardedModel):
         *,
         replicate_group: CommunicationBackend | None = None,
         secondary_group: CommunicationBackend | None = None,
+        min_unit_numel: int = 0,
     ):
+        if isinstance(min_unit_numel, bool) or not isinstance(min_unit_numel, int) or min_unit_numel < 0:
+            raise ValueError(
+                f"{type(self).__name__}: min_unit_numel={min_unit_numel!r} must be an int >= 0 (elements; 0 keeps "
+                "every unit, e.g. 100_000 merges units smaller than that into the enclosing one)"
+            )
         self._unit_spec = units
+        self._min_unit_numel = min_unit_numel
         backend = getattr(config, "backend", None)
         for name, group, example in (
             ("replicate_group", replicate_group, "topology.inter"),
@@ -162,7 +175,8 @@ class ZeRO3Model(ShardedModel):
     # -- construction ---------------------------------------------------------------------------------------------
 
     def _unit_names(self) -> list[str]:
-        return unit_names(self._unit_spec, self.module, type(self).__name__)
+        names = unit_names(self._unit_spec, self.module, type(self).__name__)
+        return merge_small_units(names, self.module, self._min_unit_numel)
 
     def traffic_settings(self) -> dict[str, Any]:
         """The base settings, plus the units (each is gathered and reduce-scattered as one collective)."""
@@ -485,12 +499,14 @@ class FSDPModel(ZeRO3Model):
             topo.inter)``; None: plain FSDP.
         secondary_group: hpZ (see :class:`ZeRO3Model`), e.g. ``FSDPModel(net, ShardingConfiguration(comm),
             secondary_group=topo.intra)``; None: backward gathers over ``config.backend``.
+        min_unit_numel: Units smaller than this many elements merge into the enclosing unit (see
+            :class:`ZeRO3Model`); 0: every unit stays.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or is already wrapped, or ``config`` is not a
             :class:`~gpudist.ShardingConfiguration`.
-        ValueError: When a unit named in ``auto_wrap_policy`` is not a submodule of ``module``, or ranks wrap
-            modules whose parameter names, shapes or dtypes differ.
+        ValueError: When a unit named in ``auto_wrap_policy`` is not a submodule of ``module``, ranks wrap
+            modules whose parameter names, shapes or dtypes differ, or ``min_unit_numel`` is not an int >= 0.
     """
 
     strategy = "fsdp"
@@ -503,6 +519,7 @@ class FSDPModel(ZeRO3Model):
         *,
         replicate_group: CommunicationBackend | None = None,
         secondary_group: CommunicationBackend | None = None,
+        min_unit_numel: int = 0,
     ):
         if auto_wrap_policy is None:
             lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
@@ -512,5 +529,10 @@ class FSDPModel(ZeRO3Model):
             classes = [c for c in auto_wrap_policy if isinstance(c, type)]
             auto_wrap_policy = tuple(classes) if len(classes) == len(auto_wrap_policy) else list(auto_wrap_policy)
         super().__init__(
-            module, config, units=auto_wrap_policy, replicate_group=replicate_group, secondary_group=secondary_group
+            module,
+            config,
+            units=auto_wrap_policy,
+            replicate_group=replicate_group,
+            secondary_group=secondary_group,
+            min_unit_numel=min_unit_numel,
         )
