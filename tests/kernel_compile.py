@@ -262,7 +262,6 @@ COMMAND = (
     "python -m tests.kernel_compile --write benchmarks/results/kernels_sass.json (from the repository root; it writes "
     "the section of the triton it imports: the 3.6.0 one ran under a venv holding triton==3.6.0)"
 )
-MACHINE = "2-core AMD EPYC VM, no GPU"
 
 
 def write_results(path: Path) -> int:
@@ -281,10 +280,15 @@ def write_results(path: Path) -> int:
         if not rows_file.exists():
             raise SystemExit(f"kernel_compile: {test} wrote no rows (exit {done.returncode})")
         rows = json.loads(rows_file.read_text())
+    from gpudist.bench import environment
+
+    machine = environment()
     kernels = {}
-    for row in rows:
-        variant = row.get("variant", row["kernel"])
-        kernels[variant] = {"kernel": row["kernel"], "ok": row["ok"], **row.get("sass", {"error": row.get("error")})}
+    for row in rows:  # a variant may launch several kernels, and one kernel in several specializations
+        key = name = f"{row.get('variant', row['kernel'])}: {row['kernel']}"
+        while key in kernels:
+            key = f"{name} #{sum(k.startswith(name) for k in kernels) + 1}"
+        kernels[key] = {"kernel": row["kernel"], "ok": row["ok"], **row.get("sass", {"error": row.get("error")})}
     results = json.loads(path.read_text()) if path.exists() else {}
     results.update(
         {
@@ -295,13 +299,17 @@ def write_results(path: Path) -> int:
             "moves per instruction (128 = LDG.E.128/STG.E.128), and occupancy estimated for an H100 SM from "
             "registers, warps and shared memory. Compilation only: no timings.",
             "command": COMMAND,
-            "machine": MACHINE,
             "python": platform.python_version(),
             "torch": torch.__version__,
         }
     )
+    results.pop("machine", None)  # (now per section: the sections may come from different machines)
     section = f"triton {triton.__version__} cuda:90"
-    results.setdefault("results", {})[section] = {"date": datetime.date.today().isoformat(), "kernels": kernels}
+    results.setdefault("results", {})[section] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{machine['cpu']}, {machine['cpu_count']} cores, no GPU",
+        "kernels": kernels,
+    }
     results["results"] = dict(sorted(results["results"].items()))
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"kernel_compile: wrote {len(kernels)} kernels under {section!r} in {path}")

@@ -326,7 +326,7 @@ REGISTER_CEILING = {
     "_quantize_1bit_kernel": 56,  # 20-42, 1-2 warps
     "_dequantize_int8_kernel": 32,  # 17, 2 warps
     "_dequantize_1bit_kernel": 32,  # 14-16, 2 warps
-    "_radix_histogram_kernel": 48,  # 30-32 on triton 3.9, 4 warps: the 256-bin local histogram, 2 per thread
+    "_radix_histogram_kernel": 48,  # 30-32 on triton 3.9 (3.6: below), 4 warps: the 256-bin histogram, 2 per thread
     "_radix_filter_kernel": 96,  # 71-80, 4 warps: block-wide int32 ranks of the candidates' slots
     "_radix_count_kernel": 40,  # 22-29, 4 warps
     "_radix_compact_kernel": 96,  # 75-80 on triton 3.9, 8 warps: block-wide int32 ranks plus int64 slots (38%)
@@ -335,6 +335,19 @@ REGISTER_CEILING = {
     "_radix_select_kernel": 48,  # 32
     "_scan_kernel": 112,  # 92
 }
+
+
+TRITON_36_CEILING = {"_radix_histogram_kernel": 64}
+"""Where triton 3.6 (the lent GPU machine's) needs more than :data:`REGISTER_CEILING`: its ``tl.histogram`` with
+a mask takes 52-63 registers in the radix histogram (50-56% occupancy on sm_90, measured 2026-11-29), 3.9's 30-32.
+The top-k timings on the H200 (docs/results.md#on-a-gpu) were taken with the 3.6 build."""
+
+
+def _register_ceiling(kernel: str) -> int:
+    import triton
+
+    old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+    return TRITON_36_CEILING.get(kernel, REGISTER_CEILING[kernel]) if old else REGISTER_CEILING[kernel]
 
 
 def _needs_wide_store(row: dict) -> bool:
@@ -424,9 +437,9 @@ def test_aligned_kernels_vectorize(monkeypatch, tmp_path):
             problems.append(f"{name}: local memory (spills): {sass['local_accesses']} LDL/STL, {sass['local_bytes']} B")
         if row["kernel"] == "_squared_norm_kernel" and not _hands_over_partials(sass["ordering"]):
             problems.append(f"{name}: no release/acquire around the ticket: {sass['ordering']}")
-        if sass["registers"] > REGISTER_CEILING[row["kernel"]]:
+        if sass["registers"] > _register_ceiling(row["kernel"]):
             problems.append(
-                f"{name}: {sass['registers']} registers > ceiling {REGISTER_CEILING[row['kernel']]} "
+                f"{name}: {sass['registers']} registers > ceiling {_register_ceiling(row['kernel'])} "
                 f"(occupancy {sass['occupancy']:.0%} on sm_90)"
             )
     assert not problems, "\n".join(problems)
