@@ -339,7 +339,7 @@ REGISTER_CEILING = {
 
 TRITON_36_CEILING = {"_radix_histogram_kernel": 64}
 """Where triton 3.6 (the lent GPU machine's) needs more than :data:`REGISTER_CEILING`: its ``tl.histogram`` with
-a mask takes 52-63 registers in the radix histogram (50-56% occupancy on sm_90, measured 2026-11-29), 3.9's 30-32.
+a mask takes 48-63 registers in the radix histogram (50-62% occupancy on sm_90, measured 2026-11-29), 3.9's 30-32.
 The top-k timings on the H200 (docs/results.md#on-a-gpu) were taken with the 3.6 build."""
 
 
