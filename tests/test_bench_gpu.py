@@ -449,3 +449,36 @@ def test_capture_rows_on_cpu():
     assert row["gpu_busy_share"] == dict.fromkeys(row["step_ms"]), row["gpu_busy_share"]  # profiled: no CUDA kernel
     doc = {"status": "ok", "seconds": 1.0, "world_size": 1, "rows": [row]}
     assert "gpudist_zero2_graphed" in GR._part_summary("capture", doc) and "host ms" in GR._part_table("capture", doc)
+
+
+def _clock_decisions(comm, elapsed: float, slowest: list[float]) -> list[bool]:
+    from gpudist.bench.gpu.common import PartClock
+
+    clock = PartClock(comm, limit=1.0, now=lambda: elapsed)
+    clock.start = 0.0
+    decisions = []
+    for s in slowest:
+        clock.slowest = s if comm.rank == 1 else 0.0  # only rank 1 has seen a slow item
+        decisions.append(clock.fits())
+    return decisions
+
+
+def test_part_clock_stops_items_that_would_not_fit_and_the_ranks_agree():
+    """Catches the capture part starting a workload its time limit cannot hold (the part would be stopped and lose
+    every row it had measured), or ranks deciding differently (one would wait for the other's collectives)."""
+    import gpudist
+    from gpudist.bench.gpu.common import PartClock
+    from gpudist.testing import run_ranks
+
+    t = [0.0]
+    clock = PartClock(gpudist.InMemoryCommunicationBackend(0, 1, group="clock"), limit=1.0, now=lambda: t[0])
+    assert clock.fits()  # nothing measured yet: the first item starts
+    t[0] = 0.3
+    clock.done()  # the first item took 0.3 s
+    t[0] = 0.4
+    assert clock.fits()  # 0.4 + 1.5 x 0.3 = 0.85 <= 0.9 (the limit less its reserve)
+    t[0] = 0.6
+    assert not clock.fits()  # 0.6 + 0.45 = 1.05
+    # at 0.3 s in, rank 0 has seen no slow item and rank 1 one of 0.3 s (0.75: fits), then of 0.5 s (1.05: not)
+    decided = run_ranks(_clock_decisions, 2, "inmemory", elapsed=0.3, slowest=[0.3, 0.5])
+    assert decided == [[True, False], [True, False]]

@@ -3,12 +3,15 @@ repository it runs from."""
 
 from __future__ import annotations
 
+import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ...comm import ReductionOperation
 from ..collectives import (
     BUS_FACTORS,
 )
@@ -163,6 +166,37 @@ def part_rows(settings: GPUSettings, part: str, body, world: int | None = None) 
 
     world = world or _world(settings)
     return spawn(on_nccl, world, body=body, settings=settings, timeout=settings.timeouts[part])[0]
+
+
+class PartClock:
+    """What is left of a part's time limit, for a part that runs item after item (workloads): an item starts only
+    when the slowest one so far, with a margin, still fits, so that a part near its limit returns the rows it has
+    instead of being stopped with none. The ranks agree (the largest estimate over the Gloo group decides)."""
+
+    MARGIN = 1.5
+    """The next item is assumed to take this many times the slowest one so far."""
+    RESERVE = 0.1
+    """Share of the limit kept for the part's start-up and the result's way back."""
+
+    def __init__(self, gloo, limit: float, now: Callable[[], float] = time.monotonic):
+        self.gloo, self.limit, self.now = gloo, limit, now
+        self.start = now()
+        self.slowest = 0.0
+        self._item_start = self.start
+
+    def fits(self) -> bool:
+        """Whether the next item may start (the ranks agree); starts timing it when so."""
+        now = self.now()
+        needed = torch.tensor([now - self.start + self.MARGIN * self.slowest], dtype=torch.float64)
+        self.gloo.all_reduce(needed, ReductionOperation.MAX)
+        if needed.item() > (1 - self.RESERVE) * self.limit:
+            return False
+        self._item_start = now
+        return True
+
+    def done(self) -> None:
+        """The item started by the last :meth:`fits` has ended."""
+        self.slowest = max(self.slowest, self.now() - self._item_start)
 
 
 def _cupy_nccl() -> None:

@@ -21,7 +21,7 @@ import torch
 from .. import peers
 from .. import workloads as W
 from ..collectives import interleaved_times
-from .common import GPUSettings, _error_text, _world, part_rows
+from .common import GPUSettings, PartClock, _error_text, _world, part_rows
 
 CAPTURE_WORKLOADS = ("gpt", "mlp", "gpt-host")
 """The workloads the part runs: host-bound ones (small kernels, many of them), where capture pays; ``gpt-host``
@@ -283,8 +283,11 @@ def _capture_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     import torch.distributed as dist
 
     group = dist.new_group(backend="nccl", device_id=nccl.device)
-    rows = []
+    rows, clock = [], PartClock(gloo, settings.timeouts["capture"])
     for workload in CAPTURE_WORKLOADS:
+        if not clock.fits():  # never run on a GPU yet: keep the rows measured rather than lose them all at the limit
+            rows.append({"workload": workload, "error": "skipped: the part's time limit would not hold it"})
+            continue
         try:
             rows.append(
                 capture_rows(
@@ -301,6 +304,7 @@ def _capture_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
             )
         except Exception as e:  # the next workload still runs
             rows.append({"workload": workload, "error": _error_text(e)})
+        clock.done()
     return rows
 
 
