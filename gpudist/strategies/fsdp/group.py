@@ -136,8 +136,6 @@ class ParamGroup:
         """Deferred mode: this backward's full gradient, reduce-scattered by :meth:`finalize_backward`."""
         self._empty = torch.empty(0, dtype=layout.dtype, device=layout.device)
         """What the modules' parameter attributes hold while resharded (made once: a reshard allocates nothing)."""
-        self._shapes = tuple(torch.empty(shape, dtype=layout.dtype, device="meta") for shape in layout.shapes)
-        """The parameters' shapes as storage-less tensors: the views of a gathered vector are cut in one call."""
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.layout.index}, unit={self.layout.unit!r}, {self.state.name})"
@@ -201,10 +199,9 @@ class ParamGroup:
         if layout.requires_grad and torch.is_grad_enabled():
             full = _Unshard.apply(self, self.shard)
             self.in_graph = True
-        # one C++ call for every parameter's view (the padding at the end is no parameter's): a third of the host
-        # time of a split and a view per parameter under autograd
-        views = torch._C._nn.unflatten_dense_tensors(full, self._shapes)
-        for view, owners in zip(views, layout.places, strict=True):
+        views = full[: layout.total].split(layout.numels)  # the padding at the end is no parameter's
+        for view, owners, shape in zip(views, layout.places, layout.shapes, strict=True):
+            view = view.view(shape)
             for mod, attr in owners:
                 mod.__dict__[attr] = view  # as in reshard
 
