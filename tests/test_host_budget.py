@@ -215,18 +215,31 @@ def test_a_steady_state_step_allocates_only_what_the_strategy_frees(strategy, se
 
 
 class _DeviceOps(TorchDispatchMode):
-    """Counts the ops gpudist's own code dispatches (attributed as :func:`_gpudist_caller` does): on a GPU each is a
-    kernel launch or a host-side tensor op, host microseconds apiece."""
+    """Counts the ops of a step: in ``counts`` those gpudist's own code dispatches (attributed as
+    :func:`_gpudist_caller` does: on a GPU each is a kernel launch or a host-side tensor op, host microseconds
+    apiece), in ``every`` all of them by name, autograd's backward included (it runs a CPU backward on this thread),
+    but the simulated wire's. Views are left out: they launch nothing."""
 
-    def __init__(self, counts: collections.Counter):
+    def __init__(self, counts: collections.Counter, every: collections.Counter):
         super().__init__()
-        self.counts = counts
+        self.counts, self.every = counts, every
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        where = _gpudist_caller(sys._getframe(1))
-        if where is not None and func not in _VIEWS:
-            self.counts[f"{where} {func}"] += 1
+        if func not in _VIEWS:
+            frame = sys._getframe(1)
+            where = _gpudist_caller(frame)
+            if where is not None:
+                self.counts[f"{where} {func}"] += 1
+            if not _in_transport(frame):
+                self.every[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _in_transport(frame) -> bool:
+    """Whether the op below ``frame`` is the in-memory transport's (the simulated wire: NCCL runs none)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename == _TRANSPORT
 
 
 _VIEWS = {
@@ -234,45 +247,68 @@ _VIEWS = {
     torch.ops.aten.slice.Tensor,
     torch.ops.aten.detach.default,
     torch.ops.aten.as_strided.default,  # (FSDP's saved parameters, each a view of its gathered unit)
+    torch.ops.aten.split_with_sizes.default,
 }
 """Metadata-only ops (no launch on a GPU)."""
 
 
 def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
-    """Device ops and Triton launches gpudist issues in a steady-state step (launches stubbed and shared) of
-    :func:`_warmed_up`'s model at ``width``."""
-    model, step = _warmed_up(comm, strategy, width)
-    ops: collections.Counter = collections.Counter()
+    """What a steady-state step of :func:`_warmed_up`'s model at ``width`` runs (launches stubbed and shared; the
+    plain module when ``strategy`` is None, unwrapped, with the same torch AdamW)."""
+    if strategy is None:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[_Block(width) for _ in range(6)])
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        x = torch.randn(4, 16)
+
+        def step() -> None:
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            step()
+        units = 0
+    else:
+        model, step = _warmed_up(comm, strategy, width)
+        units = len(model._collective.buckets) if strategy != "fsdp" else len(model._groups)
+    ops, every = collections.Counter(), collections.Counter()
     meet.wait()
     if comm.rank == 0:
         launches.clear()
     meet.wait()
-    with _DeviceOps(ops):
+    with _DeviceOps(ops, every):
         step()
     meet.wait()
-    units = len(model._collective.buckets) if strategy != "fsdp" else len(model._groups)
-    return sum(ops.values()), sum(launches.values()), units, ops
+    return ops, sum(launches.values()), units, every
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_a_steps_device_work_grows_with_buckets_not_parameters(strategy):
     """Catches device work per parameter coming back into a steady-state step on the GPU's path (every Triton launch
     forced and stubbed): a copy, scale or launch per gradient where one per bucket (or unit) does, which on a GPU
-    costs the host ~10-20 us apiece. Two models with the same buckets (DDP, ZeRO-1/2: three) or units (FSDP: six),
-    one with twice the parameters in each: gpudist's own ops and launches per step must be the same. Two ranks in
+    costs the host ~10-20 us apiece, and in autograd's backward too (FSDP's parameter views cut one by one made a
+    unit-sized zeroed gradient per parameter and summed them). Two models with the same buckets (DDP, ZeRO-1/2:
+    three) or units (FSDP: six), one with twice the parameters in each: gpudist's own ops and launches per step must
+    be the same, and no op of the whole step may grow by more than it grows in the plain module's. Two ranks in
     memory; rank 0's ops, both ranks' launches (the stubs are shared)."""
+    pytest.importorskip("triton", reason="the GPU's path is the Triton kernels' (stubbed here, but chosen)")
     from gpudist.bench.host_calls import triton_launches_stubbed
 
     counted = {}
     with triton_launches_stubbed() as launches:
-        for width in (1, 2):
+        for name, width in [(n, w) for n in (strategy, None) for w in (1, 2)]:
             meet = threading.Barrier(2, timeout=120)
-            counted[width] = run_ranks(_device_ops, 2, "inmemory", strategy=strategy, width=width, launches=launches,
-                                       meet=meet)[0]  # fmt: skip
-    (ops1, launched1, units1, detail1), (ops2, launched2, units2, detail2) = counted[1], counted[2]
+            counted[name, width] = run_ranks(_device_ops, 2, "inmemory", strategy=name, width=width,
+                                             launches=launches, meet=meet)[0]  # fmt: skip
+    (ops1, launched1, units1, every1), (ops2, launched2, units2, every2) = counted[strategy, 1], counted[strategy, 2]
     assert units1 == units2, f"{strategy}: {units1} and {units2} buckets or units: the test's models are off"
-    assert ops1 > 0 or strategy == "ddp", f"{strategy}: no op counted: the counter sees nothing"
+    assert ops1 or strategy == "ddp", f"{strategy}: no op counted: the counter sees nothing"
     assert (ops2, launched2) == (ops1, launched1), (
-        f"{strategy}: twice the parameters in {units1} buckets or units: {ops1} -> {ops2} ops and {launched1} -> "
-        f"{launched2} launches per step: {detail2 - detail1}"
+        f"{strategy}: twice the parameters in {units1} buckets or units: {sum(ops1.values())} -> "
+        f"{sum(ops2.values())} ops and {launched1} -> {launched2} launches per step: {ops2 - ops1}"
     )
+    plain_growth = counted[None, 2][3] - counted[None, 1][3]
+    assert sum(plain_growth.values()) > 0, "the plain module's ops did not grow with its parameters: nothing counted"
+    grown = (every2 - every1) - plain_growth
+    assert not grown, f"{strategy}: ops of the step that grow with the parameters beyond the plain module's: {grown}"
