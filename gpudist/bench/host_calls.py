@@ -12,12 +12,14 @@ import collections
 import contextlib
 import importlib
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import kernels as K
+from ..kernels._triton import HAS_TRITON
 
 __all__ = ["adam_variants", "cuda_call_rows", "interleaved", "pack_variants", "per_call_us", "triton_launches_stubbed"]
 
@@ -68,7 +70,7 @@ def pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callable
     plan = K.PackPlan(tensors, out)
     rows[f"pack_{n}_plan"] = lambda: per_call_us(lambda: plan.pack(0.5), calls)
     rows[f"unpack_{n}_plan"] = lambda: per_call_us(lambda: plan.unpack(0.5), calls)
-    if device == "cpu":
+    if device == "cpu" and HAS_TRITON:  # (the GPU's path, its launch stubbed)
         with triton_launches_stubbed():
             planned = K.PackPlan(tensors, out)  # the GPU's path: its tables built, its launch a no-op
         rows[f"pack_{n}_plan_launch_stubbed"] = _stubbed(lambda: per_call_us(lambda: planned.pack(0.5), calls))
@@ -80,14 +82,15 @@ class _NullKernel:
     """A Triton kernel whose launch returns at once (``kernel[grid](*args, **kwargs)`` does nothing), counting its
     launches by name."""
 
-    def __init__(self, name: str, launches: collections.Counter):
-        self.name, self.launches = name, launches
+    def __init__(self, name: str, launches: collections.Counter, lock: threading.Lock):
+        self.name, self.launches, self.lock = name, launches, lock
 
     def __getitem__(self, grid):
         return self._launch
 
     def _launch(self, *args, **kwargs) -> None:
-        self.launches[self.name] += 1
+        with self.lock:  # (rank threads launch at once: a Counter's += is not atomic)
+            self.launches[self.name] += 1
 
 
 _KERNEL_MODULES = ("bucket", "norm", "optim", "optim_plan", "quantize", "topk")
@@ -99,10 +102,17 @@ def triton_launches_stubbed() -> Iterator[collections.Counter]:
     """Every gpudist Triton kernel's launch made a no-op and the Triton path chosen for any tensor (CPU ones too):
     what remains of a plan's call, or of a whole step, is gpudist's own host work on the GPU's path, without Triton's
     launcher (measured on the GPU itself by ``gpudist bench gpu``: ~20 us per launch on the H200's host). Yields the
-    launches made, by kernel name."""
+    launches made, by kernel name.
+
+    Raises:
+        RuntimeError: Without Triton (there is no Triton path to take).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("the GPU's path is the Triton kernels': install triton (Linux x86_64) to stub its launches")
     from triton.runtime.jit import KernelInterface
 
     launches: collections.Counter = collections.Counter()
+    lock = threading.Lock()
     modules = [K, *(importlib.import_module(f"{K.__name__}.{m}") for m in _KERNEL_MODULES)]
     saved = [
         (module, name, obj)
@@ -111,7 +121,7 @@ def triton_launches_stubbed() -> Iterator[collections.Counter]:
         if isinstance(obj, KernelInterface) or name == "use_triton"
     ]
     for module, name, _ in saved:
-        setattr(module, name, _always if name == "use_triton" else _NullKernel(name, launches))
+        setattr(module, name, _always if name == "use_triton" else _NullKernel(name, launches, lock))
     try:
         yield launches
     finally:
@@ -154,7 +164,7 @@ def adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], flo
     plan = K.AdamStep(p, g, m, v)
     hyper = {"step": 1, "lr": 1e-3, "weight_decay": 0.01, "decoupled_weight_decay": True}
     rows["adam_step_plan"] = lambda: per_call_us(lambda: plan(g, **hyper), calls)
-    if device == "cpu":
+    if device == "cpu" and HAS_TRITON:  # (the GPU's path, its launch stubbed)
         with triton_launches_stubbed():
             planned = K.AdamStep(p, g, m, v)
         total = torch.ones(1, dtype=torch.float64)  # ZeRO's call: skip and clip from the global squared norm
