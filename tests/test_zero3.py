@@ -411,8 +411,8 @@ def test_min_unit_numel_merges_small_units_and_trains_the_same():
             assert units == [""] and len(totals) == 1, (stage, units)
             continue
         # TinyLM's modules under 300 elements: the position embedding, the LayerNorms, each block's proj, and the
-        # head (its weight is the token embedding's, counted there)
-        small = {"pos", "ln_f", "head"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("ln1", "ln2", "proj")}
+        # token embedding and head, which gather nothing (their tied weight is the root's, as group_layouts places it)
+        small = {"tok", "pos", "ln_f", "head"} | {f"blocks.{i}.{m}" for i in (0, 1) for m in ("ln1", "ln2", "proj")}
         assert set(kept_all) - set(units) == small and set(units) <= set(kept_all), units
         assert all(t >= threshold for t in totals[1:]), (units, totals)  # every unit's group but the root's
     with pytest.raises(ValueError, match="min_unit_numel=-1 must be an int >= 0"):
@@ -438,3 +438,15 @@ def test_merge_small_units_goes_innermost_first_into_the_enclosing_unit():
     assert merge_small_units(units, net, 12) == ["0.lin"]  # "0" holds 11 with "0.ln": into the root too
     assert merge_small_units(units, net, 21) == ["0"]  # all three in "0": 31
     assert merge_small_units(units, net, 32) == []
+
+
+def test_traffic_settings_name_the_units_after_wrapping():
+    """Catches the units recomputed from the wrapped module after its parameters moved into the shards: every module
+    then holds nothing, and the default pick (modules holding parameters) or a ``min_unit_numel`` merge found none."""
+    comm = gpudist.InMemoryCommunicationBackend(0, 1, group="zero3-traffic")
+    for model in (
+        ZeRO3Model(tiny_lm(), ShardingConfiguration(comm)),
+        FSDPModel(tiny_lm(), ShardingConfiguration(comm), min_unit_numel=300),
+    ):
+        assert model.traffic_settings()["units"] == [u for u in model.units() if u], type(model).__name__
+        assert len(model.units()) > 1

@@ -49,19 +49,36 @@ def _depth(name: str) -> int:
     return name.count(".") + bool(name)
 
 
-def _unit_numels(module: nn.Module, units: list[str]) -> dict[str, int]:
-    """Elements each unit gathers: the parameters of its subtree that no deeper unit holds (each parameter once)."""
+def _placement(module: nn.Module, units: list[str]) -> tuple[dict, dict, dict]:
+    """Per parameter (by id): the ``(module, attribute)`` pairs that hold it, the names it is known by, and the unit
+    that gathers it: the innermost of ``units`` holding all its places, or the root (``""``) for a parameter shared by
+    several units (tied weights)."""
     modules = dict(module.named_modules())
     unit_of: dict[int, str] = {}
-    for name in sorted(units, key=_depth):  # outer units first, inner ones override (as group_layouts)
+    for name in sorted(["", *units], key=_depth):  # outer units first, inner ones override
         for sub in modules[name].modules():
             unit_of[id(sub)] = name
-    numels, seen = dict.fromkeys(units, 0), set()
-    for mod in module.modules():
-        for p in mod.parameters(recurse=False):
-            if id(p) not in seen and id(mod) in unit_of:
-                seen.add(id(p))
-                numels[unit_of[id(mod)]] += p.numel()
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    names: dict[int, list[str]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None and (mod, attr) not in places.setdefault(id(p), []):
+                places[id(p)].append((mod, attr))
+                names.setdefault(id(p), []).append(f"{mod_name}.{attr}" if mod_name else attr)
+    owner = {}
+    for key, held in places.items():
+        owners = {unit_of[id(m)] for m, _ in held}
+        owner[key] = owners.pop() if len(owners) == 1 else ""
+    return places, names, owner
+
+
+def _unit_numels(module: nn.Module, units: list[str]) -> dict[str, int]:
+    """Elements each unit gathers, as :func:`group_layouts` will place the parameters."""
+    numels = dict.fromkeys(units, 0)
+    _, _, owner = _placement(module, units)
+    for p in module.parameters():
+        if owner[id(p)] in numels:
+            numels[owner[id(p)]] += p.numel()
     return numels
 
 
@@ -136,23 +153,11 @@ def group_layouts(
         ``(layout, shard)`` per group; per parameter of ``module.parameters()`` its ``(group index, position in the
         group)``; and per parameter its first name.
     """
-    modules = dict(module.named_modules())
-    unit_of: dict[int, str] = {}
-    for name in sorted(units, key=_depth):  # outer units first, inner ones override
-        for sub in modules[name].modules():
-            unit_of[id(sub)] = name
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    names: dict[int, list[str]] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for attr, p in mod._parameters.items():
-            if p is not None and (mod, attr) not in places.setdefault(id(p), []):
-                places[id(p)].append((mod, attr))
-                names.setdefault(id(p), []).append(f"{mod_name}.{attr}" if mod_name else attr)
+    places, names, owner = _placement(module, [u for u in units if u])
     keyed: dict[tuple, list[nn.Parameter]] = {}
     params = list(module.parameters())
     for p in params:
-        owners = {unit_of[id(m)] for m, _ in places[id(p)]}
-        unit = owners.pop() if len(owners) == 1 else ""  # shared across units: the root gathers it
+        unit = owner[id(p)]  # shared across units: the root gathers it
         keyed.setdefault((units.index(unit), unit, p.dtype, str(p.device), p.requires_grad), []).append(p)
     groups: list[tuple[GroupLayout, nn.Parameter]] = []
     slot: dict[int, tuple[int, int]] = {}

@@ -116,6 +116,9 @@ class ZeRO3Model(ShardedModel):
             )
         self._unit_spec = units
         self._min_unit_numel = min_unit_numel
+        self._picked: list[str] | None = None
+        """The units picked (``units``, then ``min_unit_numel``), fixed the first time they are asked for, before
+        wrapping moves the parameters out of the modules (a pick after it would see modules holding nothing)."""
         backend = getattr(config, "backend", None)
         for name, group, example in (
             ("replicate_group", replicate_group, "topology.inter"),
@@ -175,8 +178,10 @@ class ZeRO3Model(ShardedModel):
     # -- construction ---------------------------------------------------------------------------------------------
 
     def _unit_names(self) -> list[str]:
-        names = unit_names(self._unit_spec, self.module, type(self).__name__)
-        return merge_small_units(names, self.module, self._min_unit_numel)
+        if self._picked is None:
+            names = unit_names(self._unit_spec, self.module, type(self).__name__)
+            self._picked = merge_small_units(names, self.module, self._min_unit_numel)
+        return list(self._picked)
 
     def traffic_settings(self) -> dict[str, Any]:
         """The base settings, plus the units (each is gathered and reduce-scattered as one collective)."""
