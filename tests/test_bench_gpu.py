@@ -479,6 +479,8 @@ def test_part_clock_stops_items_that_would_not_fit_and_the_ranks_agree():
     assert clock.fits()  # 0.4 + 1.5 x 0.3 = 0.85 <= 0.9 (the limit less its reserve)
     t[0] = 0.6
     assert not clock.fits()  # 0.6 + 0.45 = 1.05
+    late = PartClock(gpudist.InMemoryCommunicationBackend(0, 1, group="clock2"), 1.0, now=lambda: 0.0, started=-0.95)
+    assert not late.fits()  # the part's processes took 0.95 s to start: its limit counts from then
     # at 0.3 s in, rank 0 has seen no slow item and rank 1 one of 0.3 s (0.75: fits), then of 0.5 s (1.05: not)
     decided = run_ranks(_clock_decisions, 2, "inmemory", elapsed=0.3, slowest=[0.3, 0.5])
     assert decided == [[True, False], [True, False]]

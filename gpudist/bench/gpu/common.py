@@ -131,6 +131,9 @@ class GPUSettings:
     16 s; each limit leaves room for Triton's first compiles). The strategies part has had the 185M GPT under bf16
     autocast since (six variants of 185M parameters, each with its Adam state: about 25 GB; its time on a GPU is not
     measured yet, hence the wider limit)."""
+    part_started: float | None = None
+    """``time.monotonic()`` when the running part's process was started (its time limit counts from there; the
+    clock is the machine's, the same in every process); None outside a part."""
     repo: str | None = None
     """The repository root (holding ``tests/`` and ``benchmarks/``), where the test parts and the gate run pytest;
     None: found from the working directory."""
@@ -178,9 +181,10 @@ class PartClock:
     RESERVE = 0.1
     """Share of the limit kept for the part's start-up and the result's way back."""
 
-    def __init__(self, gloo, limit: float, now: Callable[[], float] = time.monotonic):
+    def __init__(self, gloo, limit: float, now: Callable[[], float] = time.monotonic, started: float | None = None):
         self.gloo, self.limit, self.now = gloo, limit, now
-        self.start = now()
+        self.start = now() if started is None else started
+        """When the limit started counting (the part's start: its processes and NCCL set up before its first item)."""
         self.slowest = 0.0
         self._item_start = self.start
 

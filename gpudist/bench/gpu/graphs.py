@@ -283,7 +283,7 @@ def _capture_body(gloo, nccl, settings: GPUSettings) -> list[dict]:
     import torch.distributed as dist
 
     group = dist.new_group(backend="nccl", device_id=nccl.device)
-    rows, clock = [], PartClock(gloo, settings.timeouts["capture"])
+    rows, clock = [], PartClock(gloo, settings.timeouts["capture"], started=settings.part_started)
     for workload in CAPTURE_WORKLOADS:
         if not clock.fits():  # never run on a GPU yet: keep the rows measured rather than lose them all at the limit
             rows.append({"workload": workload, "error": "skipped: the part's time limit would not hold it"})

@@ -156,7 +156,9 @@ def run_parts(
         else:
             print(f"# --- {name} (at most {limit:.0f}s) ---", flush=True)
             # The part's own work stops PART_RESERVE seconds before its process is killed, so it can still report.
-            inner = dataclasses.replace(settings, timeouts={**settings.timeouts, name: limit - PART_RESERVE})
+            inner = dataclasses.replace(
+                settings, timeouts={**settings.timeouts, name: limit - PART_RESERVE}, part_started=time.monotonic()
+            )
             if isolate:
                 status, value = _isolated(parts[name], inner, limit, name)
             else:
