@@ -72,17 +72,20 @@ class _Block(nn.Module):
         return self.layers(x)
 
 
-def _warmed_up(comm, strategy: str, width: int = 1):
+def _warmed_up(comm, strategy: str | None, width: int = 1):
     """``strategy``'s model and optimizer on six blocks of ``width`` Linear(16, 16), in three buckets whatever the
     width (DDP, ZeRO: ~2 KB each at width 1) or a unit per block (FSDP), and a training step, taken three times (the
-    warm-up: plans and buffers made)."""
+    warm-up: plans and buffers made). ``strategy`` None: the plain module with the same torch AdamW."""
     torch.manual_seed(0)
     net = nn.Sequential(*[_Block(width) for _ in range(6)])
-    cap = 0.002 * width
-    config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=cap, first_bucket_mb=cap)
-    model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
-    model = model_cls(net, config, **({"auto_wrap_policy": {_Block}} if strategy == "fsdp" else {}))
-    opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    if strategy is None:
+        model, opt = net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+    else:
+        cap = 0.002 * width
+        config = gpudist.ShardingConfiguration(comm, bucket_cap_mb=cap, first_bucket_mb=cap)
+        model_cls, opt_cls = DATA_PARALLEL_PAIRS[strategy]
+        model = model_cls(net, config, **({"auto_wrap_policy": {_Block}} if strategy == "fsdp" else {}))
+        opt = opt_cls(torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     x = torch.randn(4, 16)
 
     def step() -> None:
@@ -255,23 +258,10 @@ _VIEWS = {
 def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
     """What a steady-state step of :func:`_warmed_up`'s model at ``width`` runs (launches stubbed and shared; the
     plain module when ``strategy`` is None, unwrapped, with the same torch AdamW)."""
-    if strategy is None:
-        torch.manual_seed(0)
-        net = nn.Sequential(*[_Block(width) for _ in range(6)])
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        x = torch.randn(4, 16)
-
-        def step() -> None:
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
-        for _ in range(3):
-            step()
-        units = 0
-    else:
-        model, step = _warmed_up(comm, strategy, width)
-        units = len(model._collective.buckets) if strategy != "fsdp" else len(model._groups)
+    model, step = _warmed_up(comm, strategy, width)
+    units = {None: lambda: 0, "fsdp": lambda: len(model._groups)}.get(
+        strategy, lambda: len(model._collective.buckets)
+    )()
     ops, every = collections.Counter(), collections.Counter()
     meet.wait()
     if comm.rank == 0:
