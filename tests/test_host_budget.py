@@ -255,13 +255,18 @@ _VIEWS = {
 """Metadata-only ops (no launch on a GPU)."""
 
 
-def _device_ops(comm, strategy: str, width: int, launches: collections.Counter, meet: threading.Barrier) -> tuple:
+def _device_ops(
+    comm, strategy: str | None, width: int, launches: collections.Counter, meet: threading.Barrier
+) -> tuple:
     """What a steady-state step of :func:`_warmed_up`'s model at ``width`` runs (launches stubbed and shared; the
     plain module when ``strategy`` is None, unwrapped, with the same torch AdamW)."""
     model, step = _warmed_up(comm, strategy, width)
-    units = {None: lambda: 0, "fsdp": lambda: len(model._groups)}.get(
-        strategy, lambda: len(model._collective.buckets)
-    )()
+    if strategy is None:
+        units = 0
+    elif strategy == "fsdp":
+        units = len(model._groups)
+    else:
+        units = len(model._collective.buckets)
     ops, every = collections.Counter(), collections.Counter()
     meet.wait()
     if comm.rank == 0:
