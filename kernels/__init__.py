@@ -7,6 +7,7 @@ otherwise; ``GPUDIST_KERNELS=triton|torch`` forces either (see :mod:`gpudist.ker
 Knows nothing of communication or ``nn.Module``s.
 """
 
+from ._triton import HAS_TRITON
 from .bucket import PackPlan, pack, unpack
 from .dispatch import implementation, use_triton
 from .layout import FlatLayout
@@ -25,6 +26,7 @@ from .quantize import (
 from .topk import TopKResult, topk_compress, topk_recall
 
 __all__ = [
+    "HAS_TRITON",
     "AdamSegments",
     "AdamStep",
     "DeviceStep",

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import kernels as K
-from ..kernels._triton import HAS_TRITON
 
 __all__ = ["adam_variants", "cuda_call_rows", "interleaved", "pack_variants", "per_call_us", "triton_launches_stubbed"]
 
@@ -70,7 +69,7 @@ def pack_variants(n: int, calls: int, device: str = "cpu") -> dict[str, Callable
     plan = K.PackPlan(tensors, out)
     rows[f"pack_{n}_plan"] = lambda: per_call_us(lambda: plan.pack(0.5), calls)
     rows[f"unpack_{n}_plan"] = lambda: per_call_us(lambda: plan.unpack(0.5), calls)
-    if device == "cpu" and HAS_TRITON:  # (the GPU's path, its launch stubbed)
+    if device == "cpu" and K.HAS_TRITON:  # (the GPU's path, its launch stubbed)
         with triton_launches_stubbed():
             planned = K.PackPlan(tensors, out)  # the GPU's path: its tables built, its launch a no-op
         rows[f"pack_{n}_plan_launch_stubbed"] = _stubbed(lambda: per_call_us(lambda: planned.pack(0.5), calls))
@@ -107,7 +106,7 @@ def triton_launches_stubbed() -> Iterator[collections.Counter]:
     Raises:
         RuntimeError: Without Triton (there is no Triton path to take).
     """
-    if not HAS_TRITON:
+    if not K.HAS_TRITON:
         raise RuntimeError("the GPU's path is the Triton kernels': install triton (Linux x86_64) to stub its launches")
     from triton.runtime.jit import KernelInterface
 
@@ -164,7 +163,7 @@ def adam_variants(calls: int, device: str = "cpu") -> dict[str, Callable[[], flo
     plan = K.AdamStep(p, g, m, v)
     hyper = {"step": 1, "lr": 1e-3, "weight_decay": 0.01, "decoupled_weight_decay": True}
     rows["adam_step_plan"] = lambda: per_call_us(lambda: plan(g, **hyper), calls)
-    if device == "cpu" and HAS_TRITON:  # (the GPU's path, its launch stubbed)
+    if device == "cpu" and K.HAS_TRITON:  # (the GPU's path, its launch stubbed)
         with triton_launches_stubbed():
             planned = K.AdamStep(p, g, m, v)
         total = torch.ones(1, dtype=torch.float64)  # ZeRO's call: skip and clip from the global squared norm
