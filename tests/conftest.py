@@ -70,8 +70,34 @@ def serial_interpreter(monkeypatch):
     monkeypatch.setenv("GPUDIST_KERNELS", "triton")
 
 
+SLOW_CASES = {
+    # Repeated cases, in the slow tier to keep the default one under 10 minutes on 2 cores: each op, strategy or
+    # error path below is tested on the other backends (or parameters) in the default tier; these twins start an
+    # mpirun (or 4 Gloo processes) each, 4-7 s apiece.
+    "tests/test_comm_ops.py::test_stats_count_payload_bytes[mpi]",
+    "tests/test_comm_ops.py::test_reduce_scatter_in_place_and_on_scratch_input[mpi]",
+    "tests/test_comm_ops.py::test_planned_reduce_scatter_all_gather_and_broadcast_are_their_ops[mpi]",
+    "tests/test_comm_ops.py::test_a_planned_all_reduce_is_the_all_reduce_without_per_call_checks[mpi]",
+    "tests/test_comm_ops.py::test_coalesced_plans_are_their_ops_issued_together[mpi]",
+    "tests/test_comm_ops.py::test_op_matches_numpy[all_reduce_SUM-mpi-2-float32]",
+    "tests/test_comm_ops.py::test_op_matches_numpy[all_reduce_SUM-gloo-4-float32]",
+    "tests/test_comm_failures.py::test_mismatch_raises_on_every_rank[mpi-shape]",
+    "tests/test_comm_failures.py::test_bad_input_is_rejected_before_sending[mpi]",
+    "tests/test_comm_failures.py::test_send_recv_mismatch_raises_on_both_sides[mpi]",
+    "tests/test_ddp.py::test_ddp_matches_single_process[adam-mpi-2]",
+    "tests/test_ddp.py::test_ddp_matches_single_process[sgd-mpi-2]",
+    "tests/test_zero.py::test_zero_step_on_the_triton_kernels_clips_and_skips_inside_the_step[fsdp]",
+}
+"""Test ids marked ``slow`` at collection (parametrized twins that cannot be marked where they are declared)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # (before the marker selection sees the items)
 def pytest_collection_modifyitems(config, items):
-    """The ``gpu`` marker means 'needs CUDA': skip those items with a reason when there is none."""
+    """Mark :data:`SLOW_CASES` slow; the ``gpu`` marker means 'needs CUDA': skip those items with a reason when there
+    is none."""
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
     if CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA (GPU tier); none on this machine")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 
+@pytest.mark.slow  # (11 s: every strategy and torch peer built and stepped; CI's slow tier runs it)
 def test_steps_section_counts_each_strategys_launches_and_collectives(tmp_path):
     """Catches the section timing a strategy off the GPU's path (its Triton kernels not forced: no launch counted
     where ZeRO's step launches its norm and update), collectives that escape the counting communicator, or a

@@ -180,6 +180,7 @@ def _launched_kernels() -> set[str]:
     return {m for f in root.glob("*.py") for m in re.findall(r"(\w+_kernel)\[", f.read_text())}
 
 
+@pytest.mark.slow  # (12 s of ptxas: in CI's slow tier, with the SASS checks)
 def test_every_kernel_compiles_for_hopper_and_ampere(monkeypatch, tmp_path):
     """Catches kernels that pass in the interpreter and fail in Triton's compiler (see the module docstring):
     each distinct launch signature the public ops make must compile to a cubin for sm_90 and sm_80."""
