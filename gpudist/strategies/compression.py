@@ -464,11 +464,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         ``residual.worker.<node>`` of an element is written by the rank of that node whose piece holds it, and
         every element has one worker residual per node, as it has one per rank in the flat case.
 
-        Args:
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
-            rank: This rank in the checkpoint's group.
-            world: The size of that group.
+        Args: as :meth:`ShardedOptimizer.checkpoint_pieces`.
 
         Returns:
             ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`; the description
@@ -509,11 +505,7 @@ class GradientCompressionOptimizer(ShardedOptimizer):
         worker residual back; at another world size every rank takes the mean of the saved ones, which keeps the
         pending update ``mean_r(worker_r)`` unchanged. Server residuals are one tensor, resharded like parameters.
 
-        Args:
-            body: The checkpoint's verified manifest.
-            reader: Reads canonical ranges from the checkpoint's files.
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+        Args: as :meth:`ShardedOptimizer.stage_checkpoint`.
 
         Returns:
             A function that installs the wrapped optimizer's state, the residuals and the step count.

@@ -52,11 +52,7 @@ class FlatCheckpoint:
         """The owned state (and fp32 master of low-precision parameters) as canonical pieces; each rank writes the
         part of its owned ranges that ``share`` gives it.
 
-        Args:
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            share: The model's :meth:`~gpudist.ShardedModel.checkpoint_share`.
-            rank: This rank in the checkpoint's group.
-            world: The size of that group.
+        Args: as :meth:`ShardedOptimizer.checkpoint_pieces`.
 
         Returns:
             ``(pieces, scalars, description)``, as :meth:`ShardedOptimizer.checkpoint_pieces`.
@@ -95,11 +91,7 @@ class FlatCheckpoint:
     def stage_checkpoint(self, body: dict, reader: Reader, segmap: dict[int, Segments], apply: list):
         """Read the state of the owned ranges (from whichever ranks' files hold it: any world size, any strategy).
 
-        Args:
-            body: The checkpoint's verified manifest.
-            reader: Reads canonical ranges from the checkpoint's files.
-            segmap: ``id(parameter)`` -> the canonical pieces the model holds in it.
-            apply: ``(destination, values)`` copies to make once every rank has read successfully; appended to.
+        Args: as :meth:`ShardedOptimizer.stage_checkpoint`.
 
         Returns:
             A function that installs the rest (steps, hyper-parameters, the wrapped optimizer's state).
